@@ -1,0 +1,46 @@
+# Thin wrappers. `make demo` and `make test` work on a fresh machine (they set up first).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEBS := dataset-fashion-mnist chromium chromium-driver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps postgres demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+# Re-installs only when pyproject.toml changes; pip's cache keeps the large torch wheels.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev,postgres]'
+	touch $@
+
+system-deps:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $$missing; \
+	fi
+
+postgres:
+	@pg_isready -q -h 127.0.0.1 -p 5432 || { \
+	  $(SUDO) pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql) main start; \
+	  for i in $$(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done; }
+
+demo: setup system-deps
+	$(BIN)/imgret demo
+
+# pytest exits 5 when it collects no test; make treats that as a failure, as CI must.
+test: setup system-deps postgres
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python benchmarks/metrics_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,156 @@
+"""The model and its checkpoint: ModelSpec + EmbeddingNet, saved so that it rebuilds itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from imgret.backbones import build_backbone
+from imgret.errors import CheckpointError
+
+CHECKPOINT_FILE = "model.pt"
+FORMAT = "imgret-checkpoint-v1"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to rebuild the network and preprocess its input.
+
+    Attributes:
+        backbone: a key of ``imgret.backbones.BACKBONES``.
+        dim: embedding size (output of the projection head).
+        image_size: square input side in pixels.
+        mean, std: per-channel normalisation of the input (RGB, 0..1 scale).
+        grayscale: inputs are greyscale images replicated to 3 channels (Fashion-MNIST).
+    """
+
+    backbone: str = "resnet18"
+    dim: int = 128
+    image_size: int = 224
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    grayscale: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise CheckpointError(f"unknown model config keys {sorted(unknown)}")
+        data = dict(data)
+        for key in ("mean", "std"):
+            if key in data:
+                data[key] = tuple(float(v) for v in data[key])
+        return cls(**data)
+
+
+class EmbeddingNet(nn.Module):
+    """Backbone trunk + linear projection head + L2 normalisation.
+
+    ``forward((n, 3, H, W) float) -> (n, dim)`` unit-norm embeddings.
+    """
+
+    def __init__(self, spec: ModelSpec, backbone_weights: str | Path | None = None):
+        super().__init__()
+        self.spec = spec
+        self.trunk, features = build_backbone(
+            spec.backbone, image_size=spec.image_size, weights=backbone_weights
+        )
+        self.head = nn.Linear(features, spec.dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.head(self.trunk(images)).float(), dim=1)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the model (eval mode, CPU), its spec and version, and the rest."""
+
+    model: EmbeddingNet
+    spec: ModelSpec
+    model_version: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
+    """A content hash of the weights and config: same weights + config, same version."""
+    digest = hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16
+            tensor = tensor.float()
+        digest.update(tensor.numpy().tobytes())
+    return f"{spec.backbone}-d{spec.dim}-{digest.hexdigest()[:12]}"
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """Accept a run directory or its model.pt (the contract's ``--model`` rule)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: no checkpoint here; pass a run directory from `imgret train` or its model.pt"
+        )
+    return path
+
+
+def save_checkpoint(
+    path: str | Path, model: EmbeddingNet, extra: dict[str, Any] | None = None
+) -> str:
+    """Write ``model.pt`` atomically (temp file + rename) and return the model version.
+
+    Args:
+        path: the file, or a directory to write ``model.pt`` into.
+        model: the network; its ``spec`` is saved beside the weights.
+        extra: anything else worth keeping (training config, metrics, split); must be
+            JSON-like (dicts, lists, str, numbers) so that loading stays ``weights_only``.
+    """
+    path = Path(path)
+    if path.is_dir() or path.suffix != ".pt":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / CHECKPOINT_FILE
+    version = model_version_of(model, model.spec)
+    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    payload = {
+        "format": FORMAT,
+        "spec": model.spec.to_dict(),
+        "model_version": version,
+        "state_dict": state,
+        "extra": extra or {},
+    }
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+    return version
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Rebuild the model from ``model.pt`` (or its run directory) on the CPU, in eval mode."""
+    path = resolve_checkpoint_path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a bad file
+        raise CheckpointError(f"{path}: cannot read checkpoint ({exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an imgret checkpoint (expected {FORMAT})")
+    spec = ModelSpec.from_dict(payload["spec"])
+    model = EmbeddingNet(spec)
+    try:
+        model.load_state_dict(payload["state_dict"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: weights do not match the config ({exc})") from None
+    model.eval()
+    return Checkpoint(model, spec, payload["model_version"], payload.get("extra", {}))

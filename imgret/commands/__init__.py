@@ -1,0 +1,1 @@
+"""CLI commands, one module per area; each exposes ``register(app, *, db_app, index_app)``."""

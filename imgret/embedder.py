@@ -1,0 +1,99 @@
+"""The Embedder: the one path from images to vectors (training validation, ingest, search)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, model_version_of
+from imgret.settings import resolve_device
+from imgret.transforms import eval_transform
+
+logger = logging.getLogger(__name__)
+
+
+class Embedder:
+    """Turns PIL images into L2-normalised float32 vectors with one model.
+
+    On CUDA the model runs channels_last under bf16 autocast; everywhere under
+    ``torch.inference_mode``. The model's train/eval mode is restored after each call, so a
+    training loop can validate through ``Embedder.from_model`` without side effects.
+    """
+
+    def __init__(
+        self, model: EmbeddingNet, spec: ModelSpec, *, device: str = "auto",
+        model_version: str | None = None, batch_size: int = 64,
+    ):
+        self.device = resolve_device(device)
+        self.spec = spec
+        self.model = model.to(self.device)
+        if self.device == "cuda":
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.model_version = model_version or model_version_of(model, spec)
+        self.batch_size = batch_size
+        self.transform = eval_transform(spec)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, *, device: str = "auto", **kwargs) -> Embedder:
+        """Load ``model.pt`` (or its run directory) and wrap it."""
+        ckpt = load_checkpoint(path)
+        return cls(ckpt.model, ckpt.spec, device=device, model_version=ckpt.model_version, **kwargs)
+
+    @classmethod
+    def from_model(cls, model: EmbeddingNet, spec: ModelSpec | None = None, **kwargs) -> Embedder:
+        """Wrap a live model (training validation); the device defaults to the model's."""
+        kwargs.setdefault("device", next(model.parameters()).device.type)
+        return cls(model, spec or model.spec, **kwargs)
+
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
+
+    def preprocess(self, images: Sequence[Image.Image]) -> torch.Tensor:
+        """``(n, 3, S, S)`` float32 CPU tensor, the model's input."""
+        return torch.stack([self.transform(image) for image in images])
+
+    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """Embed RGB images.
+
+        Args:
+            images: decoded images (see ``imgret.images.decode_image``).
+
+        Returns:
+            ``(n, dim)`` float32, each row of unit L2 norm.
+        """
+        if len(images) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.embed_tensors(self.preprocess(images))
+
+    def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
+        """Embed already preprocessed ``(n, 3, S, S)`` tensors (datasets that load tensors)."""
+        out = []
+        with self._inference():
+            for start in range(0, len(batch), self.batch_size):
+                chunk = batch[start : start + self.batch_size].to(self.device, non_blocking=True)
+                if self.device == "cuda":
+                    chunk = chunk.contiguous(memory_format=torch.channels_last)
+                out.append(self.model(chunk).float().cpu())
+        return torch.cat(out).numpy().astype(np.float32, copy=False)
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device == "cuda"
+            else contextlib.nullcontext()
+        )
+        try:
+            with torch.inference_mode(), autocast:
+                yield
+        finally:
+            self.model.train(was_training)

@@ -1,0 +1,29 @@
+"""Domain exceptions: raised by the core, mapped to 4xx in service/errors.py and to CLI messages."""
+
+
+class ImgretError(Exception):
+    """Base class of every error imgret raises on purpose."""
+
+
+class ImageDecodeError(ImgretError, ValueError):
+    """The bytes are not an image we can decode (empty, truncated, corrupt, not an image)."""
+
+
+class ImageTooLarge(ImageDecodeError):
+    """The image has more pixels than the configured limit (decompression-bomb guard)."""
+
+
+class CheckpointError(ImgretError, ValueError):
+    """A checkpoint file is missing, unreadable, or not an imgret checkpoint."""
+
+
+class UnknownName(ImgretError, ValueError):
+    """A registry name (backbone, loss, miner, ...) or option that does not exist."""
+
+    def __init__(self, kind: str, name: str, valid: list[str] | tuple[str, ...]):
+        self.kind, self.name, self.valid = kind, name, sorted(valid)
+        super().__init__(f"unknown {kind} {name!r}; valid: {', '.join(self.valid)}")
+
+
+class IndexStale(ImgretError):
+    """A FAISS index whose manifest does not match the database."""

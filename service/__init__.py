@@ -1,0 +1,1 @@
+"""The FastAPI service: search, gallery management, evaluation, web page."""

@@ -1,0 +1,1 @@
+"""Test support: generated images and data folders (no downloads, seeded)."""

@@ -1,0 +1,67 @@
+"""docker-compose.yml and the Dockerfile, checked by parsing (no Docker engine here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from sqlalchemy.engine import make_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_database_has_volume_and_health_check() -> None:
+    db = _compose()["services"]["db"]
+    assert db["image"].startswith("postgres:")
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in db["volumes"])
+    assert "pg_isready" in " ".join(db["healthcheck"]["test"])
+
+
+def test_api_waits_for_healthy_db_and_points_at_it() -> None:
+    compose = _compose()
+    db_env = compose["services"]["db"]["environment"]
+    for name in ("api", "api-gpu"):
+        api = compose["services"][name]
+        assert api["depends_on"]["db"]["condition"] == "service_healthy"
+        url = make_url(api["environment"]["IMGRET_DATABASE_URL"])
+        assert url.get_backend_name() == "postgresql"
+        assert (url.host, url.port, url.database) == ("db", 5432, db_env["POSTGRES_DB"])
+        assert (url.username, url.password) == (db_env["POSTGRES_USER"],
+                                                db_env["POSTGRES_PASSWORD"])
+        data_dir = api["environment"]["IMGRET_DATA_DIR"]
+        assert any(v.endswith(f":{data_dir}") for v in api["volumes"])
+
+
+def test_named_volumes_are_declared() -> None:
+    compose = _compose()
+    declared = set(compose["volumes"])
+    used = {
+        v.split(":")[0]
+        for service in compose["services"].values()
+        for v in service.get("volumes", [])
+        if not v.startswith((".", "/"))
+    }
+    assert used <= declared
+
+
+def test_gpu_profile_requests_an_nvidia_device_and_faiss_gpu() -> None:
+    gpu = _compose()["services"]["api-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert gpu["build"]["args"]["GPU"] == "1"
+    assert "profiles" not in _compose()["services"]["api"]
+
+
+def test_dockerfile_is_multi_stage_non_root_without_compilers() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = text.split("\nFROM ")
+    assert len(stages) >= 2, "expected a build stage and a runtime stage"
+    final = stages[-1]
+    assert "build-essential" not in final and "gcc" not in final
+    assert "\nUSER " in final and "USER root" not in final
+    assert "faiss-gpu" in text
