@@ -27,3 +27,16 @@ class UnknownName(ImgretError, ValueError):
 
 class IndexStale(ImgretError):
     """A FAISS index whose manifest does not match the database."""
+
+
+class DatabaseError(ImgretError):
+    """The database cannot be reached, or its schema cannot be brought up to date."""
+
+
+class GalleryError(ImgretError, ValueError):
+    """A gallery operation that the database state does not allow (no active model version,
+    an unknown model version, vectors of the wrong dimension, ...)."""
+
+
+class InvalidIndexFactory(ImgretError, ValueError):
+    """A FAISS index factory string that is unparsable or would silently misbehave."""

@@ -1,1 +1,16 @@
-"""The gallery in SQL (source of truth), ingest jobs, and the FAISS index derived from it."""
+"""The gallery in SQL (source of truth), ingest jobs, and the FAISS index derived from it.
+
+Modules and what the service uses from them:
+
+- ``index.db``: ``make_engine(url)``, ``make_sessionmaker(engine)``, ``upgrade_to_head(url)``.
+- ``index.models``: the SQLAlchemy tables (gallery items, embeddings per model version, model
+  versions, query sets, the gallery change log).
+- ``index.media``: ``MediaStore.in_data_dir(data_dir)`` — content-addressed image files.
+- ``index.store``: repository functions (``session`` keyword-only, never commit).
+- ``index.ingest``: ``add_items(items, *, session, media, embedder)`` for uploads and
+  ``ingest_source(path, ...)`` for ``imgret ingest``.
+- ``index.faiss_index``: factory checks, index creation, GPU placement, the build from SQL.
+- ``index.manifest``: what a saved index was built from, checked against SQL on load.
+- ``index.search``: ``Searcher.open(...)``, ``search``, ``add``, ``remove``,
+  ``refresh_from_changes``.
+"""

@@ -1,0 +1,468 @@
+"""Ingest: image bytes -> media store + gallery rows + embeddings + change log.
+
+Two entry points share one pipeline (hash, dedup, decode, embed, write):
+
+- :func:`add_items` — a list of uploaded images in the caller's transaction (``POST
+  /gallery``); a corrupt upload raises, so the request fails as a whole.
+- :func:`ingest_source` — a folder / CSV / Market-1501 source, in chunks that each commit on
+  their own; corrupt files are skipped and reported at the end, never abort the run.
+
+Idempotence: items are keyed by content hash. Bytes already in the gallery (live) are not
+added again; when they lack an embedding for the model version at hand, only the embedding
+is added (re-embedding a gallery for a new model is the same command with another
+``--model``). An interrupted ingest therefore resumes by running it again.
+
+Crash safety (what an interrupted chunk can leave behind): the media file is written before
+the rows, so a killed ingest may leave media files that no row points to. They are harmless:
+content-addressed, never listed or searched, and reused as-is by the re-run. Rows are written
+in one transaction per chunk, so there is never an item without its embedding and change row.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from tqdm.auto import tqdm
+
+from imgret.embedder import Embedder
+from imgret.errors import ImageDecodeError
+from imgret.images import DEFAULT_MAX_PIXELS, decode_image
+from index import store
+from index.media import MediaStore, sha256_hex, sniff_content_type
+from index.models import ModelVersion, QuerySet
+from index.store import ItemInfo, NewRow
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("read", "dedup", "decode", "embed", "write")
+
+
+@dataclass(frozen=True)
+class NewItem:
+    """An image to add: its file bytes and what it is.
+
+    Attributes:
+        data: the encoded image (JPEG, PNG, ...).
+        label: class / identity.
+        camera: camera id (re-ID data), or ``None``.
+        metadata: JSON-serialisable key/values, filterable at search time.
+        source: where it came from (file name or path), for people reading the gallery.
+    """
+
+    data: bytes
+    label: str
+    camera: int | None = None
+    metadata: Mapping[str, Any] | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class AddedItems:
+    """What :func:`add_items` did.
+
+    Attributes:
+        ids: one gallery id per input item, in input order (the existing item's id when its
+            content was already in the gallery).
+        created: per input item, whether a new gallery item was made.
+        vector_ids: ``(m,) int64`` ids that gained an embedding for the model version.
+        vectors: ``(m, d) float32`` those embeddings — hand both to ``Searcher.add`` after
+            the commit so the items are searchable at once.
+        infos: ``m`` filter infos (label, camera, metadata) for ``Searcher.add``.
+        model_version: the version the vectors belong to.
+    """
+
+    ids: list[int]
+    created: list[bool]
+    vector_ids: np.ndarray
+    vectors: np.ndarray
+    infos: list[ItemInfo]
+    model_version: str
+
+
+@dataclass
+class IngestReport:
+    """Counts and timings of one :func:`ingest_source` run."""
+
+    source: str
+    model_version: str
+    query_set: str | None = None
+    total: int = 0
+    added: int = 0
+    embedded: int = 0
+    duplicates: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    wall_seconds: float = 0.0
+
+    def rate(self, stage: str) -> float:
+        """Images per second through ``stage`` (0 when it processed nothing)."""
+        seconds = self.seconds.get(stage, 0.0)
+        return self.counts.get(stage, 0) / seconds if seconds > 0 else 0.0
+
+    def summary(self) -> list[str]:
+        """Human-readable lines (the CLI prints them)."""
+        target = f"query set {self.query_set!r}" if self.query_set else "gallery"
+        lines = [
+            f"{self.source} -> {target} (model version {self.model_version}): "
+            f"{self.total} images, {self.added} added, {self.embedded} existing items "
+            f"embedded, {self.duplicates} already present, {len(self.failed)} failed, "
+            f"in {self.wall_seconds:.1f}s",
+            "stage      images   seconds   images/s",
+        ]
+        for stage in STAGES:
+            lines.append(
+                f"{stage:<8} {self.counts[stage]:>8} {self.seconds[stage]:>9.2f} "
+                f"{self.rate(stage):>10.1f}"
+            )
+        if self.failed:
+            lines.append(f"skipped {len(self.failed)} unreadable or corrupt files:")
+            lines.extend(f"  {path}: {reason}" for path, reason in self.failed)
+        return lines
+
+
+@dataclass
+class _Candidate:
+    """One image moving through the pipeline."""
+
+    position: int
+    data: bytes
+    sha256: str
+    label: str
+    camera: int | None
+    metadata: Mapping[str, Any] | None
+    source: str | None
+    origin: str = ""  # the file it was read from, for the failure report
+    existing_id: int | None = None  # set when only an embedding is missing
+    image: Image.Image | None = None
+
+
+@dataclass
+class _Plan:
+    """The outcome of dedup: what must be created, what only needs an embedding."""
+
+    create: list[_Candidate] = field(default_factory=list)
+    embed_existing: list[_Candidate] = field(default_factory=list)
+    resolved: dict[int, int] = field(default_factory=dict)  # position -> existing id
+    aliases: dict[int, str] = field(default_factory=dict)  # position -> sha in this batch
+
+    @property
+    def work(self) -> list[_Candidate]:
+        return self.create + self.embed_existing
+
+
+class _Timer:
+    """Accumulates seconds and item counts per stage (autofaiss's Timeit, kept as numbers)."""
+
+    def __init__(self, report: IngestReport):
+        self.report = report
+
+    @contextmanager
+    def stage(self, name: str, count: int) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.seconds[name] += time.perf_counter() - start
+            self.report.counts[name] += count
+
+
+# --------------------------------------------------------------------------- service path
+
+
+def add_items(
+    items: Sequence[NewItem], *, session: Session, media: MediaStore, embedder: Embedder,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> AddedItems:
+    """Add uploaded images to the gallery inside the caller's transaction.
+
+    Decodes with ``imgret.images.decode_image``, embeds with ``embedder`` (registering its
+    model version; the first one becomes active), stores the bytes, and writes items,
+    embeddings and change rows. Nothing is committed here: wrap the call in
+    ``with sessionmaker.begin() as session:``, then pass ``vector_ids``/``vectors``/``infos``
+    to ``Searcher.add``.
+
+    Args:
+        items: the images, with label, camera and metadata.
+        session: the open transaction.
+        media: where image bytes are stored.
+        embedder: the one embedding path.
+        max_pixels: decompression-bomb limit (``IMGRET_MAX_IMAGE_PIXELS``).
+
+    Returns:
+        The ids (input order) and the new vectors; see :class:`AddedItems`.
+
+    Raises:
+        ImageDecodeError: an item is not a decodable image; the message starts with
+            ``images[i]``. Nothing is written.
+    """
+    model_version = store.register_model_version(
+        session=session, version=embedder.model_version, dim=embedder.dim,
+        config=embedder.spec.to_dict(),
+    )
+    cands = [
+        _Candidate(i, it.data, sha256_hex(it.data), it.label, it.camera, it.metadata, it.source)
+        for i, it in enumerate(items)
+    ]
+    plan = _plan_gallery(cands, session=session, model_version=model_version)
+    for cand in plan.work:
+        try:
+            cand.image = decode_image(cand.data, max_pixels=max_pixels)
+        except ImageDecodeError as exc:
+            raise type(exc)(f"images[{cand.position}]: {exc}") from None
+    vectors = embedder.embed([c.image for c in plan.work])
+    ids_by_sha = _write_gallery(plan, vectors, session=session, media=media,
+                                model_version=model_version)
+    ids = [
+        plan.resolved[c.position] if c.position in plan.resolved
+        else ids_by_sha[plan.aliases.get(c.position, c.sha256)]
+        for c in cands
+    ]
+    created_positions = {c.position for c in plan.create}
+    work = plan.work
+    return AddedItems(
+        ids=ids,
+        created=[c.position in created_positions for c in cands],
+        vector_ids=np.array([ids_by_sha[c.sha256] for c in work], dtype=np.int64),
+        vectors=vectors,
+        infos=[ItemInfo(c.label, c.camera, dict(c.metadata or {})) for c in work],
+        model_version=model_version.version,
+    )
+
+
+# --------------------------------------------------------------------------- bulk path
+
+
+def ingest_source(
+    source: str | Path, *, session_factory: sessionmaker[Session], media: MediaStore,
+    embedder: Embedder, query_set: str | None = None, chunk_size: int = 256,
+    max_pixels: int = DEFAULT_MAX_PIXELS, workers: int | None = None, progress: bool = True,
+) -> IngestReport:
+    """Ingest a data source (ImageFolder tree, CSV manifest, Market-1501 folder).
+
+    Each chunk of ``chunk_size`` files is read, deduplicated against the database, decoded,
+    embedded (``embedder.batch_size`` images per forward pass) and written in its own
+    transaction, so an interrupted run loses only the chunk in flight, and running it again
+    resumes where it stopped.
+
+    Args:
+        source: what ``imgret.datasets.list_records`` accepts.
+        session_factory: makes sessions on the target database (schema at head).
+        media: the media store.
+        embedder: the one embedding path; its model version is registered (the first one
+            registered becomes the active one).
+        query_set: put the images in this named query set instead of the gallery.
+        chunk_size: files per transaction.
+        max_pixels: decompression-bomb limit.
+        workers: threads reading and decoding files (Pillow releases the GIL); default
+            ``min(4, cpu count)``.
+        progress: show a tqdm bar.
+
+    Returns:
+        An :class:`IngestReport`; corrupt or unreadable files are listed in ``failed``.
+    """
+    from imgret.datasets import list_records
+
+    started = time.perf_counter()
+    source = Path(source)
+    records = list_records(source)
+    root = source if source.is_dir() else source.parent
+    with session_factory.begin() as session:
+        model_version = store.register_model_version(
+            session=session, version=embedder.model_version, dim=embedder.dim,
+            config=embedder.spec.to_dict(),
+        )
+        target = store.get_or_create_query_set(query_set, session=session) if query_set else None
+    report = IngestReport(str(source), model_version.version, query_set, total=len(records))
+    timer = _Timer(report)
+    workers = workers or min(4, os.cpu_count() or 1)
+    logger.info(
+        "ingesting %d images from %s into %s", len(records), source,
+        f"query set {query_set!r}" if query_set else "the gallery",
+    )
+    with ThreadPoolExecutor(max_workers=workers) as pool, tqdm(
+        total=len(records), unit="img", desc="ingest", disable=not progress
+    ) as bar:
+        for start in range(0, len(records), chunk_size):
+            chunk = records[start : start + chunk_size]
+            _ingest_chunk(
+                chunk, start, root, pool=pool, timer=timer, session_factory=session_factory,
+                media=media, embedder=embedder, model_version=model_version, query_set=target,
+                max_pixels=max_pixels,
+            )
+            bar.update(len(chunk))
+    report.wall_seconds = time.perf_counter() - started
+    for path, reason in report.failed:
+        logger.warning("skipped %s: %s", path, reason)
+    return report
+
+
+def _ingest_chunk(
+    records, offset: int, root: Path, *, pool: ThreadPoolExecutor, timer: _Timer,
+    session_factory: sessionmaker[Session], media: MediaStore, embedder: Embedder,
+    model_version: ModelVersion, query_set: QuerySet | None, max_pixels: int,
+) -> None:
+    report = timer.report
+    with timer.stage("read", len(records)):
+        results = list(pool.map(_read_file, [r.path for r in records]))
+    cands: list[_Candidate] = []
+    for position, (record, (data, error)) in enumerate(zip(records, results, strict=True)):
+        if error is not None:
+            report.failed.append((str(record.path), error))
+            continue
+        cands.append(
+            _Candidate(offset + position, data, sha256_hex(data), record.label, record.camera,
+                       None, _relative(record.path, root), origin=str(record.path))
+        )
+    for attempt in (1, 2):
+        with timer.stage("dedup", len(cands)), session_factory() as session:
+            plan = _make_plan(cands, session=session, model_version=model_version,
+                              query_set=query_set)
+        work = [c for c in plan.work if c.image is None]
+        with timer.stage("decode", len(work)):
+            decoded = list(pool.map(lambda c: _decode(c, max_pixels), work))
+        errors = {c.sha256: error for c, error in zip(work, decoded, strict=True) if error}
+        # Copies of a corrupt file (same bytes) fail with it, each under its own name.
+        failed = {c.position for c in cands if c.sha256 in errors
+                  and c.position not in plan.resolved}
+        report.failed.extend((c.origin, errors[c.sha256]) for c in cands
+                             if c.position in failed)
+        if failed:
+            cands = [c for c in cands if c.position not in failed]
+            plan.create = [c for c in plan.create if c.position not in failed]
+            plan.embed_existing = [c for c in plan.embed_existing if c.position not in failed]
+        todo = plan.work
+        with timer.stage("embed", len(todo)):
+            vectors = embedder.embed([c.image for c in todo])
+        try:
+            with timer.stage("write", len(todo)), session_factory.begin() as session:
+                if query_set is None:
+                    _write_gallery(plan, vectors, session=session, media=media,
+                                   model_version=model_version)
+                else:
+                    _write_query_items(plan, vectors, session=session, media=media,
+                                       model_version=model_version, query_set=query_set)
+        except IntegrityError:
+            # Another writer added the same content since our dedup read: plan again (the
+            # images stay decoded), which turns those into duplicates.
+            if attempt == 2:
+                raise
+            logger.info("concurrent writer added some of these images; retrying the chunk")
+            continue
+        break
+    report.added += len(plan.create)
+    report.embedded += len(plan.embed_existing)
+    report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
+
+
+def _read_file(path: Path) -> tuple[bytes, str | None]:
+    try:
+        return path.read_bytes(), None
+    except OSError as exc:
+        return b"", f"cannot read file ({exc.strerror})"
+
+
+def _decode(cand: _Candidate, max_pixels: int) -> str | None:
+    try:
+        cand.image = decode_image(cand.data, max_pixels=max_pixels)
+    except ImageDecodeError as exc:
+        return str(exc)
+    return None
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+# --------------------------------------------------------------------------- shared stages
+
+
+def _make_plan(
+    cands: list[_Candidate], *, session: Session, model_version: ModelVersion,
+    query_set: QuerySet | None,
+) -> _Plan:
+    if query_set is None:
+        return _plan_gallery(cands, session=session, model_version=model_version)
+    existing = store.find_query_items(query_set.id, (c.sha256 for c in cands), session=session)
+    embedded = store.query_ids_with_embedding(
+        session=session, query_item_ids=existing.values(), model_version_id=model_version.id
+    )
+    return _split(cands, existing, embedded)
+
+
+def _plan_gallery(
+    cands: list[_Candidate], *, session: Session, model_version: ModelVersion
+) -> _Plan:
+    existing = store.find_live_items(session=session, sha256s=(c.sha256 for c in cands))
+    embedded = store.ids_with_embedding(
+        session=session, item_ids=existing.values(), model_version_id=model_version.id
+    )
+    return _split(cands, existing, embedded)
+
+
+def _split(cands: list[_Candidate], existing: dict[str, int], embedded: set[int]) -> _Plan:
+    plan = _Plan()
+    first: dict[str, _Candidate] = {}
+    for cand in cands:
+        item_id = existing.get(cand.sha256)
+        if item_id is not None and item_id in embedded:
+            plan.resolved[cand.position] = item_id
+        elif cand.sha256 in first:
+            plan.aliases[cand.position] = cand.sha256  # same bytes twice in this batch
+        else:
+            first[cand.sha256] = cand
+            cand.existing_id = item_id
+            (plan.create if item_id is None else plan.embed_existing).append(cand)
+    return plan
+
+
+def _write_gallery(
+    plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
+    model_version: ModelVersion,
+) -> dict[str, int]:
+    """Store media and rows; returns sha256 -> id for every candidate of the plan."""
+    n_create = len(plan.create)
+    rows = [_store_media(c, media) for c in plan.create]
+    new_ids = store.insert_items(rows, vectors[:n_create], session=session,
+                                 model_version=model_version)
+    existing_ids = [c.existing_id for c in plan.embed_existing]
+    store.add_embeddings(existing_ids, vectors[n_create:], session=session,
+                         model_version=model_version)
+    ids = {c.sha256: i for c, i in zip(plan.create, new_ids, strict=True)}
+    ids.update({c.sha256: c.existing_id for c in plan.embed_existing})
+    return ids
+
+
+def _write_query_items(
+    plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
+    model_version: ModelVersion, query_set: QuerySet,
+) -> None:
+    n_create = len(plan.create)
+    rows = [_store_media(c, media) for c in plan.create]
+    store.insert_query_items(query_set, rows, vectors[:n_create], session=session,
+                             model_version=model_version)
+    store.add_query_embeddings([c.existing_id for c in plan.embed_existing], vectors[n_create:],
+                               session=session, model_version=model_version)
+
+
+def _store_media(cand: _Candidate, media: MediaStore) -> NewRow:
+    path = media.put(cand.data, cand.sha256)
+    return NewRow(
+        sha256=cand.sha256, media_path=path, content_type=sniff_content_type(cand.data),
+        label=cand.label, camera=cand.camera, metadata=cand.metadata, source=cand.source,
+    )

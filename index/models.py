@@ -1,0 +1,221 @@
+"""SQL schema of the gallery (the source of truth): items, embeddings, model versions,
+query sets and the change log that replicas poll.
+
+Design decisions (the contract is silent on these):
+
+- ``gallery_items.id`` is the FAISS id. Ids are never reused (SQLite ``AUTOINCREMENT``, a
+  PostgreSQL sequence), because a replica that missed a delete must not confuse an old vector
+  with a new item.
+- Deletes are soft (``deleted_at``), so the change log keeps pointing at real rows. The
+  content hash is unique among *live* items only (a partial unique index), so an image that
+  was deleted can be added again as a new item.
+- Embeddings are keyed by ``(model_version_id, item_id)``: the primary key doubles as the
+  index that the index build streams through, in id order, for one model version.
+- ``model_versions.is_active`` is true for at most one row (a partial unique index).
+- ``gallery_changes.seq`` increases with commit order: writers take a lock first
+  (:func:`index.store.lock_gallery_writes`), so a replica polling ``seq > last_seen`` can
+  never skip a row that commits late.
+- Query-set items carry their own embeddings per model version, so two model versions can be
+  compared on one query set without the serving model being either of them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# SQLite only auto-increments an ``INTEGER PRIMARY KEY``; PostgreSQL gets 64-bit ids.
+IdType = BigInteger().with_variant(Integer(), "sqlite")
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+VectorType = LargeBinary().with_variant(BYTEA(), "postgresql")
+
+CHANGE_ADD = "add"
+CHANGE_DELETE = "delete"
+
+# Explicit constraint names: Alembic needs them to drop or alter constraints, and SQLite's
+# batch mode (table copy) needs them to recreate the table faithfully.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now in UTC (the default of every timestamp column)."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base; ``Base.metadata`` is Alembic's target metadata."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ModelVersion(Base):
+    """A checkpoint whose embeddings are stored; at most one is active (served)."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (
+        Index(
+            "uq_model_versions_one_active",
+            "is_active",
+            unique=True,
+            sqlite_where=text("is_active"),
+            postgresql_where=text("is_active"),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[str] = mapped_column(String(128), unique=True)
+    dim: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    is_active: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class GalleryItem(Base):
+    """One searchable image: its FAISS id, content hash, stored file, label and camera."""
+
+    __tablename__ = "gallery_items"
+    __table_args__ = (
+        Index(
+            "uq_gallery_items_live_sha256",
+            "sha256",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    media_path: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(64))
+    label: Mapped[str] = mapped_column(String(255), index=True)
+    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # ``metadata`` is reserved on declarative classes; the column keeps the natural name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    embeddings: Mapped[list[Embedding]] = relationship(
+        back_populates="item", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class Embedding(Base):
+    """The vector of one gallery item under one model version (float32 bytes, unit norm)."""
+
+    __tablename__ = "embeddings"
+
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    dim: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    item: Mapped[GalleryItem] = relationship(back_populates="embeddings")
+
+
+class GalleryChange(Base):
+    """One gallery write (an item added, or deleted), in commit order; replicas poll it."""
+
+    __tablename__ = "gallery_changes"
+    __table_args__ = (
+        CheckConstraint(f"op IN ('{CHANGE_ADD}', '{CHANGE_DELETE}')", name="op"),
+        {"sqlite_autoincrement": True},
+    )
+
+    seq: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), index=True
+    )
+    op: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class QuerySet(Base):
+    """A named, labelled set of query images (for ``/evaluate`` and ``imgret evaluate``)."""
+
+    __tablename__ = "query_sets"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    items: Mapped[list[QueryItem]] = relationship(
+        back_populates="query_set",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="QueryItem.id",
+    )
+
+
+class QueryItem(Base):
+    """One query image of a query set; not a gallery item, never searchable."""
+
+    __tablename__ = "query_items"
+    __table_args__ = (
+        Index("uq_query_items_set_sha256", "query_set_id", "sha256", unique=True),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    query_set_id: Mapped[int] = mapped_column(
+        ForeignKey("query_sets.id", ondelete="CASCADE"), index=True
+    )
+    sha256: Mapped[str] = mapped_column(String(64))
+    media_path: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(64))
+    label: Mapped[str] = mapped_column(String(255))
+    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    query_set: Mapped[QuerySet] = relationship(back_populates="items")
+
+
+class QueryEmbedding(Base):
+    """The vector of one query item under one model version."""
+
+    __tablename__ = "query_embeddings"
+
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    query_item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("query_items.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    dim: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

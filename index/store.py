@@ -1,0 +1,595 @@
+"""Repository functions over the gallery tables: the only module that writes gallery SQL.
+
+Every function takes ``session`` keyword-only and never commits: the caller frames the
+transaction (``with sessionmaker.begin() as session:``), so a request or an ingest chunk is
+all-or-nothing. Vectors cross this boundary as NumPy arrays: ``(n, d) float32`` rows and
+``(n,) int64`` ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sqlalchemy import func, select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from imgret.errors import GalleryError
+from index.models import (
+    CHANGE_ADD,
+    CHANGE_DELETE,
+    Embedding,
+    GalleryChange,
+    GalleryItem,
+    ModelVersion,
+    QueryEmbedding,
+    QueryItem,
+    QuerySet,
+    utcnow,
+)
+
+logger = logging.getLogger(__name__)
+
+# Any constant: every writer of gallery rows takes this PostgreSQL advisory lock.
+_GALLERY_WRITE_LOCK_KEY = 0x67616C6C  # "gall"
+# Bind-parameter lists are chunked: SQLite allows 32,766 variables per statement.
+_IN_CHUNK = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class ItemInfo:
+    """What search filters look at: an item's label, camera and metadata."""
+
+    label: str
+    camera: int | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NewRow:
+    """A gallery or query item about to be inserted (its bytes are already in the media store).
+
+    Attributes:
+        sha256: content hash (hex) of the image bytes.
+        media_path: where the media store put them (relative path).
+        content_type: MIME type of the bytes.
+        label, camera, metadata, source: as given by the caller.
+    """
+
+    sha256: str
+    media_path: str
+    content_type: str
+    label: str
+    camera: int | None = None
+    metadata: Mapping[str, Any] | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class VectorPage:
+    """A page of embeddings: ``ids (n,) int64`` ascending, ``vectors (n, d) float32``."""
+
+    ids: np.ndarray
+    vectors: np.ndarray
+    infos: list[ItemInfo]
+
+
+@dataclass(frozen=True)
+class ChangeRow:
+    """One entry of the gallery change log."""
+
+    seq: int
+    item_id: int
+    op: str
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_vector(vector: np.ndarray) -> bytes:
+    """One ``(d,)`` vector as little-endian float32 bytes (the ``embeddings.vector`` format)."""
+    return np.ascontiguousarray(vector, dtype="<f4").tobytes()
+
+
+def decode_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
+    """Stored vector bytes back to a ``(n, dim)`` float32 array (one copy)."""
+    if not blobs:
+        return np.zeros((0, dim), dtype=np.float32)
+    flat = np.frombuffer(b"".join(blobs), dtype="<f4")
+    if flat.size != len(blobs) * dim:
+        raise GalleryError(f"stored vectors are not all {dim}-dimensional")
+    return flat.reshape(len(blobs), dim).astype(np.float32, copy=False)
+
+
+# --------------------------------------------------------------------------- model versions
+
+
+def register_model_version(
+    *, session: Session, version: str, dim: int, config: Mapping[str, Any] | None = None
+) -> ModelVersion:
+    """Get or create a model version; the first one registered becomes the active one.
+
+    Safe against concurrent registration (several API processes starting together): the
+    insert runs in a savepoint and a unique-key conflict reads the winner's row instead.
+    """
+    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+    if row is None:
+        has_active = bool(session.scalar(select(func.count()).where(ModelVersion.is_active)))
+        # Try as the active version if there is none yet, else (or on a lost race) inactive.
+        for is_active in (True, False) if not has_active else (False,):
+            try:
+                with session.begin_nested():
+                    row = ModelVersion(
+                        version=version, dim=dim, config=dict(config or {}), is_active=is_active
+                    )
+                    session.add(row)
+                    session.flush()
+                logger.info("registered model version %s (dim %d, active: %s)", version, dim,
+                            is_active)
+                break
+            except IntegrityError:
+                # Another process registered this version, or another one as active.
+                row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+                if row is not None:
+                    break
+    if row is None:
+        raise GalleryError(f"could not register model version {version}")
+    if row.dim != dim:
+        raise GalleryError(f"model version {version} is registered with dim {row.dim}, not {dim}")
+    return row
+
+
+def get_model_version(*, session: Session, version: str | None = None) -> ModelVersion:
+    """A model version by name, or the active one when ``version`` is ``None``.
+
+    Raises:
+        GalleryError: no such version, or no active version (nothing ingested yet).
+    """
+    if version is None:
+        row = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        if row is None:
+            raise GalleryError(
+                "no active model version: the gallery is empty; run "
+                "`imgret ingest PATH --model CKPT` first"
+            )
+        return row
+    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+    if row is None:
+        known = session.scalars(select(ModelVersion.version)).all()
+        raise GalleryError(
+            f"unknown model version {version!r}; known: {', '.join(known) or 'none'}"
+        )
+    return row
+
+
+def activate_model_version(*, session: Session, version: str) -> ModelVersion:
+    """Make ``version`` the active one (blue/green switch): one UPDATE pair, one transaction."""
+    row = get_model_version(session=session, version=version)
+    session.execute(update(ModelVersion).where(ModelVersion.is_active).values(is_active=False))
+    session.flush()
+    row.is_active = True
+    session.flush()
+    return row
+
+
+def list_model_versions(*, session: Session) -> list[ModelVersion]:
+    return list(session.scalars(select(ModelVersion).order_by(ModelVersion.id)))
+
+
+# --------------------------------------------------------------------------- gallery writes
+
+
+def lock_gallery_writes(*, session: Session) -> None:
+    """Serialise gallery writers until this transaction ends.
+
+    Change-log sequence numbers are drawn at INSERT time, but transactions may commit in
+    another order; a replica reading ``seq > last_seen`` could then skip a late commit for
+    good. Holding one lock from the first change row to the commit makes seq order equal
+    commit order. SQLite already allows a single writer at a time.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _GALLERY_WRITE_LOCK_KEY})
+
+
+def find_live_items(*, session: Session, sha256s: Iterable[str]) -> dict[str, int]:
+    """Map content hashes to the ids of live (not deleted) gallery items that have them."""
+    found: dict[str, int] = {}
+    for chunk in _chunks(sorted(set(sha256s))):
+        rows = session.execute(
+            select(GalleryItem.sha256, GalleryItem.id).where(
+                GalleryItem.sha256.in_(chunk), GalleryItem.deleted_at.is_(None)
+            )
+        )
+        found.update({sha: item_id for sha, item_id in rows})
+    return found
+
+
+def ids_with_embedding(
+    *, session: Session, item_ids: Iterable[int], model_version_id: int
+) -> set[int]:
+    """The subset of ``item_ids`` that already have an embedding for the model version."""
+    have: set[int] = set()
+    for chunk in _chunks(sorted(set(item_ids))):
+        have.update(
+            session.scalars(
+                select(Embedding.item_id).where(
+                    Embedding.model_version_id == model_version_id,
+                    Embedding.item_id.in_(chunk),
+                )
+            )
+        )
+    return have
+
+
+def insert_items(
+    rows: Sequence[NewRow], vectors: np.ndarray, *, session: Session, model_version: ModelVersion
+) -> list[int]:
+    """Insert gallery items with their embeddings and one ``add`` change row each.
+
+    Args:
+        rows: the items (their bytes already stored).
+        vectors: ``(len(rows), d)`` float32, unit norm, ``d == model_version.dim``.
+        session: the open transaction.
+        model_version: the version that produced ``vectors``.
+
+    Returns:
+        The new ids (FAISS ids), in the order of ``rows``.
+    """
+    _check_vectors(vectors, len(rows), model_version)
+    if not rows:
+        return []
+    lock_gallery_writes(session=session)
+    items = [
+        GalleryItem(
+            sha256=r.sha256, media_path=r.media_path, content_type=r.content_type,
+            label=r.label, camera=r.camera, meta=dict(r.metadata or {}), source=r.source,
+        )
+        for r in rows
+    ]
+    session.add_all(items)
+    session.flush()  # assigns the ids
+    ids = [item.id for item in items]
+    _insert_embeddings(Embedding, "item_id", ids, vectors, session, model_version)
+    session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in ids)
+    session.flush()
+    return ids
+
+
+def add_embeddings(
+    item_ids: Sequence[int], vectors: np.ndarray, *, session: Session,
+    model_version: ModelVersion,
+) -> None:
+    """Store embeddings of existing items for another model version (re-embedding).
+
+    Each item also gets an ``add`` change row, so a searcher of that version picks it up.
+    """
+    _check_vectors(vectors, len(item_ids), model_version)
+    if not item_ids:
+        return
+    lock_gallery_writes(session=session)
+    _insert_embeddings(Embedding, "item_id", list(item_ids), vectors, session, model_version)
+    session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in item_ids)
+    session.flush()
+
+
+def delete_items(item_ids: Iterable[int], *, session: Session) -> list[int]:
+    """Soft-delete gallery items and log one ``delete`` change each.
+
+    Returns:
+        The ids that were live and are now deleted (unknown or already deleted ids are
+        skipped, so a repeated DELETE is harmless).
+    """
+    wanted = sorted({int(i) for i in item_ids})
+    if not wanted:
+        return []
+    lock_gallery_writes(session=session)
+    live: list[int] = []
+    for chunk in _chunks(wanted):
+        live.extend(
+            session.scalars(
+                select(GalleryItem.id).where(
+                    GalleryItem.id.in_(chunk), GalleryItem.deleted_at.is_(None)
+                )
+            )
+        )
+    if not live:
+        return []
+    now = utcnow()
+    for chunk in _chunks(live):
+        session.execute(
+            update(GalleryItem).where(GalleryItem.id.in_(chunk)).values(deleted_at=now)
+        )
+    session.add_all(GalleryChange(item_id=i, op=CHANGE_DELETE) for i in live)
+    session.flush()
+    return live
+
+
+# --------------------------------------------------------------------------- gallery reads
+
+
+def get_item(
+    item_id: int, *, session: Session, include_deleted: bool = False
+) -> GalleryItem | None:
+    """One gallery item, ``None`` when absent (or deleted, unless ``include_deleted``)."""
+    item = session.get(GalleryItem, item_id)
+    if item is None or (item.deleted_at is not None and not include_deleted):
+        return None
+    return item
+
+
+def get_items(item_ids: Sequence[int], *, session: Session) -> dict[int, GalleryItem]:
+    """Live items by id (search results → rows); missing or deleted ids are left out."""
+    found: dict[int, GalleryItem] = {}
+    for chunk in _chunks(sorted({int(i) for i in item_ids})):
+        for item in session.scalars(
+            select(GalleryItem).where(GalleryItem.id.in_(chunk), GalleryItem.deleted_at.is_(None))
+        ):
+            found[item.id] = item
+    return found
+
+
+def list_items(
+    *, session: Session, offset: int = 0, limit: int = 50, label: str | None = None
+) -> tuple[list[GalleryItem], int]:
+    """A page of live items in id order, and the total count matching ``label``."""
+    where = [GalleryItem.deleted_at.is_(None)]
+    if label is not None:
+        where.append(GalleryItem.label == label)
+    total = session.scalar(select(func.count()).select_from(GalleryItem).where(*where)) or 0
+    items = session.scalars(
+        select(GalleryItem).where(*where).order_by(GalleryItem.id).offset(offset).limit(limit)
+    ).all()
+    return list(items), int(total)
+
+
+def max_change_seq(*, session: Session) -> int:
+    """The newest change-log sequence number (0 for an empty log)."""
+    return int(session.scalar(select(func.max(GalleryChange.seq))) or 0)
+
+
+def changes_after(seq: int, *, session: Session, limit: int = 10_000) -> list[ChangeRow]:
+    """Change-log rows with ``seq > seq``, oldest first (at most ``limit``)."""
+    rows = session.execute(
+        select(GalleryChange.seq, GalleryChange.item_id, GalleryChange.op)
+        .where(GalleryChange.seq > seq)
+        .order_by(GalleryChange.seq)
+        .limit(limit)
+    )
+    return [ChangeRow(int(s), int(i), o) for s, i, o in rows]
+
+
+def count_vectors(*, session: Session, model_version_id: int) -> int:
+    """How many live items have an embedding for the model version."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Embedding)
+            .join(GalleryItem, GalleryItem.id == Embedding.item_id)
+            .where(Embedding.model_version_id == model_version_id, GalleryItem.deleted_at.is_(None))
+        )
+        or 0
+    )
+
+
+def iter_vector_pages(
+    *, session: Session, model_version: ModelVersion, page_size: int = 10_000,
+    with_vectors: bool = True,
+) -> Iterator[VectorPage]:
+    """Stream the live embeddings of a model version in ascending id pages.
+
+    Keyset pagination (``item_id > last``) on the primary key: every page is one indexed
+    range scan, and at most one page is in memory, whatever the gallery size.
+
+    Args:
+        session: a session (read-only use).
+        model_version: whose embeddings.
+        page_size: rows per page.
+        with_vectors: ``False`` streams ids and infos only (``vectors`` is then ``(n, 0)``).
+    """
+    last = -1
+    columns = [Embedding.item_id, GalleryItem.label, GalleryItem.camera, GalleryItem.meta]
+    if with_vectors:
+        columns.append(Embedding.vector)
+    while True:
+        rows = session.execute(
+            select(*columns)
+            .join(GalleryItem, GalleryItem.id == Embedding.item_id)
+            .where(
+                Embedding.model_version_id == model_version.id,
+                Embedding.item_id > last,
+                GalleryItem.deleted_at.is_(None),
+            )
+            .order_by(Embedding.item_id)
+            .limit(page_size)
+        ).all()
+        if not rows:
+            return
+        yield _page(rows, model_version.dim, with_vectors)
+        last = int(rows[-1][0])
+
+
+def fetch_vectors(
+    item_ids: Iterable[int], *, session: Session, model_version: ModelVersion
+) -> VectorPage:
+    """Embeddings of specific live items for a model version (ids without one are left out)."""
+    rows: list = []
+    for chunk in _chunks(sorted({int(i) for i in item_ids})):
+        rows.extend(
+            session.execute(
+                select(
+                    Embedding.item_id, GalleryItem.label, GalleryItem.camera, GalleryItem.meta,
+                    Embedding.vector,
+                )
+                .join(GalleryItem, GalleryItem.id == Embedding.item_id)
+                .where(
+                    Embedding.model_version_id == model_version.id,
+                    Embedding.item_id.in_(chunk),
+                    GalleryItem.deleted_at.is_(None),
+                )
+                .order_by(Embedding.item_id)
+            ).all()
+        )
+    return _page(rows, model_version.dim, True)
+
+
+# --------------------------------------------------------------------------- query sets
+
+
+def get_or_create_query_set(name: str, *, session: Session) -> QuerySet:
+    """The query set called ``name``, created empty if needed."""
+    row = session.scalar(select(QuerySet).where(QuerySet.name == name))
+    if row is None:
+        row = QuerySet(name=name)
+        session.add(row)
+        session.flush()
+    return row
+
+
+def find_query_items(
+    query_set_id: int, sha256s: Iterable[str], *, session: Session
+) -> dict[str, int]:
+    """Map content hashes to the ids of items already in the query set."""
+    found: dict[str, int] = {}
+    for chunk in _chunks(sorted(set(sha256s))):
+        rows = session.execute(
+            select(QueryItem.sha256, QueryItem.id).where(
+                QueryItem.query_set_id == query_set_id, QueryItem.sha256.in_(chunk)
+            )
+        )
+        found.update({sha: item_id for sha, item_id in rows})
+    return found
+
+
+def query_ids_with_embedding(
+    *, session: Session, query_item_ids: Iterable[int], model_version_id: int
+) -> set[int]:
+    have: set[int] = set()
+    for chunk in _chunks(sorted(set(query_item_ids))):
+        have.update(
+            session.scalars(
+                select(QueryEmbedding.query_item_id).where(
+                    QueryEmbedding.model_version_id == model_version_id,
+                    QueryEmbedding.query_item_id.in_(chunk),
+                )
+            )
+        )
+    return have
+
+
+def insert_query_items(
+    query_set: QuerySet, rows: Sequence[NewRow], vectors: np.ndarray, *, session: Session,
+    model_version: ModelVersion,
+) -> list[int]:
+    """Add items (and their embeddings) to a query set; they are never gallery items."""
+    _check_vectors(vectors, len(rows), model_version)
+    items = [
+        QueryItem(
+            query_set_id=query_set.id, sha256=r.sha256, media_path=r.media_path,
+            content_type=r.content_type, label=r.label, camera=r.camera,
+            meta=dict(r.metadata or {}), source=r.source,
+        )
+        for r in rows
+    ]
+    session.add_all(items)
+    session.flush()
+    ids = [item.id for item in items]
+    _insert_embeddings(QueryEmbedding, "query_item_id", ids, vectors, session, model_version)
+    return ids
+
+
+def add_query_embeddings(
+    query_item_ids: Sequence[int], vectors: np.ndarray, *, session: Session,
+    model_version: ModelVersion,
+) -> None:
+    _check_vectors(vectors, len(query_item_ids), model_version)
+    _insert_embeddings(
+        QueryEmbedding, "query_item_id", list(query_item_ids), vectors, session, model_version
+    )
+
+
+def load_query_set(
+    name: str, *, session: Session, model_version: ModelVersion | None = None
+) -> tuple[list[QueryItem], np.ndarray | None]:
+    """The items of a query set in id order, and their vectors for ``model_version``.
+
+    Returns:
+        ``(items, vectors)`` where ``vectors`` is ``(len(items), d)`` float32, or ``None``
+        when ``model_version`` is ``None``.
+
+    Raises:
+        GalleryError: no such query set, or some items lack an embedding for the version
+            (re-run ``imgret ingest PATH --query-set NAME --model CKPT`` with that model).
+    """
+    query_set = session.scalar(select(QuerySet).where(QuerySet.name == name))
+    if query_set is None:
+        known = session.scalars(select(QuerySet.name).order_by(QuerySet.name)).all()
+        raise GalleryError(f"unknown query set {name!r}; known: {', '.join(known) or 'none'}")
+    items = list(query_set.items)
+    if model_version is None:
+        return items, None
+    blobs = dict(
+        session.execute(
+            select(QueryEmbedding.query_item_id, QueryEmbedding.vector)
+            .join(QueryItem, QueryItem.id == QueryEmbedding.query_item_id)
+            .where(
+                QueryEmbedding.model_version_id == model_version.id,
+                QueryItem.query_set_id == query_set.id,
+            )
+        ).all()
+    )
+    missing = [i.id for i in items if i.id not in blobs]
+    if missing:
+        raise GalleryError(
+            f"query set {name!r}: {len(missing)} of {len(items)} items have no embedding for "
+            f"model version {model_version.version}; ingest it again with that model"
+        )
+    return items, decode_vectors([blobs[i.id] for i in items], model_version.dim)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_vectors(vectors: np.ndarray, n: int, model_version: ModelVersion) -> None:
+    if vectors.ndim != 2 or vectors.shape[0] != n or vectors.shape[1] != model_version.dim:
+        raise GalleryError(
+            f"expected ({n}, {model_version.dim}) vectors for model version "
+            f"{model_version.version}, got {tuple(vectors.shape)}"
+        )
+
+
+def _insert_embeddings(model, key, ids, vectors, session, model_version) -> None:
+    if len(ids) == 0:
+        return  # an empty executemany would insert one row of defaults
+    vectors = np.asarray(vectors, dtype=np.float32)
+    session.execute(
+        model.__table__.insert(),
+        [
+            {
+                "model_version_id": model_version.id,
+                key: item_id,
+                "dim": model_version.dim,
+                "vector": encode_vector(vector),
+                "created_at": utcnow(),
+            }
+            for item_id, vector in zip(ids, vectors, strict=True)
+        ],
+    )
+
+
+def _page(rows: Sequence, dim: int, with_vectors: bool) -> VectorPage:
+    ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    infos = [ItemInfo(r[1], r[2], r[3] or {}) for r in rows]
+    if with_vectors:
+        vectors = decode_vectors([r[4] for r in rows], dim)
+    else:
+        vectors = np.zeros((len(rows), 0), dtype=np.float32)
+    return VectorPage(ids, vectors, infos)
+
+
+def _chunks(values: Sequence) -> Iterator[Sequence]:
+    for start in range(0, len(values), _IN_CHUNK):
+        yield values[start : start + _IN_CHUNK]

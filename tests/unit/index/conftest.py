@@ -1,0 +1,25 @@
+"""Fixtures of the index unit tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.unit.index.vectors import clustered_vectors
+
+
+@pytest.fixture
+def vectors() -> np.ndarray:
+    """600 clustered 16-d unit vectors."""
+    return clustered_vectors(600)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_faiss_thread():
+    """FAISS's OpenMP threads spin on a loaded CI machine; the tiny test data needs one."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
