@@ -1,0 +1,186 @@
+"""Splits (class-disjoint really disjoint and seeded; closed-set), data checks, sampler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from imgret.datasets import FASHION_MNIST_CLASSES, DatasetError
+from training.config import TrainConfig, TrainConfigError
+from training.data import (
+    FASHION_SPLIT,
+    ArrayImageSource,
+    SeededMPerClassSampler,
+    TrainDataset,
+    make_split,
+    open_source,
+    resolve_m_per_class,
+    train_transform,
+)
+from training.data import model_spec_for as spec_for
+
+
+class _Labels:
+    """A source with labels only (the split never decodes images)."""
+
+    cameras = None
+    grayscale = False
+
+    def __init__(self, counts: dict[str, int]):
+        self.name = "synthetic"
+        self.labels = np.array([c for c, n in counts.items() for _ in range(n)], dtype=object)
+
+    def describe(self, index: int) -> str:
+        return f"item{index}"
+
+
+def _classes(split, source, name):
+    return set(source.labels[split.indices[name]].tolist())
+
+
+@pytest.mark.parametrize("split_seed", [0, 1, 7])
+def test_class_disjoint_split_is_disjoint_and_covers_everything(split_seed: int) -> None:
+    source = _Labels({f"c{i:02d}": 5 for i in range(12)})
+    split = make_split(source, TrainConfig(data="x", split_seed=split_seed))
+    train, val, test = (_classes(split, source, s) for s in ("train", "val", "test"))
+    assert not (train & val) and not (train & test) and not (val & test)
+    assert train | val | test == set(source.labels.tolist())
+    assert (len(train), len(val), len(test)) == (6, 3, 3)
+    all_idx = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
+    assert sorted(all_idx.tolist()) == list(range(len(source.labels)))
+
+
+def test_class_disjoint_split_is_seeded() -> None:
+    source = _Labels({f"c{i:02d}": 3 for i in range(20)})
+    a = make_split(source, TrainConfig(data="x", split_seed=3))
+    b = make_split(source, TrainConfig(data="x", split_seed=3, seed=99))  # training seed: no effect
+    c = make_split(source, TrainConfig(data="x", split_seed=4))
+    for name in ("train", "val", "test"):
+        np.testing.assert_array_equal(a.indices[name], b.indices[name])
+    assert a.summary(source)["digest"] == b.summary(source)["digest"]
+    assert a.summary(source)["digest"] != c.summary(source)["digest"]
+
+
+def test_closed_set_split_shares_classes_and_holds_out_images() -> None:
+    source = _Labels({f"c{i}": 20 for i in range(3)})
+    split = make_split(source, TrainConfig(data="x", protocol="closed-set"))
+    for name in ("val", "test"):
+        assert _classes(split, source, name) == _classes(split, source, "train")
+    sets = [set(split.indices[s].tolist()) for s in ("train", "val", "test")]
+    assert not (sets[0] & sets[1]) and not (sets[0] & sets[2]) and not (sets[1] & sets[2])
+    assert [len(s) for s in sets] == [30, 15, 15]
+
+
+def test_single_image_class_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    counts = {f"c{i}": 4 for i in range(6)} | {"lonely": 1}
+    source = _Labels(counts)
+    with caplog.at_level(logging.WARNING):
+        split = make_split(source, TrainConfig(data="x"))
+    assert split.dropped_classes == ["lonely"]
+    assert "lonely" in caplog.text
+    kept = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
+    assert "lonely" not in set(source.labels[kept].tolist())
+
+
+def test_too_few_classes_for_class_disjoint_says_what_to_do() -> None:
+    with pytest.raises(TrainConfigError, match="closed-set"):
+        make_split(_Labels({f"c{i}": 5 for i in range(4)}), TrainConfig(data="x"))
+
+
+def test_caps_are_stratified_and_seeded() -> None:
+    source = _Labels({f"c{i:02d}": 40 for i in range(8)})
+    config = TrainConfig(data="x", max_train_images=40, max_eval_images=20)
+    split = make_split(source, config)
+    assert len(split.indices["train"]) == 40
+    counts = np.unique(source.labels[split.indices["train"]], return_counts=True)[1]
+    assert set(counts.tolist()) == {10}
+    again = make_split(source, config)
+    np.testing.assert_array_equal(split.indices["train"], again.indices["train"])
+
+
+def _fake_fashion(per_class: int = 3) -> ArrayImageSource:
+    labels = np.repeat(np.arange(10), per_class * 2)
+    official_test = np.tile(np.r_[np.zeros(per_class, bool), np.ones(per_class, bool)], 10)
+    names = np.array(FASHION_MNIST_CLASSES, dtype=object)[labels]
+    pixels = np.zeros((len(labels), 28, 28), np.uint8)
+    return ArrayImageSource("fashion-mnist", pixels, names, official_test)
+
+
+def test_fashion_mnist_class_split_is_the_documented_one() -> None:
+    source = _fake_fashion()
+    split = make_split(source, TrainConfig(data="fashion-mnist", split_seed=5))
+    for name, ids in FASHION_SPLIT.items():
+        assert _classes(split, source, name) == {FASHION_MNIST_CLASSES[i] for i in ids}
+    assert split.summary(source)["splits"]["test"]["classes"] == ["Sandal", "Shirt"]
+
+
+def test_fashion_mnist_closed_set_tests_on_the_official_test_file() -> None:
+    source = _fake_fashion(per_class=10)
+    split = make_split(source, TrainConfig(data="fashion-mnist", protocol="closed-set"))
+    assert source.official_test[split.indices["test"]].all()
+    assert not source.official_test[split.indices["train"]].any()
+    assert not source.official_test[split.indices["val"]].any()
+
+
+@pytest.mark.parametrize(
+    ("batch", "classes", "given", "expected"),
+    [(64, 100, None, 4), (64, 6, None, 16), (32, 8, None, 4), (60, 6, None, 10), (64, 6, 16, 16)],
+)
+def test_m_per_class_fits_the_sampler(batch, classes, given, expected) -> None:
+    assert resolve_m_per_class(batch, classes, given) == expected
+
+
+def test_m_per_class_too_small_for_the_classes_is_refused() -> None:
+    with pytest.raises(TrainConfigError, match="m-per-class 4 x 6"):
+        resolve_m_per_class(64, 6, 4)
+
+
+def test_sampler_is_deterministic_per_epoch() -> None:
+    labels = np.repeat(np.arange(6), 10)
+    a = SeededMPerClassSampler(labels, 4, 16, 60, seed=1)
+    b = SeededMPerClassSampler(labels, 4, 16, 60, seed=1)
+    a.set_epoch(2)
+    first = list(a)
+    a.set_epoch(1)
+    list(a)  # another epoch in between must not change epoch 2
+    a.set_epoch(2)
+    b.set_epoch(2)
+    assert list(a) == first == list(b)
+    batch = first[:16]
+    assert len(set(labels[batch].tolist())) == 4  # 4 classes x 4 images
+
+
+def test_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no images found"):
+        open_source(str(tmp_path / "empty"))
+
+
+def test_corrupt_training_file_is_skipped(
+    image_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = image_folder / "class_0" / "000.png"
+    bad.write_bytes(b"not a png")
+    source = open_source(str(image_folder))
+    spec = spec_for(TrainConfig(data="x", backbone="tiny_cnn", image_size=16), source)
+    dataset = TrainDataset(source, np.arange(len(source.labels)), train_transform(spec, "none"))
+    position = int(np.flatnonzero(np.array([p == bad for p in source.paths]))[0])
+    with caplog.at_level(logging.WARNING):
+        image, label = dataset[position]
+    assert image.shape == (3, 16, 16)
+    assert dataset.class_names[label] == "class_0"
+    assert "000.png" in caplog.text
+
+
+def test_market_folder_keeps_cameras_and_leaves_out_distractors(tmp_path: Path) -> None:
+    from tests.support.images import write_market_folder
+
+    source = open_source(str(write_market_folder(tmp_path / "market", identities=6)))
+    assert source.cameras is not None and "0000" in set(source.labels.tolist())
+    split = make_split(source, TrainConfig(data="x"))
+    used = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
+    assert "0000" not in set(source.labels[used].tolist())
+    assert all(len(_classes(split, source, s)) == 2 for s in ("train", "val", "test"))

@@ -1,0 +1,150 @@
+"""Validation and test numbers: embed a split through the Embedder, score it with imgret.metrics.
+
+Every number of a run (validation each epoch, the test once, the baselines) comes from
+:func:`score_split`, so they are comparable. The trained and untrained networks are embedded
+by ``imgret.embedder.Embedder`` (the one embedding path); the raw-pixel baseline is the one
+"embedding" that is not a network: L2-normalised flattened pixels.
+
+Which images are queries and which the gallery depends on the protocol:
+
+- class-disjoint: the split is both (every image is a query against all others of the split,
+  ``query_in_gallery=True``), as in the Reality Check;
+- closed-set: the split's images are queries against the *training* images (a stratified
+  subset of at most ``max_eval_images``), as a product-search service would be used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from imgret.checkpoint import EmbeddingNet
+from imgret.embedder import Embedder
+from imgret.metrics import retrieval_metrics
+from training.data import ImageSource, iter_images
+
+logger = logging.getLogger(__name__)
+
+# The raw-pixel baseline's side length: large images are shrunk so the vectors stay small.
+PIXEL_SIDE_MAX = 64
+
+
+@dataclass
+class EmbeddedSet:
+    """Vectors of one split.
+
+    Attributes:
+        embeddings: ``(n, d)`` float32, unit rows.
+        labels: ``(n,)`` class names.
+        cameras: ``(n,)`` int64 camera ids, or ``None``.
+    """
+
+    embeddings: np.ndarray
+    labels: np.ndarray
+    cameras: np.ndarray | None
+
+
+def embed_split(
+    model: EmbeddingNet, source: ImageSource, indices: np.ndarray, *, batch_size: int = 256,
+    tag: str = "validation",
+) -> EmbeddedSet:
+    """Embed source items with ``Embedder.from_model`` (eval mode restored afterwards).
+
+    Args:
+        model: the network (on its training device).
+        source: the images.
+        indices: ``(k,)`` int64 source indices.
+        tag: names the model in the Embedder (skips hashing the weights at every epoch).
+    """
+    embedder = Embedder.from_model(model, model_version=tag, batch_size=batch_size)
+    parts, kept = [], []
+    for chunk_indices, images in iter_images(source, indices):
+        if images:
+            parts.append(embedder.embed(images))
+            kept.append(chunk_indices)
+    return _embedded(source, parts, kept, model.spec.dim)
+
+
+def pixel_split(source: ImageSource, indices: np.ndarray, *, side: int) -> EmbeddedSet:
+    """The raw-pixel baseline: each image resized to ``side`` (at most 64) px, flattened,
+    L2-normalised (greyscale sources keep one channel)."""
+    side = min(side, PIXEL_SIDE_MAX)
+    mode = "L" if source.grayscale else "RGB"
+    parts, kept = [], []
+    for chunk_indices, images in iter_images(source, indices):
+        if not images:
+            continue
+        rows = np.stack([
+            np.asarray(im.convert(mode).resize((side, side)), dtype=np.float32).reshape(-1)
+            for im in images
+        ])
+        rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+        parts.append(rows)
+        kept.append(chunk_indices)
+    return _embedded(source, parts, kept, side * side * (1 if source.grayscale else 3))
+
+
+def _embedded(
+    source: ImageSource, parts: list[np.ndarray], kept: list[np.ndarray], dim: int
+) -> EmbeddedSet:
+    index = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    embeddings = np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+    cameras = source.cameras[index] if source.cameras is not None else None
+    return EmbeddedSet(embeddings.astype(np.float32, copy=False), source.labels[index], cameras)
+
+
+def score_split(
+    queries: EmbeddedSet, gallery: EmbeddedSet | None = None, *,
+    k: tuple[int, ...] = (1, 5, 10), device: str = "cpu",
+) -> dict[str, Any]:
+    """Retrieval metrics of one split by ``imgret.metrics.retrieval_metrics``.
+
+    Args:
+        queries: the query vectors.
+        gallery: the gallery; ``None`` = the queries themselves (``query_in_gallery``).
+        k: cut-offs of the ``*_at_k`` metrics (those beyond the gallery size are left out).
+        device: where the exact search runs (``cpu`` or ``cuda``).
+
+    Returns:
+        The metrics dict (``map_at_r``, ``r_precision``, ``precision_at_1``, ..., ``ci95``),
+        made JSON-ready (NumPy scalars to floats, keys to strings).
+    """
+    same = gallery is None
+    gallery = queries if gallery is None else gallery
+    cameras = queries.cameras is not None and gallery.cameras is not None
+    # A tiny split (tests, a small validation set) has fewer items than the largest k.
+    limit = len(gallery.labels) - int(same)
+    ks = tuple(x for x in k if x <= limit) or (1,)
+    metrics = retrieval_metrics(
+        queries.embeddings, queries.labels.astype(str), gallery.embeddings,
+        gallery.labels.astype(str), k=ks, query_in_gallery=same, device=device,
+        query_cameras=queries.cameras if cameras else None,
+        gallery_cameras=gallery.cameras if cameras else None,
+    )
+    return to_jsonable(metrics)
+
+
+def to_jsonable(value: Any) -> Any:
+    """NumPy scalars/arrays and tuples to plain Python, dict keys to str (for JSON and
+    for ``torch.load(weights_only=True)``)."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def format_metric(metrics: dict[str, Any], name: str = "map_at_r") -> str:
+    """``0.512 [0.498, 0.527]``: a metric with its 95% interval when there is one."""
+    value = metrics.get(name)
+    if value is None:
+        return "n/a"
+    ci = (metrics.get("ci95") or {}).get(name)
+    return f"{value:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else f"{value:.4f}"

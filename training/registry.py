@@ -1,0 +1,309 @@
+"""Loss and miner registry: CLI name -> a pytorch-metric-learning object with documented defaults.
+
+Every entry records where its default hyper-parameters come from (the paper, or PML's own
+default when the paper has none that fits unit-norm embeddings) and why it is in the list. The
+names are the values of ``imgret train --loss/--miner`` and ``imgret benchmark --losses``.
+
+Losses that own parameters (proxies, class weights) need an optimiser of their own; their
+``LossSpec.has_params`` says so and ``param_lr_mult`` gives their learning rate relative to the
+trunk's (proxies must move much faster than a network's weights, Kim et al. 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pytorch_metric_learning import losses, miners
+from torch import nn
+
+from imgret.errors import UnknownName
+from training.config import TrainConfigError
+
+NO_MINER = "none"
+
+
+class SoftmaxClassifierLoss(nn.Module):
+    """A plain linear softmax classifier on the embedding, trained with cross-entropy.
+
+    The baseline every metric-learning loss should beat (Musgrave et al. 2020 found well-tuned
+    classification losses hard to beat). Same call signature as PML losses.
+
+    Args:
+        num_classes: number of training classes (labels are ``0..num_classes-1``).
+        embedding_size: the embedding dimension ``d``.
+        label_smoothing: cross-entropy label smoothing (0 = plain cross-entropy).
+    """
+
+    def __init__(self, num_classes: int, embedding_size: int, label_smoothing: float = 0.0):
+        super().__init__()
+        self.classifier = nn.Linear(embedding_size, num_classes)
+        self.label_smoothing = float(label_smoothing)
+
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: Any = None
+    ) -> torch.Tensor:
+        """Mean cross-entropy of ``(n, d)`` embeddings against ``(n,)`` int64 labels."""
+        logits = self.classifier(embeddings.float())
+        return F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How to build one loss.
+
+    Attributes:
+        factory: ``factory(num_classes=..., embedding_size=..., **options) -> nn.Module``; the
+            module is called as ``loss(embeddings (n, d), labels (n,), indices_tuple)``.
+        needs_classes: the factory needs the number of training classes (proxies/classifier).
+        has_params: the loss owns trainable parameters -> its own optimiser.
+        default_miner: a key of :data:`MINERS` used when ``--miner`` is not given.
+        accepts_miner: tuple-based losses take mined pairs/triplets; proxy and classifier
+            losses do not (a miner there would be silently meaningless, so it is refused).
+        defaults: the documented default hyper-parameters (the only options accepted).
+        param_lr_mult: learning rate of the loss's own parameters relative to the trunk's.
+        source: where the defaults come from.
+        reason: one line on why this loss is in the comparison.
+    """
+
+    factory: Callable[..., nn.Module]
+    needs_classes: bool
+    has_params: bool
+    default_miner: str
+    accepts_miner: bool
+    defaults: Mapping[str, Any]
+    param_lr_mult: float
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class MinerSpec:
+    """How to build one miner: ``factory(**defaults)`` (``None`` factory = no mining)."""
+
+    factory: Callable[..., nn.Module] | None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+def _pml(cls: type, *, with_classes: bool) -> Callable[..., nn.Module]:
+    def build(*, num_classes: int, embedding_size: int, **options: Any) -> nn.Module:
+        if with_classes:
+            return cls(num_classes=num_classes, embedding_size=embedding_size, **options)
+        return cls(**options)
+
+    build.__name__ = f"build_{cls.__name__}"
+    return build
+
+
+def _softmax(*, num_classes: int, embedding_size: int, **options: Any) -> nn.Module:
+    return SoftmaxClassifierLoss(num_classes, embedding_size, **options)
+
+
+LOSSES: dict[str, LossSpec] = {
+    "contrastive": LossSpec(
+        _pml(losses.ContrastiveLoss, with_classes=False), False, False, NO_MINER, True,
+        {"pos_margin": 0.0, "neg_margin": 1.0}, 1.0,
+        "PML defaults (Hadsell et al. 2006 margin loss on L2 distance of unit vectors)",
+        "the oldest pair loss; Musgrave et al. 2020 found it competitive when tuned",
+    ),
+    "triplet": LossSpec(
+        _pml(losses.TripletMarginLoss, with_classes=False), False, False, "semihard", True,
+        {"margin": 0.2}, 1.0,
+        "FaceNet (Schroff et al. 2015): margin 0.2 with semi-hard negative mining",
+        "the classic triplet baseline, with FaceNet's own mining",
+    ),
+    "multi_similarity": LossSpec(
+        _pml(losses.MultiSimilarityLoss, with_classes=False), False, False,
+        "multi_similarity", True,
+        {"alpha": 2.0, "beta": 50.0, "base": 0.5}, 1.0,
+        "Wang et al. 2019: alpha 2, beta 50, miner eps 0.1; base 0.5 = PML default (paper: 1)",
+        "a strong pair loss in the Reality Check; weights pairs by their relative similarity",
+    ),
+    "proxy_anchor": LossSpec(
+        _pml(losses.ProxyAnchorLoss, with_classes=True), True, True, NO_MINER, False,
+        {"margin": 0.1, "alpha": 32.0}, 100.0,
+        "Kim et al. 2020: margin 0.1, alpha 32, proxies at 100x the trunk learning rate",
+        "fast-converging proxy loss; one proxy per class instead of mined pairs",
+    ),
+    "proxy_nca": LossSpec(
+        _pml(losses.ProxyNCALoss, with_classes=True), True, True, NO_MINER, False,
+        {"softmax_scale": 9.0}, 100.0,
+        "ProxyNCA++ (Teh et al. 2020): temperature 1/9 (scale 9), fast-moving proxies",
+        "the first proxy loss (Movshovitz-Attias et al. 2017)",
+    ),
+    "normalized_softmax": LossSpec(
+        _pml(losses.NormalizedSoftmaxLoss, with_classes=True), True, True, NO_MINER, False,
+        {"temperature": 0.05}, 1.0,
+        "Zhai & Wu 2019: temperature 0.05 (= PML default)",
+        "cosine softmax classifier; 'classification is a strong baseline' for retrieval",
+    ),
+    "cross_entropy": LossSpec(
+        _softmax, True, True, NO_MINER, False,
+        {"label_smoothing": 0.0}, 1.0,
+        "plain softmax cross-entropy on a linear classifier over the embedding",
+        "the baseline: what a classification network gives without metric learning",
+    ),
+    "cosface": LossSpec(
+        _pml(losses.CosFaceLoss, with_classes=True), True, True, NO_MINER, False,
+        {"margin": 0.35, "scale": 64.0}, 1.0,
+        "Wang et al. 2018 (CosFace): additive cosine margin 0.35, scale 64",
+        "large-margin cosine classifier from face recognition",
+    ),
+    "arcface": LossSpec(
+        _pml(losses.ArcFaceLoss, with_classes=True), True, True, NO_MINER, False,
+        {"margin": math.degrees(0.5), "scale": 64.0}, 1.0,
+        "Deng et al. 2019 (ArcFace): additive angular margin 0.5 rad (28.6 deg), scale 64",
+        "the standard face / re-ID classifier loss",
+    ),
+    "ntxent": LossSpec(
+        _pml(losses.NTXentLoss, with_classes=False), False, False, NO_MINER, True,
+        {"temperature": 0.07}, 1.0,
+        "PML default temperature 0.07 (MoCo / InfoNCE); positives = same-label pairs",
+        "InfoNCE / SimCLR loss used with labels: the contrastive-learning family",
+    ),
+    "supcon": LossSpec(
+        _pml(losses.SupConLoss, with_classes=False), False, False, NO_MINER, True,
+        {"temperature": 0.1}, 1.0,
+        "Khosla et al. 2020 (SupCon): temperature 0.1 (= PML default)",
+        "supervised contrastive learning, many positives per anchor",
+    ),
+    "circle": LossSpec(
+        _pml(losses.CircleLoss, with_classes=False), False, False, NO_MINER, True,
+        {"m": 0.4, "gamma": 80.0}, 1.0,
+        "Sun et al. 2020 (Circle loss): m 0.4, gamma 80 (= PML defaults)",
+        "unified pair-similarity loss with self-paced weighting",
+    ),
+}
+
+MINERS: dict[str, MinerSpec] = {
+    NO_MINER: MinerSpec(None, {}, "every pair / triplet in the batch"),
+    "semihard": MinerSpec(
+        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "semihard"},
+        "FaceNet: negatives farther than the positive but inside the margin",
+    ),
+    "hard": MinerSpec(
+        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "hard"},
+        "negatives closer than the positive (can collapse early in training)",
+    ),
+    "all": MinerSpec(
+        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "all"},
+        "every triplet that violates the margin",
+    ),
+    "multi_similarity": MinerSpec(
+        miners.MultiSimilarityMiner, {"epsilon": 0.1},
+        "Wang et al. 2019: pairs that are informative relative to the hardest of the other kind",
+    ),
+    "batch_hard": MinerSpec(
+        miners.BatchHardMiner, {}, "Hermans et al. 2017: hardest positive + hardest negative",
+    ),
+}
+
+
+@dataclass
+class LossBundle:
+    """A built loss: the module, its miner (or ``None``), and the optimiser rule.
+
+    ``loss(embeddings (n, d) float32, labels (n,) int64, indices_tuple) -> scalar``.
+    """
+
+    name: str
+    loss: nn.Module
+    miner: nn.Module | None
+    miner_name: str
+    options: dict[str, Any]
+    has_params: bool
+    param_lr_mult: float
+
+    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        indices = self.miner(embeddings, labels) if self.miner is not None else None
+        return self.loss(embeddings, labels, indices)
+
+
+def loss_spec(name: str) -> LossSpec:
+    """The registry entry of a loss; unknown names raise :class:`UnknownName`."""
+    if name not in LOSSES:
+        raise UnknownName("loss", name, list(LOSSES))
+    return LOSSES[name]
+
+
+def resolve_miner(loss: str, miner: str | None) -> str:
+    """The miner a loss runs with: ``miner`` if given (and valid for it), else its default.
+
+    Raises:
+        UnknownName: an unknown miner, or any miner but ``none`` for a loss that takes none.
+    """
+    spec = loss_spec(loss)
+    if miner is None:
+        return spec.default_miner
+    if miner not in MINERS:
+        raise UnknownName("miner", miner, list(MINERS))
+    if not spec.accepts_miner and miner != NO_MINER:
+        raise UnknownName(f"miner for loss {loss!r} (it mines nothing)", miner, [NO_MINER])
+    return miner
+
+
+def resolve_options(loss: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The loss's defaults updated with ``options``; an unknown option raises UnknownName.
+
+    Values are cast to the default's type (the CLI gives strings).
+    """
+    spec = loss_spec(loss)
+    resolved = dict(spec.defaults)
+    for key, value in (options or {}).items():
+        if key not in spec.defaults:
+            raise UnknownName(f"option of loss {loss!r}", key, list(spec.defaults))
+        default = spec.defaults[key]
+        try:
+            resolved[key] = type(default)(value)
+        except (TypeError, ValueError):
+            raise TrainConfigError(
+                f"option {key!r} of loss {loss!r} expects a {type(default).__name__}, "
+                f"got {value!r}"
+            ) from None
+    return resolved
+
+
+def build_loss(
+    name: str,
+    *,
+    num_classes: int,
+    embedding_size: int,
+    miner: str | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> LossBundle:
+    """Build a registry loss (and its miner) for ``num_classes`` training classes.
+
+    Args:
+        name: a key of :data:`LOSSES`.
+        num_classes: training classes; labels must be ``0..num_classes-1``.
+        embedding_size: the embedding dimension ``d``.
+        miner: a key of :data:`MINERS`; ``None`` = the loss's default.
+        options: overrides of the loss's documented defaults.
+
+    Raises:
+        UnknownName: unknown loss, miner or option (the message lists the valid ones).
+    """
+    spec = loss_spec(name)
+    miner_name = resolve_miner(name, miner)
+    resolved = resolve_options(name, options)
+    module = spec.factory(num_classes=num_classes, embedding_size=embedding_size, **resolved)
+    miner_spec = MINERS[miner_name]
+    miner_module = None if miner_spec.factory is None else miner_spec.factory(**miner_spec.defaults)
+    return LossBundle(
+        name, module, miner_module, miner_name, resolved, spec.has_params, spec.param_lr_mult
+    )
+
+
+def describe_registry() -> str:
+    """A plain-text table of the losses and miners (for ``--help`` and the docs)."""
+    lines = ["losses:"]
+    for name, spec in LOSSES.items():
+        opts = ", ".join(f"{k}={v:g}" for k, v in spec.defaults.items())
+        lines.append(f"  {name:<19} miner={spec.default_miner:<16} {opts}  ({spec.source})")
+    lines.append("miners: " + ", ".join(MINERS))
+    return "\n".join(lines)
