@@ -1,0 +1,262 @@
+"""POST /evaluate: retrieval metrics of a labelled query set, ranked through the serving index."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import FormData, UploadFile
+
+from imgret.errors import GalleryError
+from index import evaluation, store
+from index.search import Searcher
+from service.deps import ResourcesDep, require_api_key
+from service.resources import Resources
+from service.routers.gallery import LABEL_MAX
+from service.schemas import (
+    WORST_MAX,
+    EvaluateRequest,
+    EvaluationReport,
+    ModelComparison,
+    check_ks,
+)
+
+router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
+
+# An uploaded query set is embedded in one request: bound it (a named set has no such limit).
+UPLOAD_MAX_QUERIES = 2000
+_OPEN_LOCK = threading.Lock()
+
+_MULTIPART_SCHEMA = {
+    "type": "object",
+    "required": ["images", "labels"],
+    "properties": {
+        "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
+        "labels": {"type": "array", "items": {"type": "string"}},
+        "cameras": {"type": "array", "items": {"type": "integer"}},
+        "k": {"type": "array", "items": {"type": "integer"},
+              "description": "repeated, or one comma-separated value; default 1,5,10"},
+        "exclude_same_camera": {"type": "boolean"},
+        "worst": {"type": "integer", "minimum": 0, "maximum": WORST_MAX},
+    },
+}
+
+
+@router.post(
+    "",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                # Inlined: no route declares EvaluateRequest as a parameter, so FastAPI would
+                # not put it under components/schemas for a $ref to find.
+                "application/json": {"schema": EvaluateRequest.model_json_schema()},
+                "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
+            },
+        }
+    },
+    responses={
+        401: {"description": "missing or wrong X-API-Key"},
+        404: {"description": "unknown query set or model version"},
+        415: {"description": "neither JSON nor multipart"},
+        422: {"description": "invalid options, images or labels"},
+    },
+)
+async def evaluate_query_set(
+    request: Request, resources: ResourcesDep
+) -> EvaluationReport | ModelComparison:
+    """Evaluate retrieval on a labelled query set, through the same index as ``/search``.
+
+    Two ways to send the queries:
+
+    * **JSON** ``{"query_set": NAME, ...}``: a set stored by ``imgret ingest --query-set``.
+      ``model_version`` evaluates another stored version (its embeddings must exist);
+      ``compare_to`` evaluates a second one on the same queries and reports the paired
+      bootstrap difference of the two.
+    * **multipart**: ``images`` + ``labels`` (+ ``cameras``), embedded with the served model.
+
+    Options: ``k`` (cut-offs, default 1,5,10), ``exclude_same_camera`` (re-ID rule),
+    ``worst`` (the n worst queries with their top neighbours). The work runs in a worker
+    thread; the report says which protocol and model version produced it.
+    """
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/json":
+        options = _parse_json(await request.body())
+        return await anyio.to_thread.run_sync(_evaluate_named, resources, options)
+    if content_type == "multipart/form-data":
+        form = await _read_form(request)
+        try:
+            upload = await _parse_upload(form)
+        finally:
+            await form.close()
+        return await anyio.to_thread.run_sync(_evaluate_upload, resources, upload)
+    raise HTTPException(
+        415, "send JSON {\"query_set\": NAME, ...} or multipart images + labels"
+    )
+
+
+def _parse_json(body: bytes) -> EvaluateRequest:
+    try:
+        return EvaluateRequest.model_validate_json(body)
+    except ValidationError as exc:
+        # FastAPI's own 422 shape, as if the body had been declared as a parameter.
+        raise RequestValidationError(
+            [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+        ) from None
+
+
+async def _read_form(request: Request) -> FormData:
+    try:
+        return await request.form(max_files=UPLOAD_MAX_QUERIES, max_fields=4 * UPLOAD_MAX_QUERIES)
+    except Exception as exc:  # starlette's MultiPartException and parser errors
+        raise HTTPException(400, f"malformed multipart body: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _Upload:
+    """A parsed multipart evaluation request."""
+
+    images: list[bytes]
+    labels: list[str]
+    cameras: list[int] | None
+    ks: list[int] | None
+    exclude_same_camera: bool
+    worst: int
+
+
+async def _parse_upload(form: FormData) -> _Upload:
+    unknown = set(form.keys()) - {"images", "labels", "cameras", "k", "exclude_same_camera",
+                                  "worst"}
+    if unknown:
+        raise HTTPException(
+            422, f"unknown fields {sorted(unknown)}; model_version and compare_to need a named "
+                 "query set (JSON): uploads are embedded with the served model"
+        )
+    files = form.getlist("images")
+    if not files:
+        raise HTTPException(422, "no `images`: send the query images as repeated fields")
+    if any(not isinstance(f, UploadFile) for f in files):
+        raise HTTPException(422, "`images` must be files, not text fields")
+    labels = [str(v) for v in form.getlist("labels")]
+    if len(labels) != len(files):
+        raise HTTPException(
+            422, f"{len(labels)} labels for {len(files)} images: send one label per image"
+        )
+    if any(not label.strip() or len(label) > LABEL_MAX for label in labels):
+        raise HTTPException(422, f"a label is 1 to {LABEL_MAX} characters, not empty")
+    cameras = None
+    raw_cameras = form.getlist("cameras")
+    if raw_cameras:
+        if len(raw_cameras) != len(files):
+            raise HTTPException(
+                422, f"{len(raw_cameras)} cameras for {len(files)} images: one per image"
+            )
+        cameras = [_int(v, "cameras") for v in raw_cameras]
+    ks_raw = [part for value in form.getlist("k") for part in str(value).split(",") if part.strip()]
+    try:
+        ks = check_ks([_int(v, "k") for v in ks_raw]) if ks_raw else None
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    exclude = _bool(form.get("exclude_same_camera", "false"))
+    worst = _int(form.get("worst", "0"), "worst")
+    if not 0 <= worst <= WORST_MAX:
+        raise HTTPException(422, f"worst must be between 0 and {WORST_MAX}")
+    images = [await f.read() for f in files]
+    return _Upload(images, labels, cameras, ks, exclude, worst)
+
+
+def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
+    queries = evaluation.embed_queries(
+        upload.images, upload.labels, embedder=resources.embedder, cameras=upload.cameras,
+        max_pixels=resources.settings.max_image_pixels,
+    )
+    return evaluation.evaluate(
+        resources.searcher, queries, k=upload.ks,
+        exclude_same_camera=upload.exclude_same_camera, worst=upload.worst,
+    ).report
+
+
+def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str, Any]:
+    version_a = options.model_version or resources.searcher.model_version
+    _require_known(resources, options.query_set, [version_a, options.compare_to])
+    result_a = _evaluate_version(resources, options, version_a)
+    if options.compare_to is None:
+        return result_a.report
+    result_b = _evaluate_version(resources, options, options.compare_to)
+    comparison = evaluation.compare_versions(result_a, result_b)
+    return {
+        "a": result_a.report,
+        "b": result_b.report,
+        "difference": {m: v for m, v in comparison.items() if m not in ("b_better", "a_better")},
+        "b_better": comparison["b_better"],
+        "a_better": comparison["a_better"],
+    }
+
+
+def _evaluate_version(
+    resources: Resources, options: EvaluateRequest, version: str
+) -> evaluation.Evaluation:
+    searcher = _searcher_for(resources, version)
+    with resources.sessions() as session:
+        queries = evaluation.load_query_batch(
+            options.query_set, session=session, model_version=version,
+            embedder=resources.embedder, media=resources.media,
+            max_pixels=resources.settings.max_image_pixels,
+        )
+    return evaluation.evaluate(
+        searcher, queries, k=options.k, exclude_same_camera=options.exclude_same_camera,
+        worst=options.worst,
+    )
+
+
+def _require_known(resources: Resources, query_set: str, versions: list[str | None]) -> None:
+    """404 for a query set or model version that was never stored (before any work)."""
+    with resources.sessions() as session:
+        known = {row.version for row in store.list_model_versions(session=session)}
+        for version in versions:
+            if version is not None and version not in known:
+                raise HTTPException(
+                    404, f"unknown model version {version!r}; stored: {', '.join(sorted(known))}"
+                )
+        try:
+            store.load_query_set(query_set, session=session)
+        except GalleryError as exc:
+            raise HTTPException(404, str(exc)) from None
+
+
+def _searcher_for(resources: Resources, version: str) -> Searcher:
+    """The served index, or (opened once, then kept up to date) another version's index."""
+    if version == resources.searcher.model_version:
+        return resources.searcher
+    with _OPEN_LOCK:
+        searcher = resources.extra_searchers.get(version)
+        if searcher is None:
+            # Raises GalleryError (-> 4xx) for a version that was never stored.
+            searcher = Searcher.open(
+                resources.sessions, resources.settings.data_dir,
+                resources.settings.index_factory, model_version=version,
+            )
+            resources.extra_searchers[version] = searcher
+    searcher.refresh_from_changes()
+    return searcher
+
+
+def _int(value: Any, name: str) -> int:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise HTTPException(422, f"{name}: {str(value)[:40]!r} is not an integer") from None
+
+
+def _bool(value: Any) -> bool:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise HTTPException(422, f"exclude_same_camera: {text[:20]!r} is not a boolean")

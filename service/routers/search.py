@@ -1,0 +1,135 @@
+"""/search and /search/batch: query images in, ranked gallery items out (dynamically batched)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
+
+from imgret.errors import ImageDecodeError
+from index.search import Hit, Searcher, SearchFilter
+from service.deps import ResourcesDep
+from service.pipeline import ImageQuery
+from service.routers.gallery import LABEL_MAX, image_uri, parse_json_object
+from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
+
+router = APIRouter(prefix="/search", tags=["search"])
+
+K_DEFAULT = 10
+BATCH_MAX_IMAGES = 256
+
+_ERRORS = {
+    413: {"description": "upload or image too large"},
+    422: {"description": "not an image, or invalid options"},
+}
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What every search request may say besides its images."""
+
+    k: int
+    filters: SearchFilter | None
+
+
+def search_options(
+    k_form: Annotated[
+        int | None, Form(alias="k", ge=1, le=K_MAX, description="neighbours (default 10)")
+    ] = None,
+    k_query: Annotated[
+        int | None, Query(alias="k", ge=1, le=K_MAX, description="same as the form field k")
+    ] = None,
+    label: Annotated[
+        str | None, Form(max_length=LABEL_MAX, description="only items with this label")
+    ] = None,
+    camera: Annotated[int | None, Form(description="only items from this camera")] = None,
+    metadata: Annotated[
+        str | None,
+        Form(description='JSON object; only items whose metadata has these values, e.g. '
+                         '{"color": "red"}'),
+    ] = None,
+) -> SearchOptions:
+    """``k`` from the form or the query string, and the optional filters."""
+    if k_form is not None and k_query is not None and k_form != k_query:
+        raise HTTPException(422, f"k is {k_form} in the form but {k_query} in the query string")
+    k = k_form if k_form is not None else k_query if k_query is not None else K_DEFAULT
+    meta = parse_json_object(metadata, "metadata") if metadata else None
+    if label is None and camera is None and not meta:
+        return SearchOptions(k, None)
+    return SearchOptions(k, SearchFilter(label=label, camera=camera, metadata=meta))
+
+
+SearchOptionsDep = Annotated[SearchOptions, Depends(search_options)]
+
+
+@router.post("", responses=_ERRORS)
+async def search_images(
+    request: Request,
+    resources: ResourcesDep,
+    image: Annotated[UploadFile, File(description="the query image")],
+    options: SearchOptionsDep,
+) -> SearchResponse:
+    """The ``k`` gallery items most similar to one image, best first.
+
+    Concurrent requests are decoded and embedded together (dynamic batching), off the event
+    loop. ``score`` is the cosine similarity of unit embeddings: higher is better.
+    """
+    start = time.perf_counter()
+    form = await request.form()  # already parsed by FastAPI; this returns the same object
+    if len(form.getlist("image")) != 1:
+        raise HTTPException(422, "send exactly one `image` file (use /search/batch for more)")
+    data = await image.read()
+    hits = await resources.batcher.submit(ImageQuery(data, options.k, options.filters))
+    return SearchResponse(
+        results=_public_hits(resources.searcher, hits),
+        took_ms=round((time.perf_counter() - start) * 1000, 3),
+        model_version=resources.searcher.model_version,
+    )
+
+
+@router.post("/batch", responses=_ERRORS)
+async def search_images_batch(
+    resources: ResourcesDep,
+    images: Annotated[
+        list[UploadFile], File(description=f"query images (at most {BATCH_MAX_IMAGES})")
+    ],
+    options: SearchOptionsDep,
+) -> SearchBatchResponse:
+    """The neighbours of several images, in request order (each list best first).
+
+    A corrupt image fails the whole request with 422, naming its position (``images[i]``).
+    """
+    start = time.perf_counter()
+    if len(images) > BATCH_MAX_IMAGES:
+        raise HTTPException(422, f"{len(images)} images: send at most {BATCH_MAX_IMAGES}")
+    queries = [ImageQuery(await upload.read(), options.k, options.filters) for upload in images]
+    results = await resources.batcher.submit_many(queries, return_exceptions=True)
+    for position, result in enumerate(results):
+        if isinstance(result, ImageDecodeError):
+            # Same type (same status), with the position of the bad image in the message.
+            raise type(result)(f"images[{position}]: {result}") from None
+        if isinstance(result, BaseException):
+            raise result
+    return SearchBatchResponse(
+        results=[_public_hits(resources.searcher, hits) for hits in results],
+        took_ms=round((time.perf_counter() - start) * 1000, 3),
+        model_version=resources.searcher.model_version,
+    )
+
+
+def _public_hits(searcher: Searcher, hits: list[Hit]) -> list[SearchHit]:
+    """Hits with their label, camera and metadata from the index's own map (no SQL)."""
+    public = []
+    for hit in hits:
+        info = searcher.info(hit.id)
+        if info is None:
+            continue  # deleted while this request was in flight
+        public.append(
+            SearchHit(
+                id=hit.id, score=hit.score, label=info.label, camera=info.camera,
+                uri=image_uri(hit.id), metadata=dict(info.metadata or {}),
+            )
+        )
+    return public

@@ -1,0 +1,195 @@
+"""Pydantic models of the HTTP API: what the routers accept as JSON and what they return."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+K_MAX = 1000
+WORST_MAX = 100
+
+
+class HealthStatus(BaseModel):
+    """Liveness and what is being served."""
+
+    status: str = Field(examples=["ok"])
+    model_version: str
+    index_size: int = Field(description="vectors in the served index")
+    device: str = Field(examples=["cpu", "cuda"])
+
+
+class SearchHit(BaseModel):
+    """One neighbour: a gallery item and its similarity to the query (higher is better)."""
+
+    id: int
+    score: float = Field(description="inner product of unit vectors (cosine similarity)")
+    label: str
+    camera: int | None = None
+    uri: str = Field(description="where to fetch the stored image", examples=["/gallery/7/image"])
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SearchResponse(BaseModel):
+    """The neighbours of one query, best first."""
+
+    results: list[SearchHit]
+    took_ms: float
+    model_version: str
+
+
+class SearchBatchResponse(BaseModel):
+    """The neighbours of each query, in request order, each list best first."""
+
+    results: list[list[SearchHit]]
+    took_ms: float
+    model_version: str
+
+
+class GalleryItemPublic(BaseModel):
+    """A gallery item as the API shows it."""
+
+    id: int
+    label: str
+    camera: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    content_type: str
+    sha256: str
+    uri: str = Field(description="where to fetch the stored image")
+    created_at: datetime
+
+
+class GalleryItemList(BaseModel):
+    """One page of gallery items and the number of items matching the filter."""
+
+    data: list[GalleryItemPublic]
+    count: int = Field(description="items matching the filter, over all pages")
+    offset: int
+    limit: int
+
+
+class GalleryItemsCreated(BaseModel):
+    """The ids of the uploaded items, in upload order.
+
+    An image whose bytes were already in the gallery is not stored twice: its existing id
+    is returned and its ``created`` entry is false.
+    """
+
+    ids: list[int]
+    created: list[bool]
+
+
+class EvaluateRequest(BaseModel):
+    """``POST /evaluate`` as JSON: evaluate a named query set stored by ``imgret ingest``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query_set: str = Field(min_length=1, max_length=255)
+    k: list[int] | None = Field(
+        default=None, min_length=1, max_length=20,
+        description="cut-offs; default 1, 5, 10 (those not over the gallery size)",
+    )
+    exclude_same_camera: bool = Field(
+        False, description="re-ID protocol: drop same-label same-camera gallery items"
+    )
+    model_version: str | None = Field(
+        None, description="a stored model version (default: the served one)"
+    )
+    compare_to: str | None = Field(
+        None, description="a second model version: report both and the paired difference"
+    )
+    worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
+
+    @field_validator("k")
+    @classmethod
+    def _check_k(cls, value: list[int] | None) -> list[int] | None:
+        return None if value is None else check_ks(value)
+
+
+def check_ks(values: list[int]) -> list[int]:
+    """Sorted unique cut-offs, each in 1..1000.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    bad = [v for v in values if not 1 <= v <= K_MAX]
+    if bad:
+        raise ValueError(f"k must be between 1 and {K_MAX}, got {bad}")
+    return sorted(set(values))
+
+
+class Neighbour(BaseModel):
+    """A neighbour of a query in an evaluation report."""
+
+    id: int
+    label: str
+    score: float
+    relevant: bool
+
+
+class WorstQuery(BaseModel):
+    """A query that did badly, with its top neighbours (to see what the model confuses)."""
+
+    index: int = Field(description="position of the query in the query set")
+    label: str
+    camera: int | None = None
+    query_id: int | None = Field(None, description="query item id (named query sets)")
+    average_precision_at_r: float
+    first_relevant_rank: int | None = Field(description="1-based; null when none was ranked")
+    neighbours: list[Neighbour]
+
+
+class EvaluationReport(BaseModel):
+    """Retrieval metrics of a labelled query set, ranked through the serving index.
+
+    Metric definitions are ``imgret.metrics.ranking_metrics``'s; ``ci95`` holds each metric's
+    seeded bootstrap interval over queries (``[low, high]``, per k for the ``*_at_k`` ones).
+    """
+
+    protocol: str = Field(description="how relevance and rankings were defined")
+    model_version: str
+    index_factory: str
+    query_set: str | None = Field(description="the named query set; null for an upload")
+    gallery_size: int
+    depth: int = Field(description="ranking depth: max(max R, max k), at most the gallery")
+    num_queries: int
+    num_skipped: int = Field(description="queries with no relevant gallery item (R = 0)")
+    num_truncated: int = Field(
+        description="queries with relevant items below the depth (their mAP is a lower bound)"
+    )
+    k: list[int]
+    map_at_r: float
+    r_precision: float
+    precision_at_1: float
+    mean_average_precision: float
+    mrr: float
+    recall_at_k: dict[int, float]
+    map_at_k: dict[int, float]
+    ndcg_at_k: dict[int, float]
+    recall_fraction_at_k: dict[int, float]
+    ci95: dict[str, Any] | None
+    worst: list[WorstQuery] | None = None
+
+
+class PairedDifference(BaseModel):
+    """One metric of two model versions on the same queries."""
+
+    a: float
+    b: float
+    difference: float = Field(description="b - a")
+    ci95: list[float] = Field(description="paired bootstrap 95% interval of the difference")
+    num_paired: int
+
+
+class ModelComparison(BaseModel):
+    """Two model versions on the same queries, and B − A with paired bootstrap intervals.
+
+    "B is better" is claimed for a metric only when its whole interval lies above zero.
+    """
+
+    a: EvaluationReport
+    b: EvaluationReport
+    difference: dict[str, PairedDifference]
+    b_better: list[str]
+    a_better: list[str]

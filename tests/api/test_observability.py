@@ -1,0 +1,93 @@
+"""/health, /metrics, the access log, OpenAPI and the web page's static files."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tests.api.conftest import add_gallery, png, search
+
+
+def test_health_reports_model_index_and_device(local_client) -> None:
+    add_gallery(local_client, classes=2, per_class=3)
+    body = local_client.get("/health").json()
+    assert body["status"] == "ok"
+    assert body["index_size"] == 6
+    assert body["device"] == "cpu"
+    assert body["model_version"].startswith("tiny_cnn-d16-")
+
+
+def test_metrics_count_requests_per_route_template(local_client) -> None:
+    ids = sorted(add_gallery(local_client, classes=2, per_class=2))
+    for item_id in ids:
+        local_client.get(f"/gallery/{item_id}")
+    local_client.get("/gallery/999")
+    search(local_client, png(0, 9))
+    local_client.get("/no/such/path")
+
+    text = local_client.get("/metrics").text
+
+    assert 'imgret_http_requests_total{method="GET",route="/gallery/{item_id}",status="200"} 4.0' \
+        in text
+    assert 'route="/gallery/{item_id}",status="404"} 1.0' in text
+    assert 'route="<unmatched>",status="404"} 1.0' in text
+    assert "/gallery/999" not in text  # raw paths never become labels
+    assert 'imgret_http_request_duration_seconds_bucket{le="0.1",method="POST",route="/search"}' \
+        in text
+    assert "imgret_batch_size_count 1.0" in text
+    assert "imgret_embed_seconds_count" in text
+    assert "imgret_index_size 4.0" in text
+    assert 'imgret_gallery_writes_total{op="add"} 4.0' in text
+
+
+def test_one_json_log_line_per_request(local_client, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="service.access"):
+        local_client.get("/health", headers={"X-Request-ID": "abc-123"})
+        local_client.get("/gallery/42")
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "service.access"]
+    assert [(line["route"], line["status"]) for line in lines] == [
+        ("/health", 200), ("/gallery/{item_id}", 404)
+    ]
+    assert lines[0]["request_id"] == "abc-123"
+    assert lines[1]["path"] == "/gallery/42"
+    assert all(line["duration_ms"] >= 0 for line in lines)
+
+
+def test_request_id_is_echoed_or_made_up(local_client) -> None:
+    assert local_client.get("/health", headers={"X-Request-ID": "req-7"}).headers[
+        "x-request-id"] == "req-7"
+    made_up = local_client.get("/health", headers={"X-Request-ID": "bad id\r\nx"})
+    assert len(made_up.headers["x-request-id"]) == 32
+
+
+def test_openapi_has_stable_operation_ids(local_client) -> None:
+    spec = local_client.get("/openapi.json").json()
+    ids = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
+    assert {
+        "health-read_health", "search-search_images", "search-search_images_batch",
+        "gallery-add_gallery_items", "gallery-list_gallery_items", "gallery-read_gallery_item",
+        "gallery-read_gallery_image", "gallery-delete_gallery_item",
+        "evaluate-evaluate_query_set", "metrics-read_metrics",
+    } <= ids
+    evaluate = spec["paths"]["/evaluate"]["post"]["requestBody"]["content"]
+    assert set(evaluate) == {"application/json", "multipart/form-data"}
+    assert "query_set" in evaluate["application/json"]["schema"]["properties"]
+    assert local_client.get("/docs").status_code == 200
+
+
+def test_web_page_and_its_assets_are_served(local_client) -> None:
+    page = local_client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/static/app.js" in page.text
+    for asset, kind in (("app.js", "javascript"), ("style.css", "text/css")):
+        response = local_client.get(f"/static/{asset}")
+        assert response.status_code == 200 and kind in response.headers["content-type"]
+
+
+def test_no_model_configured_fails_at_start(make_local_client) -> None:
+    from imgret.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="IMGRET_MODEL"), make_local_client(model=None):
+        pass
