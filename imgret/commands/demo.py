@@ -1,9 +1,169 @@
-"""CLI commands: demo."""
+"""CLI command: `imgret demo`, the whole pipeline on Fashion-MNIST, then the server.
+
+Train (closed-set protocol) -> export a gallery and a held-out query set as PNG folders ->
+ingest both -> build the index -> evaluate through the serving path, beside the untrained
+network and raw pixels measured by the same metric function on the same images -> serve.
+Every stage reuses the CLI's own commands, and a re-run reuses what is already there.
+"""
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import typer
+
+QUERY_SET = "fashion-mnist-test"
 
 
 def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
     """Add this area's commands to the CLI."""
+
+    @app.command("demo")
+    def demo_command(
+        data_dir: Path | None = typer.Option(
+            None, "--data-dir", help="where the run, database and images go; default "
+            "IMGRET_DATA_DIR (imgret-data)"
+        ),
+        gallery_per_class: int = typer.Option(300, min=2, help="Fashion-MNIST train images"),
+        queries_per_class: int = typer.Option(50, min=1, help="held-out test images"),
+        epochs: int = typer.Option(4, min=1, help="training epochs"),
+        train_images: int = typer.Option(12000, min=100, help="training images (subset)"),
+        host: str = typer.Option("127.0.0.1"),
+        port: int = typer.Option(8000, min=1, max=65535),
+        serve: bool = typer.Option(True, "--serve/--no-serve", help="start the API at the end"),
+    ) -> None:
+        """Train, ingest, index and evaluate on Fashion-MNIST, then serve the API and web page."""
+        from imgret.settings import get_settings
+
+        data_dir = (data_dir or get_settings().data_dir).resolve()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = data_dir / "demo-run"
+        # Every stage below reads its settings from the environment, as a user's commands do;
+        # afterwards `IMGRET_MODEL=<data dir>/demo-run imgret serve` serves the same gallery.
+        os.environ["IMGRET_DATA_DIR"] = str(data_dir)
+        os.environ["IMGRET_MODEL"] = str(run_dir)
+        get_settings.cache_clear()
+        timings: list[tuple[str, float]] = []
+
+        def stage(name: str, work: Callable[[], None]) -> None:
+            typer.secho(f"\n== {name}", bold=True)
+            start = time.perf_counter()
+            work()
+            timings.append((name, time.perf_counter() - start))
+
+        def cli(*args: str) -> None:
+            from imgret.cli import app as cli_app
+
+            cli_app(list(args), standalone_mode=False)
+
+        stage("train (closed-set protocol)", lambda: _train(cli, run_dir, epochs, train_images))
+        stage("export images", lambda: _export(data_dir, gallery_per_class, queries_per_class))
+        stage("ingest gallery", lambda: cli("ingest", str(data_dir / "demo-gallery")))
+        stage("ingest query set", lambda: cli(
+            "ingest", str(data_dir / "demo-queries"), "--query-set", QUERY_SET))
+        stage("build index", lambda: cli("index", "build"))
+        stage("evaluate", lambda: _evaluate(data_dir, run_dir))
+
+        typer.secho("\n== stage times", bold=True)
+        for name, seconds in timings:
+            typer.echo(f"{name:<30} {seconds:7.1f} s")
+        typer.echo(f"{'total':<30} {sum(s for _, s in timings):7.1f} s")
+        if serve:
+            typer.secho(f"\nserving on http://{host}:{port}/  (Ctrl-C to stop)", bold=True)
+            from imgret.commands.serve import serve as run_server
+
+            run_server(host=host, port=port)
+
+
+def _train(cli: Callable[..., None], run_dir: Path, epochs: int, train_images: int) -> None:
+    if (run_dir / "metrics.json").is_file():
+        typer.echo(f"{run_dir}: trained already, reusing it (delete the folder to retrain)")
+        return
+    cli(
+        "train", "--data", "fashion-mnist", "--protocol", "closed-set",
+        "--loss", "multi_similarity", "--backbone", "tiny_cnn", "--dim", "64",
+        "--image-size", "28", "--epochs", str(epochs),
+        "--max-train-images", str(train_images), "--max-eval-images", "2000",
+        "--out", str(run_dir),
+    )
+
+
+def _export(data_dir: Path, gallery_per_class: int, queries_per_class: int) -> None:
+    """PNG folders: gallery from the train split, queries from the test split (never trained)."""
+    from PIL import Image
+
+    from imgret.datasets import FASHION_MNIST_CLASSES, load_fashion_mnist
+
+    for split, folder, per_class in (
+        ("train", data_dir / "demo-gallery", gallery_per_class),
+        ("test", data_dir / "demo-queries", queries_per_class),
+    ):
+        marker = folder / f".complete-{per_class}"
+        if marker.is_file():
+            typer.echo(f"{folder}: exported already")
+            continue
+        images, labels = load_fashion_mnist(split=split)
+        for label, name in enumerate(FASHION_MNIST_CLASSES):
+            target = folder / name.replace("/", "-").replace(" ", "_")
+            target.mkdir(parents=True, exist_ok=True)
+            for index in (labels == label).nonzero()[0][:per_class]:
+                Image.fromarray(images[index], mode="L").save(target / f"{split}-{index:05d}.png")
+        marker.touch()
+        typer.echo(f"{folder}: {per_class} images per class from the {split} split")
+
+
+def _evaluate(data_dir: Path, run_dir: Path) -> None:
+    """The served model through the index, and two baselines by the same metric function."""
+    import json
+
+    import numpy as np
+
+    from imgret.checkpoint import EmbeddingNet, load_checkpoint
+    from imgret.commands.serve import evaluate_query_set
+    from imgret.datasets import list_records
+    from imgret.embedder import Embedder
+    from imgret.images import load_image_file
+    from imgret.metrics import retrieval_metrics
+    from index.evaluation import format_report
+
+    report = evaluate_query_set(QUERY_SET, ks=[1, 5, 10])
+    for line in format_report(report):
+        typer.echo(line)
+
+    gallery = list_records(data_dir / "demo-gallery")
+    queries = list_records(data_dir / "demo-queries")
+    g_images = [load_image_file(r.path) for r in gallery]
+    q_images = [load_image_file(r.path) for r in queries]
+    g_labels = [r.label for r in gallery]
+    q_labels = [r.label for r in queries]
+
+    def pixels(images: list) -> np.ndarray:
+        flat = np.stack([np.asarray(i.convert("L"), np.float32).ravel() for i in images])
+        return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+
+    import torch
+
+    spec = load_checkpoint(run_dir).spec
+    torch.manual_seed(0)
+    untrained = Embedder.from_model(EmbeddingNet(spec), device="cpu")
+    rows = {"trained (served index)": report}
+    rows["untrained network"] = retrieval_metrics(
+        untrained.embed(q_images), q_labels, untrained.embed(g_images), g_labels)
+    rows["raw pixels"] = retrieval_metrics(pixels(q_images), q_labels, pixels(g_images), g_labels)
+
+    typer.secho(
+        f"\nclosed-set retrieval, Fashion-MNIST: {len(queries)} test-split queries against "
+        f"{len(gallery)} train-split gallery images", bold=True)
+    typer.echo(f"{'embedding':<24} {'MAP@R':>22} {'R-Precision':>12} {'P@1':>8}")
+    for name, row in rows.items():
+        low, high = row["ci95"]["map_at_r"]
+        typer.echo(
+            f"{name:<24} {row['map_at_r']:8.4f} [{low:.4f}, {high:.4f}] "
+            f"{row['r_precision']:12.4f} {row['precision_at_1']:8.4f}"
+        )
+    summary = {name: {k: row[k] for k in ("map_at_r", "r_precision", "precision_at_1", "ci95")}
+               for name, row in rows.items()}
+    (data_dir / "demo_report.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,44 @@
+"""`imgret demo` end to end at a tiny scale (the README's first command runs the full size)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from imgret.cli import app
+from imgret.datasets import FASHION_MNIST_DIR
+from imgret.settings import get_settings
+
+pytestmark = pytest.mark.skipif(
+    not FASHION_MNIST_DIR.is_dir(), reason="apt-get install dataset-fashion-mnist"
+)
+
+
+def test_demo_runs_every_stage_and_reuses_its_work(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("IMGRET_DATABASE_URL", raising=False)
+    # The demo exports its settings to the environment for its stages; restore them after.
+    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("IMGRET_MODEL", str(tmp_path / "demo-run"))
+    args = ["demo", "--data-dir", str(tmp_path), "--gallery-per-class", "8",
+            "--queries-per-class", "3", "--epochs", "1", "--train-images", "300", "--no-serve"]
+    try:
+        first = CliRunner().invoke(app, args, catch_exceptions=False)
+        assert first.exit_code == 0, first.output
+        for stage in ("train", "ingest gallery", "ingest query set", "build index", "evaluate"):
+            assert f"== {stage}" in first.output
+        assert "closed-set retrieval" in first.output
+        report = json.loads((tmp_path / "demo_report.json").read_text())
+        assert set(report) == {"trained (served index)", "untrained network", "raw pixels"}
+        for row in report.values():
+            assert 0.0 <= row["map_at_r"] <= 1.0
+
+        second = CliRunner().invoke(app, args, catch_exceptions=False)
+        assert second.exit_code == 0, second.output
+        assert "trained already" in second.output
+        assert "exported already" in second.output
+        assert json.loads((tmp_path / "demo_report.json").read_text()) == report
+    finally:
+        get_settings.cache_clear()
