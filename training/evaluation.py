@@ -16,10 +16,12 @@ Which images are queries and which the gallery depends on the protocol:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet
 from imgret.embedder import Embedder
@@ -72,19 +74,24 @@ def pixel_split(source: ImageSource, indices: np.ndarray, *, side: int) -> Embed
     """The raw-pixel baseline: each image resized to ``side`` (at most 64) px, flattened,
     L2-normalised (greyscale sources keep one channel)."""
     side = min(side, PIXEL_SIDE_MAX)
-    mode = "L" if source.grayscale else "RGB"
     parts, kept = [], []
     for chunk_indices, images in iter_images(source, indices):
         if not images:
             continue
-        rows = np.stack([
-            np.asarray(im.convert(mode).resize((side, side)), dtype=np.float32).reshape(-1)
-            for im in images
-        ])
-        rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-        parts.append(rows)
+        parts.append(pixel_embeddings(images, side=side, grayscale=source.grayscale))
         kept.append(chunk_indices)
     return _embedded(source, parts, kept, side * side * (1 if source.grayscale else 3))
+
+
+def pixel_embeddings(images: Sequence[Image.Image], *, side: int, grayscale: bool) -> np.ndarray:
+    """Raw pixels as embeddings: ``(n, side*side[*3])`` float32, L2-normalised rows."""
+    mode = "L" if grayscale else "RGB"
+    rows = np.stack([
+        np.asarray(im.convert(mode).resize((side, side)), dtype=np.float32).reshape(-1)
+        for im in images
+    ])
+    rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+    return rows
 
 
 def _embedded(

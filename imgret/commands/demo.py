@@ -119,8 +119,6 @@ def _evaluate(data_dir: Path, run_dir: Path) -> None:
     """The served model through the index, and two baselines by the same metric function."""
     import json
 
-    import numpy as np
-
     from imgret.checkpoint import EmbeddingNet, load_checkpoint
     from imgret.commands.serve import evaluate_query_set
     from imgret.datasets import list_records
@@ -128,6 +126,7 @@ def _evaluate(data_dir: Path, run_dir: Path) -> None:
     from imgret.images import load_image_file
     from imgret.metrics import retrieval_metrics
     from index.evaluation import format_report
+    from training.evaluation import pixel_embeddings
 
     report = evaluate_query_set(QUERY_SET, ks=[1, 5, 10])
     for line in format_report(report):
@@ -140,10 +139,6 @@ def _evaluate(data_dir: Path, run_dir: Path) -> None:
     g_labels = [r.label for r in gallery]
     q_labels = [r.label for r in queries]
 
-    def pixels(images: list) -> np.ndarray:
-        flat = np.stack([np.asarray(i.convert("L"), np.float32).ravel() for i in images])
-        return flat / np.maximum(np.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
-
     import torch
 
     spec = load_checkpoint(run_dir).spec
@@ -152,7 +147,10 @@ def _evaluate(data_dir: Path, run_dir: Path) -> None:
     rows = {"trained (served index)": report}
     rows["untrained network"] = retrieval_metrics(
         untrained.embed(q_images), q_labels, untrained.embed(g_images), g_labels)
-    rows["raw pixels"] = retrieval_metrics(pixels(q_images), q_labels, pixels(g_images), g_labels)
+    side = spec.image_size
+    rows["raw pixels"] = retrieval_metrics(
+        pixel_embeddings(q_images, side=side, grayscale=True), q_labels,
+        pixel_embeddings(g_images, side=side, grayscale=True), g_labels)
 
     typer.secho(
         f"\nclosed-set retrieval, Fashion-MNIST: {len(queries)} test-split queries against "
