@@ -482,6 +482,7 @@ def test_numba_kernel_matches_numpy_path(monkeypatch):
     monkeypatch.setenv("IMGRET_METRICS_NUMBA", "0")
     assert a == retrieval_metrics(x, y, x, y, chunk_size=64, **kwargs)
     assert b == retrieval_metrics(x, y, x, y, query_in_gallery=True, chunk_size=64, **kwargs)
+    monkeypatch.setenv("IMGRET_METRICS_NUMBA", "1")
     xi, yi = integer_embeddings(300, seed=15)  # many exact ties
     plan = M._RelevancePlan(yi, yi, None, None, 300, 300, True)
     ev = np.flatnonzero(plan.num_relevant > 0)
