@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb guard")
     index_factory: str = Field("Flat", min_length=1, description="FAISS index factory string")
+    index_nprobe: int | None = Field(
+        None, ge=1, description="IVF lists visited per query (default nlist/16, at least 8)"
+    )
+    index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")
     batch_max_wait_ms: float = Field(5.0, ge=0)
 

@@ -172,7 +172,8 @@ def evaluate_query_set(
                 max_pixels=settings.max_image_pixels,
             )
         searcher = Searcher.open(sessions, settings.data_dir, settings.index_factory,
-                                 model_version=version)
+                                 model_version=version, nprobe=settings.index_nprobe,
+                                 ef_search=settings.index_ef_search)
         return evaluation.evaluate(
             searcher, queries, k=ks, exclude_same_camera=exclude_same_camera, worst=worst
         ).report

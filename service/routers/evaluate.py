@@ -240,6 +240,8 @@ def _searcher_for(resources: Resources, version: str) -> Searcher:
             searcher = Searcher.open(
                 resources.sessions, resources.settings.data_dir,
                 resources.settings.index_factory, model_version=version,
+                nprobe=resources.settings.index_nprobe,
+                ef_search=resources.settings.index_ef_search,
             )
             resources.extra_searchers[version] = searcher
     searcher.refresh_from_changes()

@@ -37,6 +37,8 @@ def test_environment_overrides(monkeypatch) -> None:
         ("IMGRET_DATABASE_URL", "mysql://root@localhost/db", "database_url"),
         ("IMGRET_BATCH_MAX_SIZE", "0", "batch_max_size"),
         ("IMGRET_BATCH_MAX_WAIT_MS", "-5", "batch_max_wait_ms"),
+        ("IMGRET_INDEX_NPROBE", "0", "index_nprobe"),
+        ("IMGRET_INDEX_EF_SEARCH", "zero", "index_ef_search"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(monkeypatch, variable, value, field) -> None:
