@@ -8,11 +8,12 @@ Protocol details (the contract leaves them to us):
 - R (relevant items of a query) = live gallery items of the searcher's model version with the
   query's label, counted from the searcher's own id -> label map, so the ranking and R
   describe the same gallery snapshot. Queries with R = 0 are skipped (``num_skipped``).
-- Ranking depth = max(max R, max k), bounded by the gallery size. MAP@R, R-Precision,
-  P@1, Recall@K, mAP@k, NDCG@k and MRR are exact at that depth. ``mean_average_precision``
-  is over the full ranking: it is exact for every query whose R relevant items all fall in
-  the top ``depth`` and a lower bound otherwise; those queries are counted in
-  ``num_truncated``.
+- Ranking depth: the whole gallery while queries x gallery <= ``FULL_RANKING_BUDGET``
+  (every metric exact); beyond that max(max R, max k), bounded by the gallery size. MAP@R,
+  R-Precision, P@1, Recall@K, mAP@k, NDCG@k are exact at that depth, and so is MRR for
+  queries with a hit in it. ``mean_average_precision`` is over the full ranking: exact for
+  every query whose R relevant items all fall in the top ``depth`` and a lower bound
+  otherwise; those queries are counted in ``num_truncated``.
 - Re-ID (``exclude_same_camera``): gallery items with the query's label *and* camera are
   removed from its ranking (an ``exclude_ids`` filter, so the index still returns ``depth``
   other items) and from its R: the Market-1501 rule.
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_KS = (1, 5, 10)
 # Queries searched per index call: bounds the hit lists held at once to chunk x depth.
 _QUERY_CHUNK = 512
+# Query x gallery pairs up to which every query ranks the whole gallery (exact mAP).
+FULL_RANKING_BUDGET = 2_000_000
 # Neighbours listed for each of the worst queries.
 WORST_NEIGHBOURS = 10
 BOOTSTRAP = 1000
@@ -265,6 +268,9 @@ def rank_queries(
             filters[i] = excluded[group]
             num_relevant[i] -= len(excluded[group].exclude_ids)
     depth = int(min(gallery_size, max(int(num_relevant.max()), ks[-1])))
+    if n * gallery_size <= FULL_RANKING_BUDGET:
+        # Small enough to rank the whole gallery: mean_average_precision is then exact.
+        depth = gallery_size
 
     hits: list[list[Hit]] = []
     for start in range(0, n, _QUERY_CHUNK):

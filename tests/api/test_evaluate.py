@@ -261,3 +261,14 @@ def _json_keys(value):
     if isinstance(value, dict):
         return {str(k): _json_keys(v) for k, v in value.items()}
     return value
+
+
+def test_small_evaluations_rank_the_whole_gallery_so_map_is_exact(client) -> None:
+    gallery = add_gallery(client, classes=3, per_class=6)
+    images, labels = _queries(classes=3, per_class=2)
+
+    report = _post_upload(client, images, labels, k="1").json()
+
+    assert report["depth"] == len(gallery)
+    assert report["num_truncated"] == 0
+    assert 0.0 < report["mean_average_precision"] <= 1.0
