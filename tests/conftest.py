@@ -82,3 +82,14 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'imgret.db'}"
     return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def sessions(db_url: str):
+    """A sessionmaker on a fresh database (each backend) with the schema at head."""
+    from index.db import make_engine, make_sessionmaker, upgrade_to_head
+
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    yield make_sessionmaker(engine)
+    engine.dispose()

@@ -10,7 +10,6 @@ import pytest
 from sqlalchemy import update
 
 from index import store
-from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.manifest import INDEX_FILE, MANIFEST_FILE, index_dir
 from index.models import GalleryItem
 from index.search import Searcher, SearchFilter
@@ -18,14 +17,6 @@ from index.store import NewRow
 from tests.unit.index.vectors import clustered_vectors
 
 VERSION = "synthetic-v1"
-
-
-@pytest.fixture
-def sessions(db_url):
-    upgrade_to_head(db_url)
-    engine = make_engine(db_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 @pytest.fixture(autouse=True)

@@ -14,20 +14,11 @@ from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
 from imgret.images import decode_image
 from index import store
-from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import NewItem, add_items, ingest_source
 from index.media import MediaStore, sha256_hex
 from index.models import Embedding, GalleryChange, GalleryItem, ModelVersion, QueryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes, write_market_folder
-
-
-@pytest.fixture
-def sessions(db_url):
-    upgrade_to_head(db_url)
-    engine = make_engine(db_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
 
 
 @pytest.fixture(scope="module")
