@@ -44,3 +44,7 @@ def main() -> None:
     except FileNotFoundError as exc:
         typer.secho(f"error: {exc.filename}: file not found", fg=typer.colors.RED, err=True)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

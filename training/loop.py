@@ -49,6 +49,7 @@ from training.data import (
     stratified_subset,
     train_transform,
 )
+from training.distributed import Dist, ShardedBatchSampler, from_env, launched_by_torchrun
 from training.evaluation import (
     EmbeddedSet,
     embed_split,
@@ -124,8 +125,28 @@ def train(
         TrainConfigError: bad options, a config that differs from the run being resumed, or an
             existing run directory without ``--resume``.
         DatasetError, UnknownName: bad data or registry names (messages name the culprit).
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is data-parallel (see
+    :mod:`training.distributed`): every rank trains on its share of the batches, rank 0 alone
+    validates and writes the run directory, and every rank returns the same result.
     """
-    out = Path(out)
+    ddp = None
+    if launched_by_torchrun():
+        try:
+            ddp = from_env(resolve_device(config.device))
+        except (RuntimeError, ValueError) as exc:
+            raise TrainConfigError(str(exc)) from None
+    try:
+        return _train(config, Path(out), resume=resume, progress=progress, ddp=ddp)
+    finally:
+        if ddp is not None:
+            ddp.close()
+
+
+def _train(
+    config: TrainConfig, out: Path, *, resume: bool, progress: bool, ddp: Dist | None
+) -> RunResult:
+    is_main = ddp is None or ddp.is_main
     started = time.perf_counter()
     # Registry names and options are checked before any data is read.
     resolve_miner(config.loss.name, config.loss.miner)
@@ -141,10 +162,15 @@ def train(
             _check_same_config(previous["config"], config, out)
             logger.info("%s: run already finished; nothing to do", out)
             return RunResult.from_metrics(out, previous)
-    try:
-        device = resolve_device(config.device)
-    except (RuntimeError, ValueError) as exc:
-        raise TrainConfigError(str(exc)) from None
+    if ddp is not None:
+        ddp.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        device = ddp.device
+    else:
+        try:
+            device = resolve_device(config.device)
+        except (RuntimeError, ValueError) as exc:
+            raise TrainConfigError(str(exc)) from None
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
 
     # --- data and split
     source = open_source(config.data)
@@ -154,8 +180,9 @@ def train(
     train_set = TrainDataset(source, split.indices["train"],
                              train_transform(spec, config.augmentation))
     config = resolve_config(config, len(train_set.class_names))
-    logger.info("run %s: %s", out, config.short())
-    logger.info("split: %s (%s)", describe_split(summary), split.rule)
+    if is_main:
+        logger.info("run %s: %s", out, config.short())
+        logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
 
     # --- model, loss, optimisers
@@ -177,11 +204,21 @@ def train(
     sampler = SeededMPerClassSampler(
         train_set.targets, config.m_per_class, config.batch_size, len(train_set), config.seed
     )
-    loader = DataLoader(
-        train_set, batch_size=config.batch_size, sampler=sampler, drop_last=True,
-        num_workers=config.num_workers, pin_memory=device == "cuda",
-        persistent_workers=config.num_workers > 0,
-    )
+    if ddp is None:
+        loader = DataLoader(
+            train_set, batch_size=config.batch_size, sampler=sampler, drop_last=True,
+            num_workers=config.num_workers, pin_memory=device_type == "cuda",
+            persistent_workers=config.num_workers > 0,
+        )
+    else:
+        # Every rank draws the same seeded batches and keeps batches rank::world_size.
+        loader = DataLoader(
+            train_set,
+            batch_sampler=ShardedBatchSampler(sampler, config.batch_size, ddp.rank,
+                                              ddp.world_size),
+            num_workers=config.num_workers, pin_memory=device_type == "cuda",
+            persistent_workers=config.num_workers > 0,
+        )
     steps_per_epoch = len(loader)
     total_steps = steps_per_epoch * config.epochs
     warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
@@ -189,7 +226,7 @@ def train(
         torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup_steps, total_steps))
         for opt in optimizers
     ]
-    evaluator = _Evaluator(config, source, split, device)
+    evaluator = _Evaluator(config, source, split, device_type)
 
     # --- the run's record, or the state being resumed
     record: dict[str, Any] = {
@@ -197,7 +234,8 @@ def train(
         "split_rule": split.rule, "model": spec.to_dict(),
         "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
                  "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None},
-        "steps_per_epoch": steps_per_epoch, "epochs": [], "best": None,
+        "steps_per_epoch": steps_per_epoch, "world_size": 1 if ddp is None else ddp.world_size,
+        "epochs": [], "best": None,
     }
     start_epoch, train_time, prior_elapsed = 1, 0.0, 0.0
     if resume and state_path.exists():
@@ -216,8 +254,15 @@ def train(
         start_epoch = state["epoch"] + 1
         train_time = record["epochs"][-1]["train_time_s"]
         prior_elapsed = record["epochs"][-1]["elapsed_s"]
-        logger.info("resuming %s after epoch %d", out, state["epoch"])
-    else:
+        world_size = 1 if ddp is None else ddp.world_size
+        if record.get("world_size", 1) != world_size:
+            logger.warning("%s: resuming with %d processes, the run had %d (steps per epoch "
+                           "and the learning-rate schedule change)", out, world_size,
+                           record.get("world_size", 1))
+        record["world_size"] = world_size
+        if is_main:
+            logger.info("resuming %s after epoch %d", out, state["epoch"])
+    elif is_main:
         (out / SPLIT_FILE).write_text(json.dumps(split.to_json(source), indent=1))
         # Epoch 0: the untrained network, so every curve starts from the same point and a
         # run that never beats its initialisation keeps the initialisation, honestly.
@@ -227,38 +272,56 @@ def train(
         _keep_if_best(record, model, config, out, 0, val)
         _save_state(out, model, bundle, optimizers, schedulers, config, summary, 0, record)
         _write_record(out, record)
+    net: torch.nn.Module = model
+    if ddp is not None:
+        ddp.barrier()  # rank 0 has validated the untrained network
+        # DDP averages the network's gradients; the loss's own parameters (proxies, class
+        # weights) are kept equal by broadcasting them now and averaging their gradients.
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ddp.local_rank] if device_type == "cuda" else None
+        )
+        if bundle.has_params:
+            ddp.broadcast_params(bundle.loss)
 
     # --- the loop
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda"
                 else contextlib.nullcontext())
     budget_hit = False
     last_plot = time.perf_counter()
     for epoch in range(start_epoch, config.epochs + 1):
         if budget_hit or (
-            config.time_budget_s is not None and train_time >= config.time_budget_s
+            config.time_budget_s is not None
+            and _any_rank(ddp, train_time >= config.time_budget_s)
         ):
             break
         sampler.set_epoch(epoch)
-        model.train()
+        if ddp is not None:
+            # Each rank its own augmentation stream, reproducible on resume.
+            torch.manual_seed(hash((config.seed, epoch, ddp.rank)) & 0xFFFF_FFFF)
+        net.train()
         bundle.loss.train()
         epoch_start = time.perf_counter()
         losses, steps = [], 0
         bar = tqdm(loader, desc=f"epoch {epoch}/{config.epochs}", leave=False,
-                   disable=not progress, unit="batch")
+                   disable=not progress or not is_main, unit="batch")
         for images, labels in bar:
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             with autocast:
-                embeddings = model(images)
+                embeddings = net(images)
             loss = bundle(embeddings.float(), labels)
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             loss.backward()
+            if ddp is not None and bundle.has_params:
+                ddp.average_grads(bundle.loss.parameters())
             for opt in optimizers:
                 opt.step()
             for sched in schedulers:
                 sched.step()
             value = float(loss.detach())
+            if ddp is not None:
+                value = ddp.mean(value)  # the loss over all ranks' batches (same on each rank)
             if not math.isfinite(value):
                 raise TrainConfigError(
                     f"loss {config.loss.name} became {value} at epoch {epoch}; lower --lr"
@@ -266,15 +329,20 @@ def train(
             losses.append(value)
             steps += 1
             bar.set_postfix(loss=f"{value:.4f}")
-            if config.time_budget_s is not None and (
+            if config.time_budget_s is not None and _any_rank(ddp, (
                 train_time + time.perf_counter() - epoch_start >= config.time_budget_s
-            ):
+            )):
                 budget_hit = True
-                logger.info("time budget of %.0f s reached in epoch %d", config.time_budget_s,
-                            epoch)
+                if is_main:
+                    logger.info("time budget of %.0f s reached in epoch %d",
+                                config.time_budget_s, epoch)
                 break
         train_time += time.perf_counter() - epoch_start
         train_loss = float(np.mean(losses)) if losses else None
+        if not is_main:
+            ddp.barrier()  # type: ignore[union-attr]  # rank 0 validates and saves
+            continue
+        # Validation sees the bare network (not the DDP wrapper) through Embedder.from_model.
         val = evaluator.validate(model, epoch=epoch)
         elapsed = prior_elapsed + time.perf_counter() - started
         _log_epoch(epoch, train_loss, val, summary)
@@ -287,6 +355,18 @@ def train(
             # Redrawing costs about a second: worth it for long epochs, not for short ones.
             plot_run_curves(record, out / CURVES_FILE)
             last_plot = time.perf_counter()
+        if ddp is not None:
+            ddp.barrier()
+
+    if ddp is not None:
+        # Equal on every rank when DDP kept the replicas in step (the DDP test compares them).
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        loss_checksum = sum(float(p.detach().double().sum()) for p in bundle.loss.parameters())
+        logger.info("DDP rank %d final parameter checksum %.12e loss %.12e", ddp.rank, checksum,
+                    loss_checksum)
+        if not is_main:
+            ddp.barrier()  # rank 0 evaluates the test split and writes the final record
+            return RunResult.from_metrics(out, json.loads((out / METRICS_FILE).read_text()))
 
     # --- the test split, once, with the best checkpoint; the baselines on the same images
     best = load_checkpoint(out)
@@ -304,6 +384,8 @@ def train(
     save_checkpoint(out, best.model.cpu(), extra=_checkpoint_extra(record))
     _write_record(out, record)
     plot_run_curves(record, out / CURVES_FILE)
+    if ddp is not None:
+        ddp.barrier()
     logger.info(
         "test MAP@R (%s): trained %s | untrained %s | raw pixels %s",
         describe_split(summary), format_metric(test),
@@ -347,6 +429,11 @@ class _Evaluator:
             return pixel_split(self.source, idx, side=self.config.image_size)
 
         return self._score(embed, "test")
+
+
+def _any_rank(ddp: Dist | None, flag: bool) -> bool:
+    """``flag`` agreed by every rank (true when any rank says so); ``flag`` alone without DDP."""
+    return flag if ddp is None else ddp.any(flag)
 
 
 def _untrained_model(config: TrainConfig, spec: Any, device: str) -> EmbeddingNet:

@@ -5,6 +5,7 @@ torch and the training package are imported inside the commands so `imgret --hel
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -129,6 +130,8 @@ def train_command(
         loss=LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss)),
     )
     result = train(config, out, resume=resume, progress=progress)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun, rank 0 reports the run
     typer.echo(f"run: {result.out} (model version {result.model_version})")
     typer.echo(f"split: {describe_split(result.split)}")
     typer.echo(f"best epoch {result.best_epoch}: validation MAP@R {format_metric(result.val)}")
