@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,8 +96,8 @@ def alembic_config(url: str):
 def upgrade_to_head(url: str) -> str:
     """Bring the schema of ``url`` to the latest migration; a no-op when it is already there.
 
-    On PostgreSQL an advisory lock serialises concurrent callers (several API processes
-    starting together on one database).
+    Concurrent callers (several API processes starting together on one database) are
+    serialised: by an advisory lock on PostgreSQL, by a lock file beside a SQLite file.
 
     Returns:
         The head revision id.
@@ -163,7 +164,31 @@ def _quiet_alembic() -> Iterator[None]:
 
 
 @contextmanager
+def _sqlite_file_lock(url: str) -> Iterator[None]:
+    """Hold ``<database file>.migrate.lock`` (SQLite has no advisory locks of its own)."""
+    parsed = make_url(url)
+    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    lock_path = Path(database).with_name(Path(database).name + ".migrate.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
 def _migration_connection(url: str) -> Iterator:
+    with _sqlite_file_lock(url), _migration_connection_unlocked(url) as connection:
+        yield connection
+
+
+@contextmanager
+def _migration_connection_unlocked(url: str) -> Iterator:
     engine = make_engine(url)
     try:
         with engine.connect() as connection:

@@ -69,3 +69,23 @@ def test_a_fresh_clone_uses_its_own_migrations(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == str(clone / "migrations")
     assert current_revision(url) is not None
+
+
+def _upgrade_in_child(args: tuple[str, float]) -> str:
+    import time
+
+    from index.db import upgrade_to_head as upgrade
+
+    url, start_at = args
+    time.sleep(max(0.0, start_at - time.time()))  # start together, imports done
+    return upgrade(url)
+
+
+def test_concurrent_upgrades_of_a_fresh_sqlite_file_do_not_race(tmp_path) -> None:
+    import multiprocessing
+    import time
+
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        heads = pool.map(_upgrade_in_child, [(url, time.time() + 5.0)] * 3)
+    assert len(set(heads)) == 1 and heads[0]
