@@ -29,6 +29,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import GalleryError, IndexStale
+from imgret.settings import Settings
 from index import store
 from index.faiss_index import (
     DEFAULT_FACTORY,
@@ -180,6 +181,19 @@ class Searcher:
         self._install(index, dict(infos or {}), change_seq, tombstones)
 
     # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_settings(
+        cls, session_factory: sessionmaker[Session], settings: Settings,
+        model_version: str | None = None, **kwargs: Any,
+    ) -> Searcher:
+        """:meth:`open` with the index settings in force (``IMGRET_DATA_DIR``,
+        ``IMGRET_INDEX_FACTORY``, ``IMGRET_INDEX_NPROBE``, ``IMGRET_INDEX_EF_SEARCH``), so the
+        service, ``/evaluate`` and the CLI search the same way."""
+        return cls.open(
+            session_factory, settings.data_dir, settings.index_factory, model_version,
+            nprobe=settings.index_nprobe, ef_search=settings.index_ef_search, **kwargs,
+        )
 
     @classmethod
     def open(

@@ -86,10 +86,7 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
             session=session, version=embedder.model_version, dim=embedder.dim,
             config=embedder.spec.to_dict(),
         )
-    searcher = Searcher.open(
-        sessions, settings.data_dir, settings.index_factory, model_version=embedder.model_version,
-        nprobe=settings.index_nprobe, ef_search=settings.index_ef_search,
-    )
+    searcher = Searcher.from_settings(sessions, settings, embedder.model_version)
     logger.info("index of %s ready: %d vectors", searcher.model_version, searcher.size)
     metrics.track_index_size(lambda: searcher.size)
     pipeline = SearchPipeline(

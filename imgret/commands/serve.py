@@ -171,9 +171,7 @@ def evaluate_query_set(
                 media=MediaStore.in_data_dir(settings.data_dir),
                 max_pixels=settings.max_image_pixels,
             )
-        searcher = Searcher.open(sessions, settings.data_dir, settings.index_factory,
-                                 model_version=version, nprobe=settings.index_nprobe,
-                                 ef_search=settings.index_ef_search)
+        searcher = Searcher.from_settings(sessions, settings, version)
         return evaluation.evaluate(
             searcher, queries, k=ks, exclude_same_camera=exclude_same_camera, worst=worst
         ).report

@@ -237,12 +237,7 @@ def _searcher_for(resources: Resources, version: str) -> Searcher:
         searcher = resources.extra_searchers.get(version)
         if searcher is None:
             # Raises GalleryError (-> 4xx) for a version that was never stored.
-            searcher = Searcher.open(
-                resources.sessions, resources.settings.data_dir,
-                resources.settings.index_factory, model_version=version,
-                nprobe=resources.settings.index_nprobe,
-                ef_search=resources.settings.index_ef_search,
-            )
+            searcher = Searcher.from_settings(resources.sessions, resources.settings, version)
             resources.extra_searchers[version] = searcher
     searcher.refresh_from_changes()
     return searcher
