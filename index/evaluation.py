@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
@@ -142,6 +142,24 @@ def load_query_batch(
         ids=[item.id for item in items],
         name=name,
     )
+
+
+def evaluate_query_set(
+    searcher: Searcher, name: str, *, session_factory: sessionmaker[Session],
+    embedder: Embedder | None = None, media: MediaStore | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS, k: Sequence[int] | None = None,
+    exclude_same_camera: bool = False, worst: int = 0,
+) -> Evaluation:
+    """A named query set, with the vectors of ``searcher``'s model version, ranked through
+    ``searcher``: the one code path of ``POST /evaluate {"query_set": ...}`` and
+    ``imgret evaluate``. Arguments as :func:`load_query_batch` and :func:`evaluate`."""
+    with session_factory() as session:
+        queries = load_query_batch(
+            name, session=session, model_version=searcher.model_version, embedder=embedder,
+            media=media, max_pixels=max_pixels,
+        )
+    return evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
+                    worst=worst)
 
 
 @dataclass(frozen=True)

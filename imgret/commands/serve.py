@@ -148,7 +148,7 @@ def evaluate_query_set(
     """
     from imgret.embedder import Embedder
     from imgret.settings import Settings
-    from index import evaluation, store
+    from index import evaluation
     from index.db import make_engine, make_sessionmaker
     from index.media import MediaStore
     from index.search import Searcher
@@ -161,19 +161,15 @@ def evaluate_query_set(
     engine = make_engine(settings.db_url)
     try:
         sessions = make_sessionmaker(engine)
-        with sessions() as session:
-            version = model_version or (
-                embedder.model_version if embedder is not None
-                else store.get_model_version(session=session).version
-            )
-            queries = evaluation.load_query_batch(
-                name, session=session, model_version=version, embedder=embedder,
-                media=MediaStore.in_data_dir(settings.data_dir),
-                max_pixels=settings.max_image_pixels,
-            )
-        searcher = Searcher.from_settings(sessions, settings, version)
-        return evaluation.evaluate(
-            searcher, queries, k=ks, exclude_same_camera=exclude_same_camera, worst=worst
+        if model_version is None and embedder is not None:
+            model_version = embedder.model_version
+        # None: the active version.
+        searcher = Searcher.from_settings(sessions, settings, model_version)
+        return evaluation.evaluate_query_set(
+            searcher, name, session_factory=sessions, embedder=embedder,
+            media=MediaStore.in_data_dir(settings.data_dir),
+            max_pixels=settings.max_image_pixels, k=ks,
+            exclude_same_camera=exclude_same_camera, worst=worst,
         ).report
     finally:
         engine.dispose()

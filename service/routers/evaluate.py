@@ -201,16 +201,11 @@ def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str,
 def _evaluate_version(
     resources: Resources, options: EvaluateRequest, version: str
 ) -> evaluation.Evaluation:
-    searcher = _searcher_for(resources, version)
-    with resources.sessions() as session:
-        queries = evaluation.load_query_batch(
-            options.query_set, session=session, model_version=version,
-            embedder=resources.embedder, media=resources.media,
-            max_pixels=resources.settings.max_image_pixels,
-        )
-    return evaluation.evaluate(
-        searcher, queries, k=options.k, exclude_same_camera=options.exclude_same_camera,
-        worst=options.worst,
+    return evaluation.evaluate_query_set(
+        _searcher_for(resources, version), options.query_set,
+        session_factory=resources.sessions, embedder=resources.embedder, media=resources.media,
+        max_pixels=resources.settings.max_image_pixels, k=options.k,
+        exclude_same_camera=options.exclude_same_camera, worst=options.worst,
     )
 
 
