@@ -10,9 +10,9 @@ save it with its manifest.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 
 from imgret.errors import IndexStale, InvalidIndexFactory
 from index import store
+from index.files import file_sha256, write_atomic
 from index.manifest import (
     INDEX_FILE,
     Manifest,
-    file_sha256,
     ids_checksum,
     normalise_factory,
     now_iso,
@@ -322,15 +322,26 @@ def place_index(
 
 
 def write_index(index: faiss.Index, folder: str | Path) -> tuple[Path, str]:
-    """Write ``index.faiss`` atomically; returns its path and SHA-256."""
+    """Write ``index.faiss`` atomically and durably; returns its path and SHA-256.
+
+    Callers that must not hold a lock during the disk write serialise first
+    (:func:`serialize_index`, fast, in memory) and pass the bytes to :func:`write_index_bytes`.
+    """
+    return write_index_bytes(serialize_index(index), folder)
+
+
+def serialize_index(index: faiss.Index) -> np.ndarray:
+    """The index file's bytes, in memory (a copy: the index may change afterwards)."""
+    return faiss.serialize_index(index)
+
+
+def write_index_bytes(data: np.ndarray, folder: str | Path) -> tuple[Path, str]:
+    """Write serialised index bytes as ``index.faiss`` (atomic, fsync'd); path and SHA-256."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / INDEX_FILE
-    tmp = folder / f".{INDEX_FILE}.{os.getpid()}.tmp"
-    faiss.write_index(index, str(tmp))
-    digest = file_sha256(tmp)
-    os.replace(tmp, path)
-    return path, digest
+    view = memoryview(np.ascontiguousarray(data, dtype=np.uint8))
+    write_atomic(path, view)
+    return path, hashlib.sha256(view).hexdigest()
 
 
 def read_index(folder: str | Path, expected_sha256: str = "") -> faiss.Index:

@@ -2,8 +2,8 @@
 
 Two entry points share one pipeline (hash, dedup, decode, embed, write):
 
-- :func:`add_items` — a list of uploaded images in the caller's transaction (``POST
-  /gallery``); a corrupt upload raises, so the request fails as a whole.
+- :func:`add_items` — a list of uploaded images, all-or-nothing (``POST /gallery``); a
+  corrupt upload raises, so the request fails as a whole.
 - :func:`ingest_source` — a folder / CSV / Market-1501 source, in chunks that each commit on
   their own; corrupt files are skipped and reported at the end, never abort the run.
 
@@ -12,10 +12,17 @@ added again; when they lack an embedding for the model version at hand, only the
 is added (re-embedding a gallery for a new model is the same command with another
 ``--model``). An interrupted ingest therefore resumes by running it again.
 
-Crash safety (what an interrupted chunk can leave behind): the media file is written before
-the rows, so a killed ingest may leave media files that no row points to. They are harmless:
-content-addressed, never listed or searched, and reused as-is by the re-run. Rows are written
-in one transaction per chunk, so there is never an item without its embedding and change row.
+Concurrency: decoding and embedding run outside any transaction (no connection or lock is
+held while a large upload is processed). The write transaction then takes the gallery write
+lock *first* (``store.lock_gallery_writes``), plans again under it and writes only what is
+still to write: an image that another writer stored meanwhile becomes "already present", an
+existing item deleted meanwhile is never re-embedded (its vector must not reach an index
+again), and two uploads of the same new bytes cannot both insert (no unique-key race).
+
+Crash safety (what an interrupted chunk can leave behind): the media file is written (under
+the lock) before the rows commit, so a killed ingest may leave a media file that no row
+points to; ``index.gc.sweep_media`` removes it at the next start. Rows are written in one
+transaction per chunk, so there is never an item without its embedding and change row.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,12 +39,11 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from imgret.embedder import Embedder
-from imgret.errors import ImageDecodeError
+from imgret.errors import GalleryError, ImageDecodeError
 from imgret.images import DEFAULT_MAX_PIXELS, decode_image
 from index import store
 from index.media import MediaStore, sha256_hex, sniff_content_type
@@ -47,6 +53,9 @@ from index.store import ItemInfo, NewRow
 logger = logging.getLogger(__name__)
 
 STAGES = ("read", "dedup", "decode", "embed", "write")
+# Plan -> embed -> plan again under the lock: rounds before giving up on a gallery that keeps
+# changing under one upload (each extra round needs a concurrent delete of a reused item).
+_PLAN_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,8 @@ class AddedItems:
             the commit so the items are searchable at once.
         infos: ``m`` filter infos (label, camera, metadata) for ``Searcher.add``.
         model_version: the version the vectors belong to.
+        existing: for each input position whose image was already in the gallery, the stored
+            item's label, camera and metadata (the caller's own values were not applied).
     """
 
     ids: list[int]
@@ -89,6 +100,7 @@ class AddedItems:
     vectors: np.ndarray
     infos: list[ItemInfo]
     model_version: str
+    existing: dict[int, ItemInfo] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,23 +195,26 @@ class _Timer:
 
 
 def add_items(
-    items: Sequence[NewItem], *, session: Session, media: MediaStore, embedder: Embedder,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    items: Sequence[NewItem], *, session_factory: sessionmaker[Session], media: MediaStore,
+    embedder: Embedder, max_pixels: int = DEFAULT_MAX_PIXELS,
+    decode: Callable[[bytes], Image.Image] | None = None,
 ) -> AddedItems:
-    """Add uploaded images to the gallery inside the caller's transaction.
+    """Add uploaded images to the gallery in one transaction (all or nothing).
 
-    Decodes with ``imgret.images.decode_image``, embeds with ``embedder`` (registering its
-    model version; the first one becomes active), stores the bytes, and writes items,
-    embeddings and change rows. Nothing is committed here: wrap the call in
-    ``with sessionmaker.begin() as session:``, then pass ``vector_ids``/``vectors``/``infos``
-    to ``Searcher.add``.
+    Plans in a short read, decodes and embeds with no transaction open, then writes under the
+    gallery write lock after planning again (see the module docstring). Nothing is in the
+    index yet: pass ``vector_ids``/``vectors``/``infos`` to ``Searcher.add`` after this
+    returns (the rows are committed by then).
 
     Args:
         items: the images, with label, camera and metadata.
-        session: the open transaction.
+        session_factory: sessions on the gallery database.
         media: where image bytes are stored.
-        embedder: the one embedding path.
+        embedder: the one embedding path (its model version is registered; the first one
+            becomes active).
         max_pixels: decompression-bomb limit (``IMGRET_MAX_IMAGE_PIXELS``).
+        decode: bytes -> RGB image; default ``decode_image`` with ``max_pixels`` (the service
+            passes its budgeted decoder).
 
     Returns:
         The ids (input order) and the new vectors; see :class:`AddedItems`.
@@ -208,37 +223,65 @@ def add_items(
         ImageDecodeError: an item is not a decodable image; the message starts with
             ``images[i]``. Nothing is written.
     """
-    model_version = store.register_model_version(
-        session=session, version=embedder.model_version, dim=embedder.dim,
-        config=embedder.spec.to_dict(),
-    )
+    decode = decode or (lambda data: decode_image(data, max_pixels=max_pixels))
     cands = [
         _Candidate(i, it.data, sha256_hex(it.data), it.label, it.camera, it.metadata, it.source)
         for i, it in enumerate(items)
     ]
-    plan = _plan_gallery(cands, session=session, model_version=model_version)
-    for cand in plan.work:
-        try:
-            cand.image = decode_image(cand.data, max_pixels=max_pixels)
-        except ImageDecodeError as exc:
-            raise type(exc)(f"images[{cand.position}]: {exc}") from None
-    vectors = embedder.embed([c.image for c in plan.work])
-    ids_by_sha = _write_gallery(plan, vectors, session=session, media=media,
-                                model_version=model_version)
+    with session_factory.begin() as session:
+        model_version = store.register_model_version(
+            session=session, version=embedder.model_version, dim=embedder.dim,
+            config=embedder.spec.to_dict(),
+        )
+        plan = _plan_gallery(cands, session=session, model_version=model_version)
+    vectors_by_sha: dict[str, np.ndarray] = {}
+    # Each round embeds what the last plan needed; a new round is needed only when an item
+    # that was already stored got deleted in between (rare), so two rounds nearly always do.
+    for _ in range(_PLAN_ROUNDS):
+        todo = [c for c in plan.work if c.sha256 not in vectors_by_sha]
+        for cand in todo:
+            try:
+                cand.image = decode(cand.data)
+            except ImageDecodeError as exc:
+                raise type(exc)(f"images[{cand.position}]: {exc}") from None
+        if todo:
+            vectors = embedder.embed([c.image for c in todo])
+            vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
+            for cand in todo:
+                cand.image = None  # the decoded pixels are not needed any more
+        with session_factory.begin() as session:
+            plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
+                                              media=media, model_version=model_version,
+                                              query_set=None)
+            if ids_by_sha is None:
+                continue
+            existing = store.get_items(
+                [*plan.resolved.values(), *(c.existing_id for c in plan.embed_existing)],
+                session=session,
+            )
+        break
+    else:
+        raise GalleryError("the gallery changed under this upload too often; send it again")
     ids = [
         plan.resolved[c.position] if c.position in plan.resolved
         else ids_by_sha[plan.aliases.get(c.position, c.sha256)]
         for c in cands
     ]
     created_positions = {c.position for c in plan.create}
+    created = [c.position in created_positions for c in cands]
     work = plan.work
     return AddedItems(
         ids=ids,
-        created=[c.position in created_positions for c in cands],
+        created=created,
         vector_ids=np.array([ids_by_sha[c.sha256] for c in work], dtype=np.int64),
-        vectors=vectors,
+        vectors=_stack(vectors_by_sha, work, embedder.dim),
         infos=[ItemInfo(c.label, c.camera, dict(c.metadata or {})) for c in work],
         model_version=model_version.version,
+        existing={
+            position: ItemInfo(row.label, row.camera, dict(row.meta or {}))
+            for position, item_id in enumerate(ids)
+            if not created[position] and (row := existing.get(item_id)) is not None
+        },
     )
 
 
@@ -326,11 +369,12 @@ def _ingest_chunk(
             _Candidate(offset + position, data, sha256_hex(data), record.label, record.camera,
                        None, _relative(record.path, root), origin=str(record.path))
         )
-    for attempt in (1, 2):
-        with timer.stage("dedup", len(cands)), session_factory() as session:
-            plan = _make_plan(cands, session=session, model_version=model_version,
-                              query_set=query_set)
-        work = [c for c in plan.work if c.image is None]
+    vectors_by_sha: dict[str, np.ndarray] = {}
+    with timer.stage("dedup", len(cands)), session_factory() as session:
+        plan = _make_plan(cands, session=session, model_version=model_version,
+                          query_set=query_set)
+    for _ in range(_PLAN_ROUNDS):
+        work = [c for c in plan.work if c.sha256 not in vectors_by_sha]
         with timer.stage("decode", len(work)):
             decoded = list(pool.map(lambda c: _decode(c, max_pixels), work))
         errors = {c.sha256: error for c, error in zip(work, decoded, strict=True) if error}
@@ -341,27 +385,22 @@ def _ingest_chunk(
                              if c.position in failed)
         if failed:
             cands = [c for c in cands if c.position not in failed]
-            plan.create = [c for c in plan.create if c.position not in failed]
-            plan.embed_existing = [c for c in plan.embed_existing if c.position not in failed]
-        todo = plan.work
+        todo = [c for c in work if c.sha256 not in errors]
         with timer.stage("embed", len(todo)):
             vectors = embedder.embed([c.image for c in todo])
-        try:
-            with timer.stage("write", len(todo)), session_factory.begin() as session:
-                if query_set is None:
-                    _write_gallery(plan, vectors, session=session, media=media,
-                                   model_version=model_version)
-                else:
-                    _write_query_items(plan, vectors, session=session, media=media,
-                                       model_version=model_version, query_set=query_set)
-        except IntegrityError:
-            # Another writer added the same content since our dedup read: plan again (the
-            # images stay decoded), which turns those into duplicates.
-            if attempt == 2:
-                raise
-            logger.info("concurrent writer added some of these images; retrying the chunk")
-            continue
-        break
+        vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
+        for cand in todo:
+            cand.image = None
+        with timer.stage("write", len(todo)), session_factory.begin() as session:
+            plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
+                                              media=media, model_version=model_version,
+                                              query_set=query_set)
+        if ids_by_sha is not None:
+            break
+        # Another writer deleted an item this chunk meant to re-use: embed it too.
+        logger.info("the gallery changed under this chunk; planning it again")
+    else:
+        raise GalleryError("the gallery changed under this chunk too often; run ingest again")
     report.added += len(plan.create)
     report.embedded += len(plan.embed_existing)
     report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
@@ -431,11 +470,44 @@ def _split(cands: list[_Candidate], existing: dict[str, int], embedded: set[int]
     return plan
 
 
+def _write_planned(
+    cands: list[_Candidate], vectors_by_sha: Mapping[str, np.ndarray], *, session: Session,
+    media: MediaStore, model_version: ModelVersion, query_set: QuerySet | None,
+) -> tuple[_Plan, dict[str, int] | None]:
+    """Take the gallery write lock, plan again under it, and write the plan.
+
+    Returns:
+        The new plan, and sha256 -> id of its work; ``None`` instead of the ids (nothing
+        written) when the new plan needs an embedding that ``vectors_by_sha`` lacks.
+    """
+    store.lock_gallery_writes(session=session)
+    plan = _make_plan(cands, session=session, model_version=model_version, query_set=query_set)
+    if any(c.sha256 not in vectors_by_sha for c in plan.work):
+        return plan, None
+    vectors = _stack(vectors_by_sha, plan.work, model_version.dim)
+    if query_set is None:
+        return plan, _write_gallery(plan, vectors, session=session, media=media,
+                                    model_version=model_version)
+    _write_query_items(plan, vectors, session=session, media=media,
+                       model_version=model_version, query_set=query_set)
+    return plan, {}
+
+
+def _stack(vectors_by_sha: Mapping[str, np.ndarray], work: Sequence[_Candidate],
+           dim: int) -> np.ndarray:
+    if not work:
+        return np.zeros((0, dim), dtype=np.float32)
+    return np.stack([vectors_by_sha[c.sha256] for c in work]).astype(np.float32, copy=False)
+
+
 def _write_gallery(
     plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
     model_version: ModelVersion,
 ) -> dict[str, int]:
-    """Store media and rows; returns sha256 -> id for every candidate of the plan."""
+    """Store media and rows; returns sha256 -> id for every candidate of the plan.
+
+    The caller holds the gallery write lock (:func:`_write_planned`).
+    """
     n_create = len(plan.create)
     rows = [_store_media(c, media) for c in plan.create]
     new_ids = store.insert_items(rows, vectors[:n_create], session=session,

@@ -13,9 +13,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from imgret.errors import IndexStale
+from index.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +115,6 @@ def ids_checksum(ids: np.ndarray) -> str:
     return hashlib.sha256(unique.astype("<i8").tobytes()).hexdigest()
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def normalise_factory(factory: str) -> str:
     """A factory string without blanks (``"IVF64, Flat"`` and ``"IVF64,Flat"`` are one)."""
     return re.sub(r"\s+", "", factory)
@@ -133,21 +124,6 @@ def index_dir(data_dir: str | Path, model_version: str) -> Path:
     """``<data_dir>/indexes/<model_version>`` (one index per model version: blue/green)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_version)
     return Path(data_dir) / "indexes" / safe
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def now_iso() -> str:

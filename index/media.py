@@ -1,20 +1,22 @@
 """Content-addressed media store: image files named by their SHA-256, written atomically.
 
 Layout: ``<root>/<h[0:2]>/<h[2:4]>/<h>`` (two fan-out levels keep folders small at millions
-of files). A file is written to a temporary name in its final folder, flushed to disk and
-renamed, so a reader (or a crash) never sees half a file; storing bytes that are already
-there is a no-op, so duplicates are stored once. Files carry no extension: the content type
-lives in the database row (``gallery_items.content_type``).
+of files). Files are written with ``index.files.write_atomic`` (temporary name, fsync,
+rename), so a reader (or a crash) never sees half a file; storing bytes that are already
+there is a no-op, so duplicates are stored once. Deleting the last row that refers to a file
+removes the file (``index.gc``): a deleted face must not stay on disk. Files carry no
+extension: the content type lives in the database row (``gallery_items.content_type``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from index.files import file_sha256, fsync_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +85,17 @@ class MediaStore:
     def put(self, data: bytes, sha256: str | None = None) -> str:
         """Store ``data`` once and return its relative path.
 
+        A file already under the key is reused only when its bytes hash to the key: a file
+        truncated or corrupted on disk (a crash on a file system without data journaling, a
+        stray edit) is replaced rather than trusted for its size.
+
+        Gallery writers call this while holding the gallery write lock
+        (``index.store.lock_gallery_writes``), so that a concurrent delete's clean-up can
+        never remove bytes a new row is about to point to.
+
         Args:
             data: the image file bytes.
-            sha256: their hash when the caller already computed it (checked cheaply by
-                length only; a wrong value would mis-file the bytes, so pass it only from
-                :func:`sha256_hex`).
+            sha256: their hash when the caller already computed it with :func:`sha256_hex`.
 
         Returns:
             The path relative to ``root`` (``ab/cd/<sha256>``).
@@ -95,19 +103,41 @@ class MediaStore:
         key = sha256 or sha256_hex(data)
         target = self.path(key)
         if target.is_file() and target.stat().st_size == len(data):
-            return self.relative_path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, target)  # atomic on POSIX: readers see the old or the new file
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+            try:
+                if file_sha256(target) == key:
+                    return self.relative_path(key)
+            except OSError:
+                pass  # unreadable: write it again
+            logger.warning("media file %s does not hold its bytes; writing it again", target)
+        write_atomic(target, data)
         return self.relative_path(key)
+
+    def remove(self, sha256s: Iterable[str]) -> int:
+        """Delete the files of these keys (missing ones are skipped); returns how many went.
+
+        Call only with keys that no row refers to, under the gallery write lock
+        (``index.store.unreferenced_media``).
+        """
+        removed, folders = 0, set()
+        for key in sha256s:
+            target = self.path(key)
+            try:
+                target.unlink()
+            except FileNotFoundError:
+                continue
+            removed += 1
+            folders.add(target.parent)
+        for folder in folders:
+            fsync_dir(folder)  # the unlink itself must survive a power cut
+        return removed
+
+    def stored_keys(self) -> Iterator[str]:
+        """The content hashes of every file in the store (temporary files excluded)."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.glob("??/??/*"):
+            if _SHA256.match(path.name) and path.is_file():
+                yield path.name
 
     def read(self, relative_path: str) -> bytes:
         """The bytes at a relative path from :meth:`put` (as stored in the database)."""

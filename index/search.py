@@ -5,6 +5,16 @@ the manifest disagrees with the database), keeps an id -> (label, camera, metada
 filters, and follows gallery writes either directly (``add``/``remove`` after a commit in this
 process) or by polling the change log (``refresh_from_changes``, for replicas).
 
+Deletes are final, in every process, at once:
+
+- an id that was removed once is remembered (ids are never reused) and never added again, so
+  an ``add`` that arrives late (an upload whose DELETE committed before its index update, a
+  replay that fetched vectors before the delete) cannot bring it back;
+- before every search, a Searcher with a database reads the deletes committed since it last
+  looked (one indexed query, :func:`index.store.deletes_after`) and applies them, so a DELETE
+  acknowledged by any process is honoured by every search that starts after it. Adds made by
+  other processes arrive with the follower (``refresh_from_changes``), within its interval.
+
 Filtered searches return ``min(k, number of matching items)`` hits, never silently fewer:
 the filter becomes a FAISS id selector (a bitmap over gallery ids) where the index type
 supports one, otherwise the search over-fetches and post-filters; a row that still comes
@@ -17,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -26,9 +37,10 @@ from typing import Any
 
 import faiss
 import numpy as np
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from imgret.errors import GalleryError, IndexStale
+from imgret.errors import DatabaseError, GalleryError, IndexStale
 from imgret.settings import Settings
 from index import store
 from index.faiss_index import (
@@ -41,9 +53,10 @@ from index.faiss_index import (
     read_index,
     search_index,
     search_params,
+    serialize_index,
     set_search_defaults,
     stored_ids,
-    write_index,
+    write_index_bytes,
 )
 from index.manifest import Manifest, ids_checksum, index_dir, normalise_factory, now_iso
 from index.store import ItemInfo
@@ -177,8 +190,15 @@ class Searcher:
         self._use_gpu = use_gpu
         self._lock = ReadWriteLock()
         self._refresh_lock = threading.Lock()
+        self._deletes_lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        self._rebuild_lock = threading.Lock()
         self._rebuild_thread: threading.Thread | None = None
+        # Every id ever removed from this Searcher (ids are never reused): never added again.
+        self._dead = np.zeros(1024, dtype=bool)
         self._install(index, dict(infos or {}), change_seq, tombstones)
+        self._deletes_seq = self._seq
+        self.last_refresh_at: float | None = None  # time.time() of the last successful replay
 
     # ------------------------------------------------------------------ construction
 
@@ -367,10 +387,14 @@ class Searcher:
         Raises:
             ValueError: wrong shape or dimension, ``k < 1``, or a filter list of another
                 length than the queries.
+            DatabaseError: the deletes committed by other processes cannot be read (the
+                database is unreachable): no answer is better than one with a deleted item.
         """
         queries = self._queries(vectors)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        if self._session_factory is not None:
+            self.sync_deletes()
         n = len(queries)
         if filters is None or isinstance(filters, SearchFilter):
             per_query: Sequence[SearchFilter | None] = [filters] * n
@@ -552,6 +576,8 @@ class Searcher:
             for row, item_id in enumerate(ids.tolist()):
                 if item_id in self._infos or item_id in seen:
                     continue
+                if item_id < len(self._dead) and self._dead[item_id]:
+                    continue  # deleted (ids are never reused): a late add must not revive it
                 if item_id in self._tombstones:
                     # Still stored (no remove_ids): adding again would duplicate it. Ids are
                     # never reused, so this only means a stale replay; the rebuild fixes it.
@@ -581,7 +607,10 @@ class Searcher:
             return len(keep)
 
     def remove(self, ids: Sequence[int] | np.ndarray) -> int:
-        """Make items unsearchable at once (call after the delete is committed).
+        """Make items unsearchable at once, and for good (call after the delete is committed).
+
+        Every id given is remembered as deleted, present or not: an ``add`` of it that
+        arrives later (it was in flight when the delete committed) is ignored.
 
         Uses FAISS ``remove_ids`` where the index supports it; otherwise the ids become
         tombstones, filtered out of every search, and once they exceed
@@ -591,7 +620,15 @@ class Searcher:
             How many live ids were removed (unknown ids are ignored).
         """
         wanted = {int(i) for i in np.asarray(ids, dtype=np.int64).ravel()}
+        wanted.discard(-1)
         with self._lock.write():
+            if wanted:
+                dead = np.fromiter(wanted, np.int64, len(wanted))
+                if dead.max() >= len(self._dead):
+                    grown = np.zeros(max(int(dead.max()) + 1, 2 * len(self._dead)), dtype=bool)
+                    grown[: len(self._dead)] = self._dead
+                    self._dead = grown
+                self._dead[dead[dead >= 0]] = True
             present = sorted(i for i in wanted if i in self._infos)
             if not present:
                 return 0
@@ -630,6 +667,34 @@ class Searcher:
 
     # ------------------------------------------------------------------ replicas
 
+    def sync_deletes(self) -> int:
+        """Apply the deletes that any process committed since the last call (one query).
+
+        Called before every search, so a delete acknowledged anywhere holds for every search
+        that starts after the acknowledgement.
+
+        Returns:
+            How many ids the deletes named.
+
+        Raises:
+            DatabaseError: the database cannot be read.
+        """
+        if self._session_factory is None:
+            return 0
+        with self._deletes_lock:
+            try:
+                with self._session_factory() as session:
+                    deleted, seq = store.deletes_after(self._deletes_seq, session=session)
+            except SQLAlchemyError as exc:
+                raise DatabaseError(
+                    f"cannot read the gallery's deletes from the database: "
+                    f"{type(exc).__name__}"
+                ) from None
+            if deleted:
+                self.remove(deleted)
+            self._deletes_seq = max(self._deletes_seq, seq)
+            return len(deleted)
+
     def refresh_from_changes(self, *, page_size: int = 10_000) -> int:
         """Apply gallery changes committed after :attr:`change_seq` (replica polling).
 
@@ -642,7 +707,9 @@ class Searcher:
         if self._session_factory is None:
             raise GalleryError("this Searcher has no database to follow (session_factory)")
         with self._refresh_lock:
-            return self._replay_changes(page_size)
+            applied = self._replay_changes(page_size)
+            self.last_refresh_at = time.time()
+            return applied
 
     def _replay_changes(self, page_size: int = 10_000) -> int:
         """The body of :meth:`refresh_from_changes`; the caller holds ``_refresh_lock``."""
@@ -668,27 +735,37 @@ class Searcher:
             with self._lock.write():
                 self._seq = max(self._seq, changes[-1].seq)
             total += len(changes)
+            self.last_refresh_at = time.time()
             if len(changes) < page_size:
                 return total
 
     # ------------------------------------------------------------------ persistence
 
     def save(self) -> Path:
-        """Write the index and its manifest to ``<data_dir>/indexes/<model_version>/``."""
+        """Write the index and its manifest to ``<data_dir>/indexes/<model_version>/``.
+
+        Only an in-memory copy is made under the (shared) lock; hashing and the disk write
+        happen after it is released, so a writer waiting for the lock waits for a memcpy, not
+        for the disk. Saves are serialised, so an older copy never overwrites a newer one.
+        """
         if self._data_dir is None:
             raise GalleryError("this Searcher has no data_dir to save to")
         folder = index_dir(self._data_dir, self.model_version)
-        with self._lock.read():
-            _, digest = write_index(self._index, folder)
-            live = np.fromiter(self._infos, np.int64, len(self._infos))
+        with self._save_lock:
+            with self._lock.read():
+                data = serialize_index(self._index)
+                live = np.fromiter(self._infos, np.int64, len(self._infos))
+                seq, factory = self._seq, self.factory
+                tombstones = sorted(self._tombstones)
+            _, digest = write_index_bytes(data, folder)
             manifest = Manifest(
-                model_version=self.model_version, factory=self.factory, dim=self.dim,
-                count=len(live), change_seq=self._seq, ids_sha256=ids_checksum(live),
-                index_sha256=digest, tombstones=sorted(self._tombstones),
+                model_version=self.model_version, factory=factory, dim=self.dim,
+                count=len(live), change_seq=seq, ids_sha256=ids_checksum(live),
+                index_sha256=digest, tombstones=tombstones,
                 faiss_version=faiss.__version__, created_at=now_iso(),
             )
             manifest.write(folder)
-        logger.info("saved the %s index (%d vectors) to %s", self.model_version, self.size,
+        logger.info("saved the %s index (%d vectors) to %s", self.model_version, len(live),
                     folder)
         return folder
 
@@ -703,7 +780,16 @@ class Searcher:
         with self._refresh_lock:
             with self._lock.write():
                 self.factory = built.manifest.factory
-                self._install(built.index, built.infos, built.manifest.change_seq, ())
+                # Ids removed while the build was reading SQL must not come back with it.
+                revived = [i for i in built.infos if i < len(self._dead) and self._dead[i]]
+                gone = set(revived)
+                infos = {i: info for i, info in built.infos.items() if i not in gone}
+                tombstones: list[int] = []
+                if revived and _can_remove(built.index):
+                    built.index.remove_ids(np.asarray(revived, dtype=np.int64))
+                else:
+                    tombstones = revived
+                self._install(built.index, infos, built.manifest.change_seq, tombstones)
             self._replay_changes()
         if self._data_dir is not None:
             self.save()
@@ -712,13 +798,15 @@ class Searcher:
         if self._session_factory is None:
             logger.warning("%s; no database to rebuild from, they stay filtered", reason)
             return
-        if self._rebuild_thread is not None and self._rebuild_thread.is_alive():
-            return
-        logger.info("%s: rebuilding the %s index in the background", reason, self.model_version)
-        self._rebuild_thread = threading.Thread(
-            target=self._rebuild_logged, name="imgret-index-rebuild", daemon=True
-        )
-        self._rebuild_thread.start()
+        with self._rebuild_lock:  # two removes at once must not start two rebuilds
+            if self._rebuild_thread is not None and self._rebuild_thread.is_alive():
+                return
+            logger.info("%s: rebuilding the %s index in the background", reason,
+                        self.model_version)
+            self._rebuild_thread = threading.Thread(
+                target=self._rebuild_logged, name="imgret-index-rebuild", daemon=True
+            )
+            self._rebuild_thread.start()
 
     def _rebuild_logged(self) -> None:
         try:
@@ -739,7 +827,17 @@ class Searcher:
             "model_version": self.model_version, "factory": self.factory, "size": self.size,
             "stored": int(self._index.ntotal), "tombstones": len(self._tombstones),
             "change_seq": self._seq, "device": self.device,
+            "last_refresh_at": self.last_refresh_at,
         }
+
+
+def _can_remove(index: faiss.Index) -> bool:
+    """Whether ``remove_ids`` works on this index type (HNSW has none)."""
+    try:
+        index.remove_ids(np.zeros(0, dtype=np.int64))
+    except RuntimeError:
+        return False
+    return True
 
 
 def _load_infos(session_factory: sessionmaker[Session], version) -> dict[int, ItemInfo]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from sqlalchemy import delete as sa_delete
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -76,6 +77,15 @@ class VectorPage:
     ids: np.ndarray
     vectors: np.ndarray
     infos: list[ItemInfo]
+
+
+@dataclass(frozen=True)
+class DeletedItem:
+    """A gallery item that a delete just took out: its id and where its bytes are."""
+
+    id: int
+    sha256: str
+    media_path: str
 
 
 @dataclass(frozen=True)
@@ -184,15 +194,26 @@ def list_model_versions(*, session: Session) -> list[ModelVersion]:
 
 
 def lock_gallery_writes(*, session: Session) -> None:
-    """Serialise gallery writers until this transaction ends.
+    """Serialise gallery writers (and media-store changes) until this transaction ends.
 
-    Change-log sequence numbers are drawn at INSERT time, but transactions may commit in
-    another order; a replica reading ``seq > last_seen`` could then skip a late commit for
-    good. Holding one lock from the first change row to the commit makes seq order equal
-    commit order. SQLite already allows a single writer at a time.
+    Call it first in a write transaction, before any read whose answer the write relies on
+    (dedup, "is this item still live?"): the reads then see every write that committed before,
+    and none can commit in between.
+
+    - PostgreSQL: a transaction-scoped advisory lock. Change-log sequence numbers are drawn at
+      INSERT time, but transactions may commit in another order; a replica reading
+      ``seq > last_seen`` could then skip a late commit for good. Holding one lock from the
+      first change row to the commit makes seq order equal commit order.
+    - SQLite: a no-op ``UPDATE`` takes the database's write lock now (pysqlite starts the
+      transaction at the first write, and a deferred transaction that read first would fail
+      with "database is locked" when another writer committed meanwhile); other writers wait
+      on the busy timeout, readers go on (WAL).
     """
-    if session.get_bind().dialect.name == "postgresql":
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _GALLERY_WRITE_LOCK_KEY})
+    elif dialect == "sqlite":
+        session.execute(text("UPDATE model_versions SET id = id WHERE 1 = 0"))
 
 
 def find_live_items(*, session: Session, sha256s: Iterable[str]) -> dict[str, int]:
@@ -262,36 +283,50 @@ def insert_items(
 def add_embeddings(
     item_ids: Sequence[int], vectors: np.ndarray, *, session: Session,
     model_version: ModelVersion,
-) -> None:
+) -> list[int]:
     """Store embeddings of existing items for another model version (re-embedding).
 
-    Each item also gets an ``add`` change row, so a searcher of that version picks it up.
+    Only items that are still live get one (an item deleted since the caller looked is
+    skipped: its vector must never reach an index again). Each gets an ``add`` change row, so
+    a searcher of that version picks it up.
+
+    Returns:
+        The ids that got an embedding, in the order given.
     """
     _check_vectors(vectors, len(item_ids), model_version)
     if not item_ids:
-        return
+        return []
     lock_gallery_writes(session=session)
-    _insert_embeddings(Embedding, "item_id", list(item_ids), vectors, session, model_version)
-    session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in item_ids)
+    live = _live_ids(item_ids, session=session)
+    keep = [row for row, item_id in enumerate(item_ids) if int(item_id) in live]
+    ids = [int(item_ids[row]) for row in keep]
+    _insert_embeddings(Embedding, "item_id", ids, vectors[keep], session, model_version)
+    session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in ids)
     session.flush()
+    return ids
 
 
-def delete_items(item_ids: Iterable[int], *, session: Session) -> list[int]:
-    """Soft-delete gallery items and log one ``delete`` change each.
+def delete_items(item_ids: Iterable[int], *, session: Session) -> list[DeletedItem]:
+    """Delete gallery items: mark the rows deleted, drop their embeddings, log the deletes.
+
+    The row stays (soft delete: the change log points at it and ids are never reused), but its
+    embeddings go: for face and person galleries a vector is personal data too. The image
+    bytes are the caller's to remove once this commits (:func:`unreferenced_media`).
 
     Returns:
-        The ids that were live and are now deleted (unknown or already deleted ids are
-        skipped, so a repeated DELETE is harmless).
+        The items that were live and are now deleted, with their media paths (unknown or
+        already deleted ids are skipped, so a repeated DELETE is harmless).
     """
     wanted = sorted({int(i) for i in item_ids})
     if not wanted:
         return []
     lock_gallery_writes(session=session)
-    live: list[int] = []
+    live: list[DeletedItem] = []
     for chunk in _chunks(wanted):
         live.extend(
-            session.scalars(
-                select(GalleryItem.id).where(
+            DeletedItem(int(i), sha, path)
+            for i, sha, path in session.execute(
+                select(GalleryItem.id, GalleryItem.sha256, GalleryItem.media_path).where(
                     GalleryItem.id.in_(chunk), GalleryItem.deleted_at.is_(None)
                 )
             )
@@ -299,12 +334,53 @@ def delete_items(item_ids: Iterable[int], *, session: Session) -> list[int]:
     if not live:
         return []
     now = utcnow()
-    for chunk in _chunks(live):
+    ids = [item.id for item in live]
+    for chunk in _chunks(ids):
         session.execute(
             update(GalleryItem).where(GalleryItem.id.in_(chunk)).values(deleted_at=now)
         )
-    session.add_all(GalleryChange(item_id=i, op=CHANGE_DELETE) for i in live)
+        session.execute(sa_delete(Embedding).where(Embedding.item_id.in_(chunk)))
+    session.add_all(GalleryChange(item_id=i, op=CHANGE_DELETE) for i in ids)
     session.flush()
+    return live
+
+
+def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
+    """The content hashes that no live gallery item and no query item refers to any more.
+
+    Their files may be removed from the media store, provided the caller holds the gallery
+    write lock (:func:`lock_gallery_writes`) until the files are gone: writers store media
+    under that lock, so no new row can start referring to a hash meanwhile.
+    """
+    wanted = sorted(set(sha256s))
+    used: set[str] = set()
+    for chunk in _chunks(wanted):
+        used.update(session.scalars(
+            select(GalleryItem.sha256).where(
+                GalleryItem.sha256.in_(chunk), GalleryItem.deleted_at.is_(None)
+            )
+        ))
+        used.update(session.scalars(select(QueryItem.sha256).where(QueryItem.sha256.in_(chunk))))
+    return set(wanted) - used
+
+
+def referenced_media(*, session: Session) -> set[str]:
+    """Every content hash a live gallery item or a query item refers to (the media sweep)."""
+    used = set(session.scalars(
+        select(GalleryItem.sha256).where(GalleryItem.deleted_at.is_(None))
+    ))
+    used.update(session.scalars(select(QueryItem.sha256)))
+    return used
+
+
+def _live_ids(item_ids: Iterable[int], *, session: Session) -> set[int]:
+    live: set[int] = set()
+    for chunk in _chunks(sorted({int(i) for i in item_ids})):
+        live.update(session.scalars(
+            select(GalleryItem.id).where(
+                GalleryItem.id.in_(chunk), GalleryItem.deleted_at.is_(None)
+            )
+        ))
     return live
 
 
@@ -360,6 +436,29 @@ def changes_after(seq: int, *, session: Session, limit: int = 10_000) -> list[Ch
         .limit(limit)
     )
     return [ChangeRow(int(s), int(i), o) for s, i, o in rows]
+
+
+def deletes_after(seq: int, *, session: Session) -> tuple[list[int], int]:
+    """The ids deleted after change ``seq``, and the newest change sequence number.
+
+    One statement, so both answers come from one snapshot: nothing committed between them
+    can be skipped. Cheap enough to run before every search batch (an index range scan over
+    the few changes since the last call).
+
+    Returns:
+        ``(deleted_ids, last_seq)``; ``last_seq`` is ``seq`` when nothing changed.
+    """
+    newest = select(func.max(GalleryChange.seq)).scalar_subquery()
+    rows = session.execute(
+        select(GalleryChange.seq, GalleryChange.item_id, GalleryChange.op)
+        .where(GalleryChange.seq > seq)
+        .where((GalleryChange.op == CHANGE_DELETE) | (GalleryChange.seq == newest))
+        .order_by(GalleryChange.seq)
+    ).all()
+    if not rows:
+        return [], seq
+    deleted = [int(i) for _, i, op in rows if op == CHANGE_DELETE]
+    return deleted, int(rows[-1][0])
 
 
 def count_vectors(*, session: Session, model_version_id: int) -> int:

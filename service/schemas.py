@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
 
 K_MAX = 1000
 WORST_MAX = 100
@@ -14,10 +16,15 @@ WORST_MAX = 100
 class HealthStatus(BaseModel):
     """Liveness and what is being served."""
 
-    status: str = Field(examples=["ok"])
+    status: Literal["ok", "degraded"] = Field(
+        description="degraded: the index has not caught up with the database for a while"
+    )
     model_version: str
     index_size: int = Field(description="vectors in the served index")
     device: str = Field(examples=["cpu", "cuda"])
+    change_seq: int = Field(description="the last gallery change applied to this index")
+    follower_lag_s: float = Field(description="seconds since the index last caught up")
+    follower_error: str | None = Field(None, description="why the last catch-up failed")
 
 
 class SearchHit(BaseModel):
@@ -69,15 +76,32 @@ class GalleryItemList(BaseModel):
     limit: int
 
 
+class GalleryAddOutcome(BaseModel):
+    """What happened to one uploaded image.
+
+    ``created``: a new item with the label, camera and metadata sent. ``existing``: the same
+    bytes were already a live item; nothing was changed, and ``label``/``camera``/``metadata``
+    are what is stored (the values sent were not applied). ``duplicate``: the same bytes
+    appeared earlier in this request; ``id`` is that image's item.
+    """
+
+    id: int
+    status: Literal["created", "existing", "duplicate"]
+    label: str
+    camera: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
 class GalleryItemsCreated(BaseModel):
-    """The ids of the uploaded items, in upload order.
+    """The ids of the uploaded items, in upload order, and what happened to each.
 
     An image whose bytes were already in the gallery is not stored twice: its existing id
-    is returned and its ``created`` entry is false.
+    is returned, its ``created`` entry is false and ``items[i].status`` says why.
     """
 
     ids: list[int]
     created: list[bool]
+    items: list[GalleryAddOutcome]
 
 
 class EvaluateRequest(BaseModel):
@@ -85,7 +109,7 @@ class EvaluateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    query_set: str = Field(min_length=1, max_length=255)
+    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
     k: list[int] | None = Field(
         default=None, min_length=1, max_length=20,
         description="cut-offs; default 1, 5, 10 (those not over the gallery size)",
@@ -93,11 +117,13 @@ class EvaluateRequest(BaseModel):
     exclude_same_camera: bool = Field(
         False, description="re-ID protocol: drop same-label same-camera gallery items"
     )
-    model_version: str | None = Field(
-        None, description="a stored model version (default: the served one)"
+    model_version: SafeText | None = Field(
+        None, max_length=MODEL_VERSION_MAX,
+        description="a stored model version (default: the served one)",
     )
-    compare_to: str | None = Field(
-        None, description="a second model version: report both and the paired difference"
+    compare_to: SafeText | None = Field(
+        None, max_length=MODEL_VERSION_MAX,
+        description="a second model version: report both and the paired difference",
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
 

@@ -59,10 +59,28 @@ class ServiceMetrics:
         self.index_size = Gauge(
             "imgret_index_size", "Vectors in the served index.", registry=self.registry,
         )
+        self.follower_lag = Gauge(
+            "imgret_follower_lag_seconds",
+            "Seconds since this process's index last caught up with the gallery change log.",
+            registry=self.registry,
+        )
+        self.follower_seq = Gauge(
+            "imgret_follower_applied_seq", "The last gallery change applied to the index.",
+            registry=self.registry,
+        )
+        self.follower_failures = Counter(
+            "imgret_follower_failures", "Failed polls of the gallery change log.",
+            registry=self.registry,
+        )
         self.gallery_writes = Counter(
             "imgret_gallery_writes", "Gallery items added or deleted.", ["op"],
             registry=self.registry,
         )
+
+    def track_follower(self, lag_s: Callable[[], float], seq: Callable[[], float]) -> None:
+        """Read the change-log follower's lag and position at scrape time."""
+        self.follower_lag.set_function(lag_s)
+        self.follower_seq.set_function(seq)
 
     def track_index_size(self, size: Callable[[], float]) -> None:
         """Read the index size at scrape time (no stale copies to keep up to date)."""

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-import json
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Path, Query, UploadFile, status
 from fastapi.responses import FileResponse, Response
 
 from index import store
-from index.ingest import NewItem, add_items
+from index.gc import purge_media
+from index.ingest import AddedItems, NewItem, add_items
 from index.models import GalleryItem
 from service.deps import ResourcesDep, SessionDep, require_api_key
-from service.schemas import GalleryItemList, GalleryItemPublic, GalleryItemsCreated
+from service.schemas import (
+    GalleryAddOutcome,
+    GalleryItemList,
+    GalleryItemPublic,
+    GalleryItemsCreated,
+)
+from service.validation import LABEL_MAX, Camera, SafeText, check_text
+from service.validation import parse_json_object as _parse_json_field
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/gallery", tags=["gallery"])
 
 ItemId = Annotated[int, Path(ge=1, le=2**63 - 1, description="gallery item id")]
-LABEL_MAX = 255
 SOURCE_MAX = 255
 
 
@@ -34,7 +43,7 @@ def add_gallery_items(
     images: Annotated[list[UploadFile], File(description="image files, one per item")],
     labels: Annotated[list[str], Form(description="one label per image, in order")],
     cameras: Annotated[
-        list[int] | None, Form(description="one camera id per image (re-ID data)")
+        list[Camera] | None, Form(description="one camera id per image (re-ID data)")
     ] = None,
     metadata: Annotated[
         list[str] | None,
@@ -45,16 +54,26 @@ def add_gallery_items(
 
     The rows, embeddings and change-log entries are committed in one transaction *before*
     the in-memory index changes, so an acknowledged item survives a crash (the index is
-    rebuilt or replayed from SQL at start-up). Images whose bytes are already in the gallery
-    are not added twice: their existing id is returned (``created`` is false for them).
+    rebuilt or replayed from SQL at start-up). Images whose bytes are already a live item are
+    not added twice: ``items[i]`` says ``existing`` and shows the stored label, camera and
+    metadata (the values sent are not applied to it).
     """
     n = len(images)
+    if n > resources.settings.gallery_max_files:  # before any label check or decoding
+        raise HTTPException(
+            413, f"{n} images: send at most {resources.settings.gallery_max_files} per request "
+                 "(IMGRET_GALLERY_MAX_FILES); bulk imports belong to `imgret ingest`"
+        )
     _check_count("labels", labels, n)
     for position, label in enumerate(labels):
         if not label.strip() or len(label) > LABEL_MAX:
             raise HTTPException(
                 422, f"labels[{position}]: a label is 1 to {LABEL_MAX} characters, not empty"
             )
+        check_text(label, f"labels[{position}]")
+    for position, upload in enumerate(images):
+        if upload.filename:  # kept as a note (``source``): it must be storable text
+            check_text(upload.filename, f"images[{position}] file name")
     if cameras is not None:
         _check_count("cameras", cameras, n)
     metas = _parse_metadata(metadata, n)
@@ -69,15 +88,39 @@ def add_gallery_items(
         )
         for i, (upload, label) in enumerate(zip(images, labels, strict=True))
     ]
-    with resources.sessions.begin() as session:
-        added = add_items(
-            items, session=session, media=resources.media, embedder=resources.embedder,
-            max_pixels=resources.settings.max_image_pixels,
-        )
-    # Committed: now the index. A crash between the two loses nothing (SQL is the truth).
-    resources.searcher.add(added.vector_ids, added.vectors, added.infos)
+    added = add_items(
+        items, session_factory=resources.sessions, media=resources.media,
+        embedder=resources.embedder, max_pixels=resources.settings.max_image_pixels,
+    )
+    # Committed: now the index. An id deleted meanwhile (by any process) is not added back:
+    # the Searcher remembers deletions, and every search first applies the newest ones.
+    try:
+        resources.searcher.add(added.vector_ids, added.vectors, added.infos)
+    except Exception:  # noqa: BLE001 - the write is durable; make it searchable another way
+        logger.exception("index update after a committed add failed; replaying from SQL")
+        resources.searcher.refresh_from_changes()
     resources.metrics.gallery_writes.labels("add").inc(sum(added.created))
-    return GalleryItemsCreated(ids=added.ids, created=added.created)
+    return GalleryItemsCreated(ids=added.ids, created=added.created,
+                               items=_outcomes(added, items))
+
+
+def _outcomes(added: AddedItems, items: list[NewItem]) -> list[GalleryAddOutcome]:
+    """Per upload: created (as sent), existing (as stored), or a duplicate of an earlier one."""
+    outcomes: list[GalleryAddOutcome] = []
+    first: dict[int, GalleryAddOutcome] = {}
+    for position, item_id in enumerate(added.ids):
+        if added.created[position]:
+            sent = items[position]
+            outcome = GalleryAddOutcome(id=item_id, status="created", label=sent.label,
+                                        camera=sent.camera, metadata=dict(sent.metadata or {}))
+        elif (stored := added.existing.get(position)) is not None:
+            outcome = GalleryAddOutcome(id=item_id, status="existing", label=stored.label,
+                                        camera=stored.camera, metadata=dict(stored.metadata))
+        else:  # the same bytes earlier in this request
+            outcome = first[item_id].model_copy(update={"status": "duplicate"})
+        first.setdefault(item_id, outcome)
+        outcomes.append(outcome)
+    return outcomes
 
 
 @router.get("")
@@ -85,7 +128,7 @@ def list_gallery_items(
     session: SessionDep,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    label: Annotated[str | None, Query(max_length=LABEL_MAX)] = None,
+    label: Annotated[SafeText | None, Query(max_length=LABEL_MAX)] = None,
 ) -> GalleryItemList:
     """A page of live gallery items in id order; ``count`` is the total matching ``label``."""
     items, count = store.list_items(session=session, offset=offset, limit=limit, label=label)
@@ -115,8 +158,9 @@ def read_gallery_image(item_id: ItemId, session: SessionDep, resources: Resource
         path,
         media_type=item.content_type,
         headers={
-            # The bytes under an id never change; deletion makes the id 404 for good.
-            "Cache-Control": "public, max-age=86400",
+            # Gallery images may be faces: no shared cache keeps a copy, and none outlives a
+            # delete (a browser's own cache included).
+            "Cache-Control": "private, no-store",
             # Never let a browser guess a type (an uploaded "image" that is really HTML).
             "X-Content-Type-Options": "nosniff",
         },
@@ -131,12 +175,21 @@ def read_gallery_image(item_id: ItemId, session: SessionDep, resources: Resource
                404: {"description": "no such item (or already deleted)"}},
 )
 def delete_gallery_item(item_id: ItemId, resources: ResourcesDep) -> Response:
-    """Delete an item; it never appears in results again (committed, then unindexed)."""
+    """Delete an item: it never appears in results again, in any process, and its image
+    bytes (and embeddings) are gone from this server's storage when the 204 is sent.
+
+    Order: the delete commits in SQL (the source of truth: a crash after this point still
+    deletes), the local index drops the id (other processes drop it before their next search
+    starts), then the image file is removed if no other row refers to the same bytes (a crash
+    before that is finished by the start-up sweep).
+    """
     with resources.sessions.begin() as session:
         deleted = store.delete_items([item_id], session=session)
     if not deleted:
         raise HTTPException(404, f"no gallery item {item_id}")
-    resources.searcher.remove(deleted)
+    resources.searcher.remove([item.id for item in deleted])
+    purge_media([item.sha256 for item in deleted], session_factory=resources.sessions,
+                media=resources.media)
     resources.metrics.gallery_writes.labels("delete").inc(len(deleted))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -180,11 +233,9 @@ def _parse_metadata(values: list[str] | None, n: int) -> list[dict[str, Any] | N
 
 
 def parse_json_object(value: str, name: str) -> dict[str, Any]:
-    """A form field holding a JSON object (``{"color": "red"}``); 422 otherwise."""
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise HTTPException(422, f"{name}: not valid JSON ({exc.msg})") from None
-    if not isinstance(parsed, dict):
-        raise HTTPException(422, f"{name}: expected a JSON object like {{\"key\": \"value\"}}")
-    return parsed
+    """A form field holding a JSON object (``{"color": "red"}``); 422 otherwise.
+
+    Bounded in size and depth, finite numbers, 64-bit integers, no NUL: see
+    :func:`service.validation.parse_json_object`.
+    """
+    return _parse_json_field(value, name)

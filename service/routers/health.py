@@ -12,10 +12,21 @@ router = APIRouter(tags=["health"])
 
 @router.get("/health")
 def read_health(resources: ResourcesDep) -> HealthStatus:
-    """Liveness: the model version served, the index size and the device."""
+    """Liveness: the model version served, the index size, the device, and how far this
+    process's index follows the database.
+
+    ``status`` is ``degraded`` (still HTTP 200: the process is alive, and restarting it would
+    not help) when the change-log follower has not caught up for longer than the stated bound:
+    other processes' adds are then missing here. Deletes are honoured either way (every search
+    reads them first, and fails with 503 when it cannot).
+    """
+    follower = resources.follower
     return HealthStatus(
-        status="ok",
+        status="degraded" if follower.stale() else "ok",
         model_version=resources.searcher.model_version,
         index_size=resources.searcher.size,
         device=resources.embedder.device,
+        change_seq=resources.searcher.change_seq,
+        follower_lag_s=round(follower.lag_seconds(), 3),
+        follower_error=follower.last_error,
     )

@@ -47,7 +47,7 @@ def seed(sessions, vectors: np.ndarray, labels: int = 5) -> list[int]:
 
 def delete(sessions, ids) -> list[int]:
     with sessions.begin() as session:
-        return store.delete_items(ids, session=session)
+        return [item.id for item in store.delete_items(ids, session=session)]
 
 
 def db_vectors(sessions) -> tuple[np.ndarray, np.ndarray]:

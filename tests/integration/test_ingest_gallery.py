@@ -105,14 +105,14 @@ def test_market1501_cameras_are_stored_and_junk_skipped(sessions, media, embedde
 
 def test_add_items_for_uploads_in_one_transaction(sessions, media, embedder):
     a, b = image_bytes(class_image(1, 0)), image_bytes(class_image(2, 0), "JPEG")
-    with sessions.begin() as session:
-        first = add_items([NewItem(a, "one", 3, {"shop": "x"}, "a.png")], session=session,
-                          media=media, embedder=embedder)
-    with sessions.begin() as session:
-        added = add_items([NewItem(b, "two"), NewItem(a, "other"), NewItem(b, "two")],
-                          session=session, media=media, embedder=embedder)
+    first = add_items([NewItem(a, "one", 3, {"shop": "x"}, "a.png")], session_factory=sessions,
+                      media=media, embedder=embedder)
+    added = add_items([NewItem(b, "two"), NewItem(a, "other"), NewItem(b, "two")],
+                      session_factory=sessions, media=media, embedder=embedder)
     assert added.ids[1] == first.ids[0] and added.ids[0] == added.ids[2]
     assert added.created == [True, False, False]
+    # The image that was already stored says so, with what is stored (not the caller's label).
+    assert added.existing == {1: store.ItemInfo("one", 3, {"shop": "x"})}
     assert added.vector_ids.tolist() == [added.ids[0]] and added.vectors.shape == (1, 16)
     assert added.infos[0].label == "two"
     with sessions() as session:
@@ -121,25 +121,24 @@ def test_add_items_for_uploads_in_one_transaction(sessions, media, embedder):
         assert store.get_item(added.ids[0], session=session).content_type == "image/jpeg"
         assert [c.op for c in store.changes_after(0, session=session)] == ["add", "add"]
 
-    with pytest.raises(ImageDecodeError, match=r"images\[1\]"), sessions.begin() as session:
+    with pytest.raises(ImageDecodeError, match=r"images\[1\]"):
         add_items([NewItem(image_bytes(class_image(3, 0)), "ok"), NewItem(b"junk", "bad")],
-                  session=session, media=media, embedder=embedder)
+                  session_factory=sessions, media=media, embedder=embedder)
     assert count(sessions, GalleryItem) == 2  # the failed request wrote nothing
 
 
 def test_delete_is_soft_logged_and_content_can_come_back(sessions, media, embedder):
     data = image_bytes(class_image(1, 0))
+    (item_id,) = add_items([NewItem(data, "x")], session_factory=sessions, media=media,
+                           embedder=embedder).ids
     with sessions.begin() as session:
-        (item_id,) = add_items([NewItem(data, "x")], session=session, media=media,
-                               embedder=embedder).ids
-    with sessions.begin() as session:
-        assert store.delete_items([item_id, 999], session=session) == [item_id]
+        assert [d.id for d in store.delete_items([item_id, 999], session=session)] == [item_id]
         assert store.delete_items([item_id], session=session) == []
     with sessions.begin() as session:
         assert store.get_item(item_id, session=session) is None
         assert store.get_item(item_id, session=session, include_deleted=True) is not None
-        again = add_items([NewItem(data, "x")], session=session, media=media,
-                          embedder=embedder)
+    again = add_items([NewItem(data, "x")], session_factory=sessions, media=media,
+                      embedder=embedder)
     assert again.created == [True] and again.ids[0] > item_id  # ids are never reused
     with sessions() as session:
         ops = [(c.item_id, c.op) for c in store.changes_after(0, session=session)]

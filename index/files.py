@@ -1,0 +1,112 @@
+"""Crash-safe files: the one atomic writer (index, manifest, media) and its clean-up.
+
+A file is written to a uniquely named temporary file in its final folder (``mkstemp``: two
+threads or processes never share one), flushed and fsync'd, renamed over the target, and the
+folder is fsync'd so that the rename itself survives a power cut. A reader, or a crash, sees
+the old file or the new one, never half of one. A SIGKILL between ``mkstemp`` and the rename
+leaves a temporary file behind, named after the writer's process id:
+:func:`remove_stale_temps` deletes those whose process is gone (or that are old) at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TEMP_PREFIX = ".tmp-"
+# A temporary file older than this belongs to a writer that died (writes take milliseconds).
+STALE_TEMP_AGE_S = 600.0
+
+
+def write_atomic(path: str | Path, data: bytes | Iterable[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks of bytes) to ``path`` atomically and durably."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{path.name}.",
+                               dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or unlink in ``folder`` durable (a no-op where directories can't sync)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    """The hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remove_stale_temps(root: str | Path, *, older_than_s: float = STALE_TEMP_AGE_S) -> int:
+    """Delete temporary files that writers killed mid-write left under ``root``.
+
+    A temporary file goes when the process named in it no longer runs on this machine, or
+    when it is older than ``older_than_s`` (a data dir shared by several machines).
+
+    Returns:
+        How many were removed.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for path in root.rglob(f"{TEMP_PREFIX}*"):
+        try:
+            if path.is_file() and (not _writer_alive(path.name)
+                                   or path.stat().st_mtime < cutoff):
+                path.unlink()
+                removed += 1
+        except OSError as exc:  # another process removed it first, or no permission
+            logger.debug("could not remove %s: %s", path, exc)
+    if removed:
+        logger.info("removed %d temporary files left by interrupted writes under %s", removed,
+                    root)
+    return removed
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that named this temporary file still runs (``.tmp-<pid>-...``)."""
+    pid_text = name[len(TEMP_PREFIX):].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True  # ours: a write of this process is in flight
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True

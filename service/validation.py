@@ -1,0 +1,183 @@
+"""Validation at the edge: what a text, a number or a JSON form field may hold.
+
+Everything here runs before a value reaches the database, so that hostile-but-ordinary input
+gets a 422 with a message instead of a driver error (PostgreSQL refuses NUL in ``text`` and
+``jsonb``, ``Infinity`` in ``jsonb``, integers beyond a column's range; Python's ``json``
+recurses once per nesting level and refuses integers of more than 4300 digits with a
+``ValueError``). Database errors that still happen are mapped in one place,
+:mod:`service.errors`.
+
+Rules (the contract is silent; these are the service's decisions):
+
+* **Text** (labels, file names, query-set names, model versions, filter values): no control
+  characters (U+0000..U+001F, U+007F) and no lone surrogates (a client can produce them
+  through ``\\ud800`` JSON escapes or a multipart ``charset=utf-7``).
+* **Cameras** fit the 32-bit ``camera`` column and are not negative: 0..2**31-1.
+* **JSON objects in form fields** (``metadata``): at most :data:`JSON_MAX_CHARS` characters
+  and :data:`JSON_MAX_DEPTH` levels of nesting; numbers are finite (no ``NaN``,
+  ``Infinity``, ``1e400``) and integers fit in 64 bits; keys are 1..255 characters without
+  control characters; string values may hold tabs and newlines but no other control
+  character.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Annotated, Any
+
+from fastapi import HTTPException
+from pydantic import AfterValidator, Field
+
+LABEL_MAX = 255
+NAME_MAX = 255
+MODEL_VERSION_MAX = 128  # model_versions.version is VARCHAR(128)
+CAMERA_MAX = 2**31 - 1  # gallery_items.camera is a 32-bit INTEGER
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+JSON_MAX_CHARS = 16_384
+JSON_MAX_DEPTH = 8
+JSON_KEY_MAX = 255
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_BUT_WHITESPACE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+# For the OpenAPI schema: the same rule as text_problem, as a JSON-schema pattern.
+SAFE_TEXT_PATTERN = r"^[^\x00-\x1F\x7F]*$"
+
+
+def text_problem(value: str, *, allow_whitespace_controls: bool = False) -> str | None:
+    """Why ``value`` may not be stored as text, or ``None`` when it may."""
+    control = _CONTROL_BUT_WHITESPACE if allow_whitespace_controls else _CONTROL
+    found = control.search(value)
+    if found:
+        return (f"contains the control character U+{ord(found.group()):04X} at position "
+                f"{found.start()} (NUL and other control characters are not allowed)")
+    found = _SURROGATE.search(value)
+    if found:
+        return f"contains a lone surrogate U+{ord(found.group()):04X} (not valid Unicode)"
+    return None
+
+
+def check_text(value: str, name: str, *, max_length: int | None = None) -> str:
+    """``value`` if it is storable text of at most ``max_length`` characters; 422 otherwise."""
+    problem = text_problem(value)
+    if problem is None and max_length is not None and len(value) > max_length:
+        problem = f"is {len(value)} characters long; at most {max_length} are allowed"
+    if problem is not None:
+        raise HTTPException(422, f"{name}: {problem}")
+    return value
+
+
+def _safe_text(value: str) -> str:
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+# Parameter and schema types (FastAPI and pydantic report their failures as 422).
+SafeText = Annotated[str, AfterValidator(_safe_text)]
+Camera = Annotated[
+    int, Field(ge=0, le=CAMERA_MAX, description="camera id (0..2**31-1, re-ID data)")
+]
+
+
+def parse_json_object(value: str, name: str) -> dict[str, Any]:
+    """A form field holding a JSON object (``{"color": "red"}``), within the rules above.
+
+    Raises:
+        HTTPException: 422 naming the field and the rule broken.
+    """
+    if len(value) > JSON_MAX_CHARS:
+        raise HTTPException(
+            422, f"{name}: {len(value)} characters of JSON; at most {JSON_MAX_CHARS} are allowed"
+        )
+    depth = _max_depth(value)
+    if depth > JSON_MAX_DEPTH:
+        raise HTTPException(
+            422, f"{name}: JSON nested {depth} levels deep; at most {JSON_MAX_DEPTH} are allowed"
+        )
+    try:
+        parsed = json.loads(value, parse_constant=_refuse_constant, parse_int=_bounded_int,
+                            parse_float=_finite_float)
+    except _JsonRule as exc:
+        raise HTTPException(422, f"{name}: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "too deeply nested"
+        raise HTTPException(422, f"{name}: not valid JSON ({reason})") from None
+    if not isinstance(parsed, dict):
+        raise HTTPException(422, f"{name}: expected a JSON object like {{\"key\": \"value\"}}")
+    problem = _json_problem(parsed, "")
+    if problem is not None:
+        raise HTTPException(422, f"{name}: {problem}")
+    return parsed
+
+
+class _JsonRule(ValueError):
+    """A JSON value outside the rules (raised from the json module's hooks)."""
+
+
+def _refuse_constant(token: str) -> Any:
+    raise _JsonRule(f"{token} is not allowed (numbers must be finite)")
+
+
+def _bounded_int(token: str) -> int:
+    # Refuse before int() runs: a 100,000-digit integer costs time and raises ValueError.
+    if len(token.lstrip("-")) > 19 or not INT64_MIN <= int(token) <= INT64_MAX:
+        raise _JsonRule(f"the integer {token[:30]}{'...' if len(token) > 30 else ''} does not "
+                        "fit in 64 bits")
+    return int(token)
+
+
+def _finite_float(token: str) -> float:
+    number = float(token)
+    if not math.isfinite(number):
+        raise _JsonRule(f"the number {token[:30]} overflows a 64-bit float")
+    return number
+
+
+def _max_depth(text: str) -> int:
+    """The deepest nesting of ``[`` and ``{`` outside strings (before parsing anything)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _json_problem(value: Any, path: str) -> str | None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key[:40]}" if path else key[:40]
+            if not key or len(key) > JSON_KEY_MAX:
+                return f"key {where!r}: a key is 1 to {JSON_KEY_MAX} characters"
+            problem = text_problem(key)
+            if problem is not None:
+                return f"key {key[:40]!r} {problem}"
+            problem = _json_problem(item, where)
+            if problem is not None:
+                return problem
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            problem = _json_problem(item, f"{path}[{index}]")
+            if problem is not None:
+                return problem
+    elif isinstance(value, str):
+        problem = text_problem(value, allow_whitespace_controls=True)
+        if problem is not None:
+            return f"value at {path or 'top level'!r} {problem}"
+    return None
