@@ -10,8 +10,7 @@ Writers store media files only while holding the same lock, so step 2 can never 
 that a new row is about to point to (the same image uploaded again at that moment). A crash
 between 1 and 2 leaves unreferenced files behind; so does a crash of an upload after its file
 was written and before its rows committed. :func:`sweep_media` removes both kinds at
-start-up (``imgret serve``, ``imgret ingest``), together with temporary files of writes that
-were killed.
+start-up of every API process, together with temporary files of writes that were killed.
 """
 
 from __future__ import annotations
