@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -39,6 +39,23 @@ class Settings(BaseSettings):
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")
     batch_max_wait_ms: float = Field(5.0, ge=0)
+
+    # Write guard (issue 10, defect 5; enforced by service.auth): a keyless server beyond
+    # loopback refuses to start unless this is true; browsers may write only from these origins
+    # (comma-separated, e.g. "https://ui.example.com") or from the API's own origin.
+    allow_anonymous_writes: bool = Field(
+        False, description="serve writes without IMGRET_API_KEY on a non-loopback host"
+    )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="browser origins allowed to write (comma-separated)"
+    )
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("database_url")
     @classmethod

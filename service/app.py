@@ -9,13 +9,22 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
 from imgret.settings import Settings
+from service.auth import (
+    API_KEY_HEADER,
+    WriteGuardMiddleware,
+    has_api_key,
+    is_write,
+    normalized_origins,
+)
 from service.errors import install_error_handlers
 from service.limits import UploadLimitMiddleware
 from service.resources import follow_changes, load_resources
@@ -55,15 +64,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, search, gallery, evaluate, metrics, ui):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    # The last one added is the outermost: the access log also sees the limit's 413s.
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    # The last one added is the outermost. The write guard runs before the upload limit, so
+    # an unauthorised write is refused before one byte of its body is read; the access log
+    # sees both refusals.
     app.add_middleware(UploadLimitMiddleware, max_bytes=settings.max_upload_bytes)
+    app.add_middleware(WriteGuardMiddleware, settings=settings)
     app.add_middleware(AccessLogMiddleware, metrics=service_metrics)
+    if settings.allowed_origins:
+        # Origins allowed to write may also read the answers and send the key (preflight).
+        app.add_middleware(
+            CORSMiddleware, allow_origins=sorted(normalized_origins(settings.allowed_origins)),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=[API_KEY_HEADER, "Content-Type"],
+        )
     return app
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
+    if not has_api_key(settings):
+        logger.warning(
+            "no IMGRET_API_KEY: writes are accepted only on loopback addresses%s",
+            " and, by IMGRET_ALLOW_ANONYMOUS_WRITES=true, on every address"
+            if settings.allow_anonymous_writes else "",
+        )
     # Loading a model and rebuilding an index take seconds: keep the loop free meanwhile.
     resources = await anyio.to_thread.run_sync(load_resources, settings, app.state.metrics)
     app.state.resources = resources
@@ -84,3 +110,63 @@ def _operation_id(route: APIRoute) -> str:
     # Stable OpenAPI operation ids for generated clients: "<tag>-<handler name>".
     tag = route.tags[0] if route.tags else "default"
     return f"{tag}-{route.name}"
+
+
+# Responses every operation may give besides its own (documented once, here, so that the
+# schema names every status the service really returns; schemathesis checks it).
+_ERROR_SCHEMA = {
+    "title": "ErrorMessage",
+    "type": "object",
+    "required": ["detail"],
+    "properties": {
+        "detail": {
+            "description": "what was wrong: a message, or FastAPI's list of field errors",
+            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
+        }
+    },
+}
+_WRITE_ERRORS = {
+    "401": f"missing or wrong {API_KEY_HEADER} header (when IMGRET_API_KEY is set)",
+    "403": "cross-origin browser write, or a keyless server reached beyond loopback",
+}
+_BODY_ERRORS = {
+    "400": "malformed body (multipart or JSON that cannot be parsed)",
+    "413": "body or decoded image over the limits (IMGRET_MAX_UPLOAD_BYTES, pixel budgets)",
+}
+_COMMON_ERRORS = {
+    "503": "the database, the index or the batch queue is unavailable or full; retry",
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the error responses the middleware and handlers add.
+
+    Every 4xx/5xx answer is ``{"detail": ...}``: a message string from our handlers, or the
+    list of field errors of FastAPI's validation, so 422 documents both shapes.
+    """
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = FastAPI.openapi(app)  # FastAPI's own (cached on the app), patched in place
+    schema.setdefault("components", {}).setdefault("schemas", {})["ErrorMessage"] = (
+        _ERROR_SCHEMA
+    )
+    error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorMessage"}}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            extra = dict(_COMMON_ERRORS)
+            if is_write(method, path):
+                extra.update(_WRITE_ERRORS)
+            if "requestBody" in operation:
+                extra.update(_BODY_ERRORS)
+            if "parameters" in operation or "requestBody" in operation:
+                extra["422"] = "invalid parameters, fields, images or values"
+            for code, description in extra.items():
+                responses.setdefault(code, {"description": description})
+            for code, response in responses.items():
+                if code[0] in "45":
+                    # Replaces FastAPI's HTTPValidationError for 422: our handlers also
+                    # answer 422 with a message string.
+                    response["content"] = error_content
+    app.openapi_schema = schema
+    return schema

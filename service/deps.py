@@ -6,12 +6,14 @@ import secrets
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
 from imgret.settings import Settings
 from index.search import Searcher
+from service.auth import API_KEY_HEADER, has_api_key
 from service.resources import Resources
 
 
@@ -52,22 +54,31 @@ EmbedderDep = Annotated[Embedder, Depends(get_embedder)]
 SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 
 
+_API_KEY = APIKeyHeader(
+    name=API_KEY_HEADER, auto_error=False,
+    description="required on writes (POST/DELETE /gallery, POST /evaluate) when IMGRET_API_KEY "
+                "is set",
+)
+
+
 def require_api_key(
-    settings: SettingsDep,
-    x_api_key: Annotated[str | None, Header(description="required when IMGRET_API_KEY is set")]
-    = None,
+    settings: SettingsDep, x_api_key: Annotated[str | None, Security(_API_KEY)]
 ) -> None:
     """Refuse with 401 unless ``X-API-Key`` equals ``IMGRET_API_KEY`` (when one is set).
 
+    The check that counts runs earlier, in :class:`service.auth.WriteGuardMiddleware`, before
+    any of the body is read (FastAPI parses a form before it solves dependencies). This
+    dependency documents the key in the OpenAPI schema (a security scheme) and repeats the
+    check, so a write route the middleware would not classify as a write is still guarded.
     The comparison takes the same time wherever the strings differ (no timing oracle).
     """
-    expected = settings.api_key
-    if expected is None or not expected.get_secret_value():
-        return  # no key configured: the service is open (a local or private deployment)
-    given = (x_api_key or "").encode()
-    if not secrets.compare_digest(given, expected.get_secret_value().encode()):
+    if not has_api_key(settings):
+        return  # no key configured: the write guard decides (loopback or explicit opt-in)
+    expected = settings.api_key.get_secret_value().encode()
+    # Starlette decodes headers as latin-1: this gives back the bytes the client sent.
+    if not secrets.compare_digest((x_api_key or "").encode("latin-1"), expected):
         raise HTTPException(
             status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="missing or wrong X-API-Key header",
-            headers={"WWW-Authenticate": "X-API-Key"},
+            detail=f"missing or wrong {API_KEY_HEADER} header",
+            headers={"WWW-Authenticate": API_KEY_HEADER},
         )

@@ -1,11 +1,22 @@
-"""The one place that turns imgret's domain exceptions into HTTP 4xx ``{"detail": ...}`` answers."""
+"""The one place that turns exceptions into HTTP ``{"detail": ...}`` answers.
+
+* imgret's domain exceptions (:mod:`imgret.errors`) -> their 4xx (or 503) by the table below;
+* database errors (SQLAlchemy's wrappers of the driver's) -> 422 / 409 / 503, with a message
+  that says what to do and never a line of SQL or a parameter value (those go to the log);
+* request validation errors -> FastAPI's 422 shape, with each echoed input cut short (a
+  client that sends a 10 MB label does not get it back).
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 
 from imgret import errors
 from index.evaluation import EvaluationError
@@ -44,6 +55,76 @@ async def _imgret_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=status)
 
 
+# Database errors, most specific first. The driver's exception (psycopg, sqlite3) is wrapped by
+# SQLAlchemy in the class that names its SQLSTATE class: 22xxx -> DataError (value too long,
+# numeric out of range, NUL in text or jsonb, bad escape), 23xxx -> IntegrityError (unique or
+# foreign-key violations), 08xxx / 57Pxx / 40xxx / "database is locked" -> OperationalError.
+_DB_STATUS: list[tuple[type[Exception], int, str]] = [
+    (sa_exc.DataError, 422,
+     "a value was refused by the database: too long, out of range, or holding a character "
+     "it cannot store (such as NUL); check the fields sent"),
+    (sa_exc.IntegrityError, 409,
+     "the write conflicts with the stored gallery (a concurrent write of the same item, or "
+     "an item deleted meanwhile); retry the request"),
+    (sa_exc.OperationalError, 503,
+     "the database is unavailable or busy; retry shortly"),
+    (sa_exc.InterfaceError, 503,
+     "the connection to the database was lost; retry shortly"),
+]
+RETRY_AFTER_S = 1
+INPUT_ECHO_MAX = 100
+
+
+def database_status(exc: Exception) -> tuple[int, str] | None:
+    """``(status, message)`` for a database error this module maps, else ``None`` (a bug)."""
+    for kind, status, message in _DB_STATUS:
+        if isinstance(exc, kind):
+            return status, message
+    return None
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    mapped = database_status(exc)
+    assert mapped is not None  # registered for the classes of _DB_STATUS only
+    status, message = mapped
+    # The driver's message names the column or the constraint: good for the log, not the client.
+    orig = getattr(exc, "orig", None)
+    cause = str(orig if orig is not None else exc).splitlines()[0][:300]
+    log = logger.warning if status >= 500 else logger.info
+    log("%s %s -> %d: %s: %s", request.method, request.url.path, status,
+        type(orig or exc).__name__, cause)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (409, 503) else None
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(
+        {"detail": jsonable_encoder([_short(error) for error in exc.errors()])}, status_code=422
+    )
+
+
+def _short(error: dict[str, Any]) -> dict[str, Any]:
+    """A validation error with its echoed ``input`` cut to a few characters."""
+    error = {key: value for key, value in error.items() if key != "url"}
+    if "input" in error:
+        value = error["input"]
+        if isinstance(value, bytes | bytearray):
+            value = f"<{len(value)} bytes>"
+        elif not isinstance(value, str | int | float | bool | type(None)):
+            value = repr(value)
+        if isinstance(value, str) and len(value) > INPUT_ECHO_MAX:
+            value = value[:INPUT_ECHO_MAX] + f"... ({len(value)} characters)"
+        error["input"] = value
+    if "ctx" in error:
+        error["ctx"] = {key: str(value)[:INPUT_ECHO_MAX] for key, value in error["ctx"].items()}
+    return error
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the handler for every :class:`imgret.errors.ImgretError` on ``app``."""
+    """Register the handlers of this module on ``app``."""
     app.add_exception_handler(errors.ImgretError, _imgret_error)
+    # ProgrammingError & co are not mapped: they are bugs of ours, left to the server's 500.
+    for kind, _, _ in _DB_STATUS:
+        app.add_exception_handler(kind, _database_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)

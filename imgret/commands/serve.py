@@ -103,7 +103,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> Non
         workers: uvicorn worker processes.
 
     Raises:
-        ImgretError: no model configured, or an unusable checkpoint.
+        ImgretError: no model configured, an unusable checkpoint, or a non-loopback ``host``
+            without ``IMGRET_API_KEY`` (and without ``IMGRET_ALLOW_ANONYMOUS_WRITES=true``).
     """
     import uvicorn
 
@@ -111,8 +112,11 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> Non
     from imgret.errors import CheckpointError
     from imgret.settings import Settings
     from index.db import upgrade_to_head
+    from service.auth import check_write_exposure
 
     settings = Settings()
+    # Before anything slow: an open write API on a network interface is refused outright.
+    check_write_exposure(settings, host)
     if settings.model is None:
         raise CheckpointError(
             "no model: set IMGRET_MODEL (or pass --model) to a run directory or its model.pt"

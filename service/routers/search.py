@@ -14,6 +14,7 @@ from service.deps import ResourcesDep
 from service.pipeline import ImageQuery
 from service.routers.gallery import LABEL_MAX, image_uri, parse_json_object
 from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
+from service.validation import Camera, SafeText
 
 router = APIRouter(prefix="/search", tags=["search"])
 
@@ -42,9 +43,9 @@ def search_options(
         int | None, Query(alias="k", ge=1, le=K_MAX, description="same as the form field k")
     ] = None,
     label: Annotated[
-        str | None, Form(max_length=LABEL_MAX, description="only items with this label")
+        SafeText | None, Form(max_length=LABEL_MAX, description="only items with this label")
     ] = None,
-    camera: Annotated[int | None, Form(description="only items from this camera")] = None,
+    camera: Annotated[Camera | None, Form(description="only items from this camera")] = None,
     metadata: Annotated[
         str | None,
         Form(description='JSON object; only items whose metadata has these values, e.g. '

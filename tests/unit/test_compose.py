@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
@@ -65,3 +67,46 @@ def test_dockerfile_is_multi_stage_non_root_without_compilers() -> None:
     assert "build-essential" not in final and "gcc" not in final
     assert "\nUSER " in final and "USER root" not in final
     assert "faiss-gpu" in text
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR:?message}`` rules (the subset the file uses).
+
+    Raises:
+        ValueError: a ``:?`` variable that is unset or empty (compose refuses to start).
+    """
+
+    def substitute(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3) or ""
+        current = env.get(name, "")
+        if op == ":?" and not current:
+            raise ValueError(f"{name}: {arg}")
+        if op == ":-" and not current:
+            return arg
+        return current
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", substitute, value)
+
+
+API_SERVICES = ("api", "api-gpu")
+
+
+def test_api_key_is_required_by_compose() -> None:
+    """Defect 5 (issue 10): no keyless API out of `docker compose up`."""
+    for name in API_SERVICES:
+        raw = _compose()["services"][name]["environment"]["IMGRET_API_KEY"]
+        for env in ({}, {"IMGRET_API_KEY": ""}):
+            with pytest.raises(ValueError, match="set IMGRET_API_KEY"):
+                _interpolate(raw, env)
+        assert _interpolate(raw, {"IMGRET_API_KEY": "s3cret"}) == "s3cret"
+
+
+def test_port_is_published_on_loopback_only_by_default() -> None:
+    for name in API_SERVICES:
+        for port in _compose()["services"][name]["ports"]:
+            spec = _interpolate(str(port), {})
+            host_ip, _host_port, container_port = spec.rsplit(":", 2)
+            assert host_ip == "127.0.0.1", spec
+            assert container_port == "8000"
+            # Serving other machines is an explicit choice.
+            assert _interpolate(str(port), {"IMGRET_BIND": "0.0.0.0"}).startswith("0.0.0.0:")
