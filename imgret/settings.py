@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -39,6 +39,61 @@ class Settings(BaseSettings):
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")
     batch_max_wait_ms: float = Field(5.0, ge=0)
+
+    # --- Decoding budgets, file caps and the batch queue (issue 10, defects 4 and 8; HELPER A).
+    # A 5 KB PNG can declare 40 M pixels, so uploads are limited by what they decode, not by
+    # their bytes. PNG decodes at roughly 100 M pixels/s per core; JPEG decodes at 1/8 scale
+    # for our input sizes (imgret.images.decode_for_embedding), so photos cost little.
+    max_request_pixels: int = Field(
+        256_000_000, gt=0,
+        description="decoded pixels one request may cost (about 2.5 s of one core for PNG): "
+                    "6 images at the per-image limit, 128 two-megapixel PNGs, or thousands "
+                    "of JPEG photos; refused with 413 before anything is decoded",
+    )
+    batch_max_pixels: int = Field(
+        80_000_000, gt=0,
+        description="decoded pixels one search batch may cost (2 images at the per-image "
+                    "limit, under a second): requests past it wait for the next batch, so "
+                    "one heavy upload delays the others sharing its batch by at most this",
+    )
+    decode_inflight_pixels: int = Field(
+        80_000_000, gt=0,
+        description="full-size pixels being decoded at once in the whole process (search, "
+                    "gallery, evaluate together): bounds the peak memory of decoding at "
+                    "about 8 bytes per pixel (640 MB) whatever the number of requests",
+    )
+    search_batch_max_files: int = Field(
+        32, ge=1,
+        description="images per /search/batch request: one full batch of the batcher, so "
+                    "one request cannot queue ahead of other users for several batches",
+    )
+    gallery_max_files: int = Field(
+        256, ge=1,
+        description="images per POST /gallery: one transaction; 256 embed in seconds on a "
+                    "CPU, larger imports belong to `imgret ingest`",
+    )
+    evaluate_max_files: int = Field(
+        2000, ge=1,
+        description="images per uploaded /evaluate query set: enough queries for a useful "
+                    "confidence interval; the request's pixel budget still applies, and "
+                    "larger sets are stored with `imgret ingest --query-set`",
+    )
+    batch_queue_max: int = Field(
+        256, ge=1,
+        description="search images waiting for the batcher (8 full batches); when full, "
+                    "searches get 503 with Retry-After instead of queueing without bound",
+    )
+
+    @model_validator(mode="after")
+    def _check_queue_holds_a_request(self) -> Settings:
+        # A /search/batch request is queued whole or refused: a queue smaller than the
+        # largest request would refuse every such request with 503, forever.
+        if self.batch_queue_max < self.search_batch_max_files:
+            raise ValueError(
+                f"IMGRET_BATCH_QUEUE_MAX ({self.batch_queue_max}) must be at least "
+                f"IMGRET_SEARCH_BATCH_MAX_FILES ({self.search_batch_max_files})"
+            )
+        return self
 
     # Write guard (issue 10, defect 5; enforced by service.auth): a keyless server beyond
     # loopback refuses to start unless this is true; browsers may write only from these origins

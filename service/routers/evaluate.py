@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import GalleryError
+from imgret.images import DecodeLimits
 from index import evaluation, store
 from index.search import Searcher
 from service.deps import ResourcesDep, require_api_key
@@ -25,11 +26,10 @@ from service.schemas import (
     ModelComparison,
     check_ks,
 )
+from service.validation import CAMERA_MAX, check_text
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 
-# An uploaded query set is embedded in one request: bound it (a named set has no such limit).
-UPLOAD_MAX_QUERIES = 2000
 _OPEN_LOCK = threading.Lock()
 
 _MULTIPART_SCHEMA = {
@@ -38,7 +38,8 @@ _MULTIPART_SCHEMA = {
     "properties": {
         "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
         "labels": {"type": "array", "items": {"type": "string"}},
-        "cameras": {"type": "array", "items": {"type": "integer"}},
+        "cameras": {"type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": CAMERA_MAX}},
         "k": {"type": "array", "items": {"type": "integer"},
               "description": "repeated, or one comma-separated value; default 1,5,10"},
         "exclude_same_camera": {"type": "boolean"},
@@ -63,6 +64,8 @@ _MULTIPART_SCHEMA = {
     responses={
         401: {"description": "missing or wrong X-API-Key"},
         404: {"description": "unknown query set or model version"},
+        413: {"description": "more files than IMGRET_EVALUATE_MAX_FILES, or more decoded "
+                            "pixels than IMGRET_MAX_REQUEST_PIXELS"},
         415: {"description": "neither JSON nor multipart"},
         422: {"description": "invalid options, images or labels"},
     },
@@ -89,7 +92,7 @@ async def evaluate_query_set(
         options = _parse_json(await request.body())
         return await anyio.to_thread.run_sync(_evaluate_named, resources, options)
     if content_type == "multipart/form-data":
-        form = await _read_form(request)
+        form = await _read_form(request, resources.settings.evaluate_max_files)
         try:
             upload = await _parse_upload(form)
         finally:
@@ -110,10 +113,18 @@ def _parse_json(body: bytes) -> EvaluateRequest:
         ) from None
 
 
-async def _read_form(request: Request) -> FormData:
+async def _read_form(request: Request, max_files: int) -> FormData:
+    """The multipart form, with at most ``max_files`` files (an uploaded query set is embedded
+    in one request: a named set has no such limit)."""
     try:
-        return await request.form(max_files=UPLOAD_MAX_QUERIES, max_fields=4 * UPLOAD_MAX_QUERIES)
+        return await request.form(max_files=max_files, max_fields=4 * max_files)
     except Exception as exc:  # starlette's MultiPartException and parser errors
+        if str(exc).startswith("Too many files"):
+            raise HTTPException(
+                413, f"too many images: send at most {max_files} per request "
+                     "(IMGRET_EVALUATE_MAX_FILES), or store a larger query set with "
+                     "`imgret ingest --query-set NAME` and evaluate it by name"
+            ) from None
         raise HTTPException(400, f"malformed multipart body: {exc}") from None
 
 
@@ -149,6 +160,8 @@ async def _parse_upload(form: FormData) -> _Upload:
         )
     if any(not label.strip() or len(label) > LABEL_MAX for label in labels):
         raise HTTPException(422, f"a label is 1 to {LABEL_MAX} characters, not empty")
+    for position, label in enumerate(labels):
+        check_text(label, f"labels[{position}]")
     cameras = None
     raw_cameras = form.getlist("cameras")
     if raw_cameras:
@@ -157,6 +170,8 @@ async def _parse_upload(form: FormData) -> _Upload:
                 422, f"{len(raw_cameras)} cameras for {len(files)} images: one per image"
             )
         cameras = [_int(v, "cameras") for v in raw_cameras]
+        if any(not 0 <= camera <= CAMERA_MAX for camera in cameras):
+            raise HTTPException(422, f"cameras: a camera id is 0 to {CAMERA_MAX}")
     ks_raw = [part for value in form.getlist("k") for part in str(value).split(",") if part.strip()]
     try:
         ks = check_ks([_int(v, "k") for v in ks_raw]) if ks_raw else None
@@ -173,7 +188,7 @@ async def _parse_upload(form: FormData) -> _Upload:
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
     queries = evaluation.embed_queries(
         upload.images, upload.labels, embedder=resources.embedder, cameras=upload.cameras,
-        max_pixels=resources.settings.max_image_pixels,
+        limits=DecodeLimits.from_settings(resources.settings),
     )
     return evaluation.evaluate(
         resources.searcher, queries, k=upload.ks,
