@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import anyio.to_thread
+from fastapi import HTTPException
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +19,32 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 # ``process`` maps a batch of items to one result per item, in order; an item that failed on
-# its own (a corrupt image) gets its exception in its slot instead of failing the batch.
+# its own (a corrupt image) gets its exception in its slot instead of failing the batch, and
+# an item the batch had no room for gets a ``Deferred`` (it runs in the next batch).
 BatchFn = Callable[[Sequence[T]], Sequence["R | BaseException"]]
+
+DEFAULT_MAX_QUEUE = 256  # IMGRET_BATCH_QUEUE_MAX
+RETRY_AFTER_S = 1
+
+
+class ServiceUnavailable(HTTPException):
+    """503 with ``Retry-After``: the batcher cannot take or finish this item now.
+
+    Raised when the queue is full, while and after the server shuts down, and for the items of
+    a batch whose worker died. The client did nothing wrong and may simply retry (on this
+    instance after ``Retry-After`` seconds, or on another one), which is what 503 says; a
+    plain ``RuntimeError`` would have been a 500. An ``HTTPException`` so that FastAPI's own
+    handler sends the ``Retry-After`` header.
+    """
+
+    def __init__(self, detail: str, *, retry_after_s: int = RETRY_AFTER_S):
+        super().__init__(503, detail, headers={"Retry-After": str(retry_after_s)})
+
+
+class Deferred(Exception):
+    """Put in an item's result slot by the batch function: "no room in this batch, run it in
+    the next one" (the batch's decoded-pixel budget is spent). The batcher queues the item
+    again ahead of newer ones. The batch function must take at least one item per batch."""
 
 
 @dataclass
@@ -40,11 +66,23 @@ class DynamicBatcher(Generic[T, R]):
     pool, concurrently, which is what a plain FastAPI sync endpoint would do (the baseline of
     ``benchmarks/service_bench.py``).
 
+    Failure handling (every caller gets an answer, never a hang):
+
+    * at most ``max_queue`` items wait; past that, callers get :class:`ServiceUnavailable`
+      (503 + ``Retry-After``) at once instead of an unbounded queue and timeouts;
+    * an item's own exception fails only that item; an exception of the whole batch function
+      fails that batch's items;
+    * if the worker task dies anyway (a bug, a stray cancellation), the items of its batch get
+      a 503 and a new worker takes over the queue;
+    * :meth:`stop` answers everything still waiting with a 503, and so are calls after it.
+
     Args:
         process: the synchronous batch function (decode + embed + search).
         max_size: the most items in one batch (``IMGRET_BATCH_MAX_SIZE``).
         max_wait_s: how long the first item of a batch waits for company
             (``IMGRET_BATCH_MAX_WAIT_MS`` / 1000).
+        max_queue: the most items waiting (with batching off: running) at once
+            (``IMGRET_BATCH_QUEUE_MAX``).
         on_batch: called with each batch's size (a metrics hook).
     """
 
@@ -54,40 +92,59 @@ class DynamicBatcher(Generic[T, R]):
         *,
         max_size: int,
         max_wait_s: float,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         on_batch: Callable[[int], None] | None = None,
     ):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, not {max_size}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, not {max_queue}")
         self.process = process
         self.max_size = max_size
         self.max_wait_s = max(0.0, max_wait_s)
+        self.max_queue = max_queue
         self.on_batch = on_batch
         self._queue: asyncio.Queue[_Pending[T, R]] | None = None
         self._worker: asyncio.Task[None] | None = None
+        # Items deferred by the batch function: they start the next batch.
+        self._carry: deque[_Pending[T, R]] = deque()
+        # The batch being collected or processed (the worker's, shared so that whoever ends
+        # the worker can answer its callers).
+        self._batch: list[_Pending[T, R]] = []
+        self._running_unbatched = 0
+        self._stopped = False
 
     @property
     def enabled(self) -> bool:
         return self.max_size > 1
 
+    @property
+    def waiting(self) -> int:
+        """Items queued and not yet in a batch."""
+        return (self._queue.qsize() if self._queue is not None else 0) + len(self._carry)
+
     async def start(self) -> None:
         """Start the worker task (inside the running loop: the app's lifespan)."""
+        self._stopped = False
         if self.enabled and self._worker is None:
             self._queue = asyncio.Queue()
-            self._worker = asyncio.create_task(self._run(), name="dynamic-batcher")
+            self._spawn_worker()
 
     async def stop(self) -> None:
-        """Stop the worker; callers still waiting get a ``RuntimeError``."""
+        """Stop the worker; everything still waiting, and every later call, gets a 503."""
+        self._stopped = True
         if self._worker is not None:
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
             self._worker = None
+        error = ServiceUnavailable("the server is shutting down; retry in a moment")
+        self._fail(self._batch, error)
+        self._fail(self._carry, error)
+        self._carry.clear()
         if self._queue is not None:
             while not self._queue.empty():
-                pending = self._queue.get_nowait()
-                if not pending.future.done():
-                    pending.future.set_exception(RuntimeError("the server is shutting down"))
-            self._queue = None
+                self._fail([self._queue.get_nowait()], error)
 
     async def submit(self, item: T) -> R:
         """Process one item, batched with whatever else arrives meanwhile."""
@@ -104,16 +161,22 @@ class DynamicBatcher(Generic[T, R]):
                 raising.
 
         Raises:
+            ServiceUnavailable: the queue has no room for all of ``items`` (nothing is
+                queued then), or the batcher is stopped.
             BaseException: without ``return_exceptions``, the first failed item's error.
         """
         if not items:
             return []
+        if self._stopped:
+            raise ServiceUnavailable("the server is shutting down; retry in a moment")
         if not self.enabled:
-            results = list(await anyio.to_thread.run_sync(self._process_checked, list(items)))
-            self._report(len(items))
-            return results if return_exceptions else [_unwrap(result) for result in results]
+            return await self._run_unbatched(items, return_exceptions)
         if self._queue is None:
             raise RuntimeError("DynamicBatcher.start() was not awaited (app lifespan not run)")
+        self._check_room(len(items), self.waiting)
+        if self._worker is None or self._worker.done():
+            # The done-callback normally replaces a dead worker first; this closes the gap.
+            self._replace_worker(self._worker)
         loop = asyncio.get_running_loop()
         futures = []
         for item in items:
@@ -124,49 +187,121 @@ class DynamicBatcher(Generic[T, R]):
         results = await asyncio.gather(*futures, return_exceptions=True)
         return results if return_exceptions else [_unwrap(result) for result in results]
 
+    # ----------------------------------------------------------------------- internals
+
+    async def _run_unbatched(
+        self, items: Sequence[T], return_exceptions: bool
+    ) -> list[R | BaseException]:
+        self._check_room(len(items), self._running_unbatched)
+        self._running_unbatched += len(items)
+        try:
+            results = list(await anyio.to_thread.run_sync(self._process_checked, list(items)))
+        finally:
+            self._running_unbatched -= len(items)
+        self._report(len(items))
+        if any(isinstance(result, Deferred) for result in results):
+            raise RuntimeError("the batch function deferred an item of a one-item call")
+        return results if return_exceptions else [_unwrap(result) for result in results]
+
+    def _check_room(self, count: int, waiting: int) -> None:
+        if waiting + count > self.max_queue:
+            raise ServiceUnavailable(
+                f"the search queue is full ({waiting} images waiting, at most {self.max_queue}: "
+                "IMGRET_BATCH_QUEUE_MAX); retry shortly"
+            )
+
+    def _spawn_worker(self) -> None:
+        self._worker = asyncio.get_running_loop().create_task(self._run(), name="dynamic-batcher")
+        self._worker.add_done_callback(self._replace_worker)
+
+    def _replace_worker(self, task: asyncio.Task[None] | None) -> None:
+        """Done-callback of the worker: unless stopping, answer its batch and start anew."""
+        if self._stopped or task is not self._worker:
+            return  # stop() ended it, or it was already replaced
+        if task is not None:
+            if task.cancelled():
+                logger.error("the batch worker was cancelled; starting a new one")
+            else:
+                logger.error("the batch worker died; starting a new one",
+                             exc_info=task.exception())
+        self._fail(self._batch, ServiceUnavailable(
+            "the search worker failed while processing this request; retry"
+        ))
+        self._batch = []
+        self._spawn_worker()
+
     async def _run(self) -> None:
         assert self._queue is not None
-        queue = self._queue
-        loop = asyncio.get_running_loop()
         while True:
-            batch = [await queue.get()]
-            deadline = loop.time() + self.max_wait_s
-            while len(batch) < self.max_size:
-                # Whatever is already queued joins without waiting.
-                if not queue.empty():
-                    batch.append(queue.get_nowait())
-                    continue
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(queue.get(), remaining))
-                except TimeoutError:
-                    break
+            batch = await self._collect(self._queue)
             # A caller that went away (client disconnect) no longer needs its slot.
             live = [pending for pending in batch if not pending.future.done()]
             if not live:
+                self._batch = []
                 continue
+            work = asyncio.ensure_future(
+                anyio.to_thread.run_sync(self._process_checked, [p.item for p in live])
+            )
             try:
-                results = await anyio.to_thread.run_sync(
-                    self._process_checked, [pending.item for pending in live]
-                )
-            except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
-                if isinstance(exc, asyncio.CancelledError):
-                    for pending in live:
-                        if not pending.future.done():
-                            pending.future.set_exception(RuntimeError("batch cancelled"))
-                    raise
+                results = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # Stopping: the thread cannot be interrupted anyway, so let this batch finish
+                # and answer its callers; stop() answers the ones still queued.
+                self._deliver(live, await _settled(work, len(live)))
+                self._batch = []
+                raise
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
                 logger.exception("batch of %d failed", len(live))
                 results = [exc] * len(live)
+            self._deliver(live, results)
+            self._batch = []
             self._report(len(live))
-            for pending, result in zip(live, results, strict=True):
-                if pending.future.done():
-                    continue
-                if isinstance(result, BaseException):
-                    pending.future.set_exception(result)
-                else:
-                    pending.future.set_result(result)
+
+    async def _collect(self, queue: asyncio.Queue[_Pending[T, R]]) -> list[_Pending[T, R]]:
+        """The next batch: deferred items first, then the queue (waiting up to max_wait_s)."""
+        batch: list[_Pending[T, R]] = []
+        self._batch = batch  # filled in place: stop() and a replacement worker see it
+        while self._carry and len(batch) < self.max_size:
+            batch.append(self._carry.popleft())
+        if not batch:
+            batch.append(await queue.get())
+            deadline = asyncio.get_running_loop().time() + self.max_wait_s
+        else:
+            deadline = 0.0  # carried items have waited a batch already: take what is queued
+        while len(batch) < self.max_size:
+            # Whatever is already queued joins without waiting.
+            if not queue.empty():
+                batch.append(queue.get_nowait())
+                continue
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(queue.get(), remaining))
+            except TimeoutError:
+                break
+        return batch
+
+    def _deliver(
+        self, live: list[_Pending[T, R]], results: Sequence[R | BaseException]
+    ) -> None:
+        deferred = [pending for pending, result in zip(live, results, strict=True)
+                    if isinstance(result, Deferred) and not pending.future.done()]
+        if deferred and len(deferred) == len(live):
+            # The batch function must make progress; refuse instead of looping forever.
+            results = [RuntimeError("the batch function deferred every item of a batch")] * len(
+                live
+            )
+            deferred = []
+        for pending, result in zip(live, results, strict=True):
+            if pending.future.done() or isinstance(result, Deferred):
+                continue
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        # Ahead of everything newer, in their order.
+        self._carry.extendleft(reversed(deferred))
 
     def _process_checked(self, items: list[T]) -> Sequence[R | BaseException]:
         results = self.process(items)
@@ -175,8 +310,27 @@ class DynamicBatcher(Generic[T, R]):
         return results
 
     def _report(self, size: int) -> None:
-        if self.on_batch is not None:
+        if self.on_batch is None:
+            return
+        try:
             self.on_batch(size)
+        except Exception:  # noqa: BLE001 - a metrics hook must not stop the batcher
+            logger.exception("the on_batch hook failed")
+
+    @staticmethod
+    def _fail(pendings: Sequence[_Pending[T, R]] | deque[_Pending[T, R]],
+              error: BaseException) -> None:
+        for pending in pendings:
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
+
+async def _settled(work: asyncio.Future, count: int) -> Sequence[object]:
+    """The results of a batch still running in its thread, or its error for every item."""
+    try:
+        return await work
+    except Exception as exc:  # noqa: BLE001
+        return [exc] * count
 
 
 def _unwrap(result: R | BaseException) -> R:

@@ -6,9 +6,11 @@ import time
 from dataclasses import dataclass
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
 
 from imgret.errors import ImageDecodeError
+from imgret.images import DecodeLimits, check_request_pixels
 from index.search import Hit, Searcher, SearchFilter
 from service.deps import ResourcesDep
 from service.pipeline import ImageQuery
@@ -19,11 +21,12 @@ from service.validation import Camera, SafeText
 router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
-BATCH_MAX_IMAGES = 256
 
 _ERRORS = {
-    413: {"description": "upload or image too large"},
+    413: {"description": "upload, image, file count or decoded pixels over the limits"},
     422: {"description": "not an image, or invalid options"},
+    503: {"description": "the search queue is full or the server is shutting down; retry "
+                        "after Retry-After seconds"},
 }
 
 
@@ -94,18 +97,33 @@ async def search_images(
 async def search_images_batch(
     resources: ResourcesDep,
     images: Annotated[
-        list[UploadFile], File(description=f"query images (at most {BATCH_MAX_IMAGES})")
+        list[UploadFile],
+        File(description="query images (at most IMGRET_SEARCH_BATCH_MAX_FILES, default 32)"),
     ],
     options: SearchOptionsDep,
 ) -> SearchBatchResponse:
     """The neighbours of several images, in request order (each list best first).
 
     A corrupt image fails the whole request with 422, naming its position (``images[i]``).
+    More files than ``IMGRET_SEARCH_BATCH_MAX_FILES``, or files whose headers together declare
+    more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded.
     """
     start = time.perf_counter()
-    if len(images) > BATCH_MAX_IMAGES:
-        raise HTTPException(422, f"{len(images)} images: send at most {BATCH_MAX_IMAGES}")
-    queries = [ImageQuery(await upload.read(), options.k, options.filters) for upload in images]
+    settings = resources.settings
+    if len(images) > settings.search_batch_max_files:
+        raise HTTPException(
+            413, f"{len(images)} images: send at most {settings.search_batch_max_files} per "
+                 "request (IMGRET_SEARCH_BATCH_MAX_FILES)"
+        )
+    blobs = [await upload.read() for upload in images]
+    # Headers only, off the event loop: the whole request is priced before decoding starts.
+    await anyio.to_thread.run_sync(
+        lambda: check_request_pixels(
+            blobs, size=resources.embedder.spec.image_size,
+            limits=DecodeLimits.from_settings(settings),
+        )
+    )
+    queries = [ImageQuery(data, options.k, options.filters) for data in blobs]
     results = await resources.batcher.submit_many(queries, return_exceptions=True)
     for position, result in enumerate(results):
         if isinstance(result, ImageDecodeError):

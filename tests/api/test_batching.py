@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
 
 import pytest
 
-from service.batching import DynamicBatcher
+from service.batching import Deferred, DynamicBatcher, ServiceUnavailable
 
 
 class Recorder:
@@ -100,3 +101,222 @@ def test_a_failing_batch_function_reaches_every_waiter() -> None:
 def test_max_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_size"):
         DynamicBatcher(Recorder(), max_size=0, max_wait_s=0.0)
+
+
+# --------------------------------------------------------------------------- issue 10, defect 8
+
+
+class Gate:
+    """A batch function that blocks until released and records its batches (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.batches: list[list[int]] = []
+
+    def __call__(self, items: Sequence[int]) -> list[int]:
+        self.batches.append(list(items))
+        self.started.set()
+        if not self.release.wait(timeout=30):
+            raise RuntimeError("test gate never released")
+        return [2 * x for x in items]
+
+
+async def _in_flight(batcher: DynamicBatcher, gate: Gate, item: int) -> asyncio.Task:
+    """Submit ``item`` and wait until its batch is running (blocked in ``gate``)."""
+    task = asyncio.create_task(batcher.submit(item))
+    await asyncio.to_thread(gate.started.wait, 10)
+    assert gate.started.is_set()
+    return task
+
+
+def test_a_full_queue_answers_503_with_retry_after() -> None:
+    async def run() -> tuple[ServiceUnavailable, list[int]]:
+        gate = Gate()
+        batcher = DynamicBatcher(gate, max_size=4, max_wait_s=0.0, max_queue=3)
+        await batcher.start()
+        try:
+            first = await _in_flight(batcher, gate, 1)
+            queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
+            await asyncio.sleep(0)
+            assert batcher.waiting == 3
+            with pytest.raises(ServiceUnavailable) as refused:
+                await batcher.submit(5)
+            with pytest.raises(ServiceUnavailable):
+                await batcher.submit_many([5, 6])  # all or nothing: none of them queued
+            assert batcher.waiting == 3
+            gate.release.set()
+            results = await asyncio.wait_for(asyncio.gather(first, *queued), 10)
+            return refused.value, results
+        finally:
+            gate.release.set()
+            await batcher.stop()
+
+    refused, results = asyncio.run(run())
+    assert refused.status_code == 503
+    assert refused.headers == {"Retry-After": "1"}
+    assert "IMGRET_BATCH_QUEUE_MAX" in refused.detail
+    assert results == [2, 4, 6, 8]  # the admitted ones are served
+
+
+def test_without_batching_the_bound_is_on_running_calls() -> None:
+    async def run() -> None:
+        gate = Gate()
+        batcher = DynamicBatcher(gate, max_size=1, max_wait_s=0.0, max_queue=1)
+        await batcher.start()
+        try:
+            running = await _in_flight(batcher, gate, 1)
+            with pytest.raises(ServiceUnavailable):
+                await batcher.submit(2)
+            gate.release.set()
+            assert await asyncio.wait_for(running, 10) == 2
+            assert await asyncio.wait_for(batcher.submit(3), 10) == 6
+        finally:
+            gate.release.set()
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
+def _worker_task() -> asyncio.Task:
+    (task,) = [t for t in asyncio.all_tasks() if t.get_name() == "dynamic-batcher"]
+    return task
+
+
+def test_a_dead_worker_is_replaced_instead_of_hanging_every_caller() -> None:
+    async def run() -> list[int]:
+        batcher = DynamicBatcher(Recorder(), max_size=8, max_wait_s=0.0)
+        await batcher.start()
+        try:
+            dead = _worker_task()
+            dead.cancel()  # e.g. a stray cancellation, or a bug that escaped the loop
+            with contextlib.suppress(asyncio.CancelledError):
+                await dead
+            # Before: nobody read the queue any more and this waited forever.
+            return await asyncio.wait_for(batcher.submit_many([1, 2, 3]), 10)
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [2, 4, 6]
+
+
+def test_a_worker_killed_mid_batch_still_answers_that_batch() -> None:
+    async def run() -> tuple[object, int]:
+        gate = Gate()
+        batcher = DynamicBatcher(gate, max_size=8, max_wait_s=0.0)
+        await batcher.start()
+        try:
+            in_flight = await _in_flight(batcher, gate, 5)
+            _worker_task().cancel()
+            gate.release.set()
+            outcome = (await asyncio.wait_for(asyncio.gather(in_flight, return_exceptions=True),
+                                              10))[0]
+            return outcome, await asyncio.wait_for(batcher.submit(7), 10)
+        finally:
+            gate.release.set()
+            await batcher.stop()
+
+    outcome, later = asyncio.run(run())
+    # Its batch finished in its thread: the caller gets the result (or a 503), never a hang.
+    assert outcome == 10 or isinstance(outcome, ServiceUnavailable)
+    assert later == 14
+
+
+def test_a_failing_metrics_hook_does_not_stop_the_batcher() -> None:
+    calls: list[int] = []
+
+    def broken_hook(size: int) -> None:
+        calls.append(size)
+        raise ValueError("metrics backend down")
+
+    async def run() -> list[int]:
+        batcher = DynamicBatcher(Recorder(), max_size=8, max_wait_s=0.0, on_batch=broken_hook)
+        await batcher.start()
+        try:
+            first = await asyncio.wait_for(batcher.submit(1), 10)
+            second = await asyncio.wait_for(batcher.submit(2), 10)
+            return [first, second]
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [2, 4]
+    assert calls == [1, 1]
+
+
+def test_shutdown_answers_503_to_queued_and_later_callers() -> None:
+    async def run() -> tuple[object, list[object], ServiceUnavailable]:
+        gate = Gate()
+        batcher = DynamicBatcher(gate, max_size=2, max_wait_s=0.0)
+        await batcher.start()
+        in_flight = await _in_flight(batcher, gate, 1)
+        queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(batcher.stop())
+        await asyncio.sleep(0)
+        gate.release.set()  # the running batch finishes; stop() waits for it
+        await asyncio.wait_for(stopping, 10)
+        results = await asyncio.gather(in_flight, *queued, return_exceptions=True)
+        with pytest.raises(ServiceUnavailable) as later:
+            await batcher.submit(5)
+        return results[0], results[1:], later.value
+
+    finished, queued, later = asyncio.run(run())
+    assert finished == 2  # graceful: the batch already running is answered
+    assert all(isinstance(r, ServiceUnavailable) and r.status_code == 503 for r in queued)
+    assert later.status_code == 503 and later.headers["Retry-After"] == "1"
+    assert "shutting down" in later.detail
+
+
+class Budgeted:
+    """Takes items while their sum fits 10 (the first always), defers the rest."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __call__(self, items: Sequence[int]) -> list[int | BaseException]:
+        taken, used, out = [], 0, []
+        for x in items:
+            if used and used + x > 10:
+                out.append(Deferred())
+                continue
+            used += x
+            taken.append(x)
+            out.append(2 * x)
+        self.batches.append(taken)
+        return out
+
+
+def test_deferred_items_run_in_the_next_batches_in_order() -> None:
+    budgeted = Budgeted()
+
+    async def run() -> list[int]:
+        batcher = DynamicBatcher(budgeted, max_size=8, max_wait_s=0.0)
+        await batcher.start()
+        try:
+            return await asyncio.wait_for(batcher.submit_many([6, 6, 3, 9, 1, 12]), 10)
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [12, 12, 6, 18, 2, 24]
+    assert budgeted.batches == [[6, 3, 1], [6], [9], [12]]
+    assert all(sum(b) <= 10 or len(b) == 1 for b in budgeted.batches)
+
+
+def test_a_batch_function_that_defers_everything_fails_instead_of_looping() -> None:
+    async def run() -> list:
+        batcher = DynamicBatcher(lambda items: [Deferred() for _ in items], max_size=4,
+                                 max_wait_s=0.0)
+        await batcher.start()
+        try:
+            return await asyncio.wait_for(
+                batcher.submit_many([1, 2], return_exceptions=True), 10
+            )
+        finally:
+            await batcher.stop()
+
+    assert all(isinstance(r, RuntimeError) for r in asyncio.run(run()))
+
+
+def test_max_queue_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_queue"):
+        DynamicBatcher(Recorder(), max_size=2, max_wait_s=0.0, max_queue=0)
