@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -111,6 +112,8 @@ def _short(error: dict[str, Any]) -> dict[str, Any]:
         value = error["input"]
         if isinstance(value, bytes | bytearray):
             value = f"<{len(value)} bytes>"
+        elif isinstance(value, float) and not math.isfinite(value):
+            value = repr(value)  # JSON has no inf or nan: the answer itself would fail
         elif not isinstance(value, str | int | float | bool | type(None)):
             value = repr(value)
         if isinstance(value, str) and len(value) > INPUT_ECHO_MAX:
