@@ -8,10 +8,12 @@ Two ways in:
   A few kilobytes of PNG can declare 40 million pixels, so what costs memory is not the upload
   but the decoded image. These functions read the header first and charge a
   :class:`PixelBudget` (per request, per batch) before any pixel is decoded, take a slot of the
-  process-wide :class:`DecodeGate` while a full-size image exists, and shrink every image to a
-  few times the model's input side as soon as it is decoded (JPEG: already while decoding,
-  with ``Image.draft``). So the peak memory of the whole process is bounded by the gate, not by
-  the number of files or of concurrent requests.
+  process-wide :class:`DecodeGate` (in bytes, from :func:`decode_cost`) while a full-size
+  image exists, and shrink every image to a few times the model's input side as soon as it is
+  decoded (JPEG: already while decoding, with ``Image.draft``; the shrinking converts and
+  reduces a strip at a time, so it adds no full-size copy). So the memory that decoding holds
+  in the whole process is bounded by the gate, not by the number of files or of concurrent
+  requests.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -41,11 +44,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PIXELS = 40_000_000
-# See imgret.settings.Settings (max_request_pixels, batch_max_pixels, decode_inflight_pixels)
-# for why these values.
+# See imgret.settings.Settings (max_request_pixels, batch_max_pixels, decode_memory_mb) for
+# why these values.
 DEFAULT_REQUEST_PIXELS = 256_000_000
 DEFAULT_BATCH_PIXELS = 80_000_000
-DEFAULT_INFLIGHT_PIXELS = 80_000_000
+DEFAULT_DECODE_MEMORY = 640 * 1024 * 1024
 
 # Images are shrunk to no less than REDUCING_GAP x the model's input side before the model's
 # own resize (imgret.transforms.eval_transform) does the last step. This is Pillow's
@@ -150,53 +153,78 @@ class PixelBudget:
 
 
 class DecodeGate:
-    """Bounds the pixels being decoded at full size at the same time, in one process.
+    """Bounds the memory that full-size decoding holds at the same time, in one process.
 
-    Every decode of an upload holds ``width x height`` of the gate from just before its pixels
-    are decoded until the full-size image is shrunk and freed. A decode waits while the others
-    in flight would take the total over ``capacity_pixels``; one image alone always passes
-    (its size is already bounded by ``IMGRET_MAX_IMAGE_PIXELS``), so nothing waits forever.
-    Search batches, gallery uploads and evaluation uploads run in different threads; this is
-    what bounds their sum, whatever the number of concurrent requests.
+    Every decode of an upload holds its :func:`decode_cost` (bytes) of the gate from just
+    before its pixels are decoded until the full-size image is shrunk and freed. A decode
+    waits while the others in flight would take the total over ``capacity_bytes``; one image
+    alone always passes (its size is already bounded by ``IMGRET_MAX_IMAGE_PIXELS``), so
+    nothing waits forever. Search batches, gallery uploads and evaluation uploads run in
+    different threads; this is what bounds their sum, whatever the number of concurrent
+    requests: at most ``max(capacity_bytes, the costliest single image)``.
     """
 
-    def __init__(self, capacity_pixels: int):
-        if capacity_pixels < 1:
-            raise ValueError(f"capacity_pixels must be >= 1, not {capacity_pixels}")
-        self.capacity_pixels = capacity_pixels
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be >= 1, not {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
         self._in_flight = 0
         self._condition = threading.Condition()
 
     @property
     def in_flight(self) -> int:
+        """Bytes held now."""
         return self._in_flight
 
     @contextlib.contextmanager
-    def hold(self, pixels: int) -> Iterator[None]:
-        """Hold ``pixels`` of the gate for the ``with`` block (waits for room first)."""
+    def hold(self, cost: int) -> Iterator[None]:
+        """Hold ``cost`` bytes of the gate for the ``with`` block (waits for room first)."""
         with self._condition:
             self._condition.wait_for(
-                lambda: self._in_flight == 0
-                or self._in_flight + pixels <= self.capacity_pixels
+                lambda: self._in_flight == 0 or self._in_flight + cost <= self.capacity_bytes
             )
-            self._in_flight += pixels
+            self._in_flight += cost
         try:
             yield
         finally:
             with self._condition:
-                self._in_flight -= pixels
+                self._in_flight -= cost
                 self._condition.notify_all()
 
 
 @cache
-def decode_gate(capacity_pixels: int) -> DecodeGate:
-    """The process's gate of this capacity (``IMGRET_DECODE_INFLIGHT_PIXELS``).
+def decode_gate(capacity_bytes: int) -> DecodeGate:
+    """The process's gate of this capacity (``IMGRET_DECODE_MEMORY_MB``).
 
     One gate per value: a process serves one settings object, so every path that decodes
     uploads (search, gallery, evaluate) shares the same gate, which is what makes the bound
     hold for the process (like ``get_settings``, read once).
     """
-    return DecodeGate(capacity_pixels)
+    return DecodeGate(capacity_bytes)
+
+
+# Bytes Pillow holds per decoded pixel, by mode (measured with Pillow 12: the image itself;
+# the decoders' own buffers are a few rows). RGB is stored as 32-bit pixels.
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
+# Formats whose decoder holds more: Pillow decodes WebP through libwebp's animation decoder,
+# which keeps its own RGBA canvases besides the image (16.2 bytes per pixel measured).
+_FORMAT_BYTES = {"WEBP": 16}
+# What shrinking adds on top, whatever the image: one strip converted and reduced at a time
+# (at most ~13 bytes per strip pixel: a 16-bit strip as float64 + its crop + 8-bit result).
+_STRIP_PIXELS = 1 << 20
+_STRIP_BYTES = 24 * _STRIP_PIXELS
+
+
+def decode_cost(image: Image.Image) -> int:
+    """The peak bytes :func:`decode_for_embedding` holds for ``image`` (opened, not loaded).
+
+    The full-size image at its mode's size per pixel (or the format decoder's, when larger),
+    plus one strip of the shrinking. Conservative: measured peaks are within 5 % of the
+    per-pixel part.
+    """
+    pixels = image.size[0] * image.size[1]
+    per_pixel = max(_MODE_BYTES.get(image.mode, 4), _FORMAT_BYTES.get(image.format or "", 0))
+    return pixels * per_pixel + _STRIP_BYTES
 
 
 @dataclass(frozen=True)
@@ -206,20 +234,20 @@ class DecodeLimits:
     Attributes:
         image_pixels: the most pixels one image may declare (``IMGRET_MAX_IMAGE_PIXELS``).
         request_pixels: the most pixels one request may decode (``IMGRET_MAX_REQUEST_PIXELS``).
-        inflight_pixels: the capacity of the process's :class:`DecodeGate`
-            (``IMGRET_DECODE_INFLIGHT_PIXELS``).
+        decode_memory: the capacity in bytes of the process's :class:`DecodeGate`
+            (``IMGRET_DECODE_MEMORY_MB``).
     """
 
     image_pixels: int = DEFAULT_MAX_PIXELS
     request_pixels: int = DEFAULT_REQUEST_PIXELS
-    inflight_pixels: int = DEFAULT_INFLIGHT_PIXELS
+    decode_memory: int = DEFAULT_DECODE_MEMORY
 
     @classmethod
     def from_settings(cls, settings: Settings) -> DecodeLimits:
         return cls(
             image_pixels=settings.max_image_pixels,
             request_pixels=settings.max_request_pixels,
-            inflight_pixels=settings.decode_inflight_pixels,
+            decode_memory=settings.decode_memory_mb * 1024 * 1024,
         )
 
     def request_budget(self) -> PixelBudget:
@@ -228,7 +256,7 @@ class DecodeLimits:
 
     @property
     def gate(self) -> DecodeGate:
-        return decode_gate(self.inflight_pixels)
+        return decode_gate(self.decode_memory)
 
 
 # --------------------------------------------------------------------------- for the model
@@ -309,10 +337,9 @@ def decode_for_embedding(
     with _decoding(max_pixels):
         image = _open(data, max_pixels)
         _draft(image, size)
-        pixels = image.size[0] * image.size[1]
         if budget is not None:
-            budget.charge(pixels)
-        with gate.hold(pixels) if gate is not None else contextlib.nullcontext():
+            budget.charge(image.size[0] * image.size[1])
+        with gate.hold(decode_cost(image)) if gate is not None else contextlib.nullcontext():
             image.load()
             image = _reduce(image, target)
         image = ImageOps.exif_transpose(image)
@@ -475,7 +502,7 @@ def _draft(image: Image.Image, size: int) -> None:
     image.draft(None, (target, target))
 
 
-# Modes Image.reduce handles; the others are converted first (still at full size).
+# Modes Image.reduce handles; strips of the others are converted first.
 _REDUCIBLE = frozenset({"L", "LA", "RGB", "RGBA"})
 
 
@@ -483,22 +510,34 @@ def _reduce(image: Image.Image, target: int) -> Image.Image:
     """Box-reduce by whole factors so that each side stays >= ``target``; frees the original.
 
     The two axes are reduced independently: the model's resize is to a square, not
-    aspect-preserving, so each axis only needs enough samples of its own.
+    aspect-preserving, so each axis only needs enough samples of its own. The work goes a
+    strip of whole reduction blocks at a time (``_STRIP_PIXELS``): a palette image is never
+    converted to RGBA at full size, nor an RGBA one premultiplied at full size, and the result
+    is the same as reducing the whole image at once.
     """
     width, height = image.size
     factors = (max(1, width // target), max(1, height // target))
     if factors == (1, 1):
         return image
-    source = image
-    if source.mode not in _REDUCIBLE:
-        source = _reducible(source)
-        image.close()
-    reduced = source.reduce(factors)
-    source.close()
+    top = _integer_top(image)  # 16/32-bit greyscale: one scale for the whole image
+    rows = max(1, _STRIP_PIXELS // (width * factors[1])) * factors[1]
+    reduced: Image.Image | None = None
+    for y in range(0, height, rows):
+        strip = image.crop((0, y, width, min(height, y + rows)))
+        if strip.mode not in _REDUCIBLE:
+            strip = _reducible(strip, top)
+        small = strip.reduce(factors)
+        if reduced is None:
+            reduced = Image.new(small.mode, (math.ceil(width / factors[0]),
+                                             math.ceil(height / factors[1])))
+        reduced.paste(small, (0, y // factors[1]))
+    assert reduced is not None
+    reduced.info = dict(image.info)  # EXIF orientation, transparency, ...
+    image.close()
     return reduced
 
 
-def _reducible(image: Image.Image) -> Image.Image:
+def _reducible(image: Image.Image, top: float | None) -> Image.Image:
     """A mode :meth:`Image.reduce` accepts, keeping transparency for :func:`_to_rgb`."""
     if image.mode == "P":
         return image.convert("RGBA" if "transparency" in image.info else "RGB")
@@ -506,7 +545,27 @@ def _reducible(image: Image.Image) -> Image.Image:
         return image.convert("RGBA")
     if image.mode == "1":
         return image.convert("L")
+    if top is not None:
+        return _scale_to_l(image, top)
     return _to_rgb(image)
+
+
+def _integer_top(image: Image.Image) -> float | None:
+    """The value that maps to white for 16/32-bit greyscale (``None`` for other modes)."""
+    if image.mode.startswith("I;16"):
+        return 65535.0
+    if image.mode == "I":
+        return 65535.0 if image.getextrema()[1] > 255 else 255.0
+    return None
+
+
+def _scale_to_l(image: Image.Image, top: float) -> Image.Image:
+    """16/32-bit greyscale to 8-bit: scale to 0..255 instead of clipping."""
+    arr = np.asarray(image, dtype=np.float64)
+    arr /= top  # in place: one float64 copy, not four (same values as arr / top * 255)
+    arr *= 255.0
+    np.clip(arr, 0, 255, out=arr)
+    return Image.fromarray(arr.astype("uint8"), mode="L")
 
 
 def _names(blobs: Sequence[bytes], names: Sequence[str] | None) -> Sequence[str]:
@@ -527,12 +586,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     """Any mode to RGB; transparency is composited on white, 16-bit is scaled to 8-bit."""
     if image.mode == "RGB":
         return image
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16/32-bit greyscale: scale to 0..255 instead of clipping.
-        arr = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or arr.max() > 255 else 255.0
-        arr = np.clip(arr / top * 255.0, 0, 255).astype("uint8")
-        return Image.fromarray(arr, mode="L").convert("RGB")
+    top = _integer_top(image)
+    if top is not None:
+        return _scale_to_l(image, top).convert("RGB")
     if image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):

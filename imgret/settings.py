@@ -56,11 +56,12 @@ class Settings(BaseSettings):
                     "limit, under a second): requests past it wait for the next batch, so "
                     "one heavy upload delays the others sharing its batch by at most this",
     )
-    decode_inflight_pixels: int = Field(
-        80_000_000, gt=0,
-        description="full-size pixels being decoded at once in the whole process (search, "
-                    "gallery, evaluate together): bounds the peak memory of decoding at "
-                    "about 8 bytes per pixel (640 MB) whatever the number of requests",
+    decode_memory_mb: int = Field(
+        640, gt=0,
+        description="MiB that full-size decoding may hold at once in the whole process "
+                    "(search, gallery, evaluate together), whatever the number of requests; "
+                    "one image alone always proceeds, and the costliest one allowed is a "
+                    "WebP at the per-image limit: 40 M pixels x 16 bytes = 640 MiB",
     )
     search_batch_max_files: int = Field(
         32, ge=1,

@@ -150,7 +150,7 @@ def build_search_batcher(
     """The app's dynamic batcher in front of a :class:`SearchPipeline`, from the settings.
 
     One place turns the batching and decoding settings into objects (``IMGRET_BATCH_*``,
-    ``IMGRET_MAX_IMAGE_PIXELS``, ``IMGRET_DECODE_INFLIGHT_PIXELS``), so the service and the
+    ``IMGRET_MAX_IMAGE_PIXELS``, ``IMGRET_DECODE_MEMORY_MB``), so the service and the
     benchmarks build the same thing.
     """
     limits = DecodeLimits.from_settings(settings)

@@ -4,7 +4,10 @@ the same model input as the full-size path (issue 10, defects 4 and 8)."""
 from __future__ import annotations
 
 import io
+import json
 import struct
+import subprocess
+import sys
 import threading
 import zlib
 
@@ -22,6 +25,7 @@ from imgret.images import (
     DecodeLimits,
     PixelBudget,
     check_request_pixels,
+    decode_cost,
     decode_for_embedding,
     decode_gate,
     decode_image,
@@ -249,6 +253,95 @@ def test_embed_encoded_names_the_bad_file(embedder: Embedder) -> None:
         embed_encoded(blobs, embedder=embedder, limits=DecodeLimits())
 
 
+# --------------------------------------------------------------------------- strips + cost
+
+
+def test_strip_wise_shrinking_equals_shrinking_the_whole_image() -> None:
+    rng = np.random.default_rng(0)
+    palette = Image.fromarray(rng.integers(0, 256, (1200, 3000), dtype=np.uint8), "P")
+    palette.putpalette([int(v) for v in rng.integers(0, 256, 768)])
+    sixteen = Image.fromarray(rng.integers(0, 65535, (1300, 2900), dtype=np.uint16))
+    for source, whole in (
+        # Several strips each; the reference converts the whole image first (the memory cost
+        # the strips avoid) and reduces it in one go.
+        (palette, lambda im: im.convert("RGBA")),
+        (sixteen, lambda im: Image.fromarray(
+            (np.asarray(im, dtype=np.float64) / 65535 * 255).astype("uint8"), "L")),
+    ):
+        data = image_bytes(source, "PNG") if source.mode != "P" else _png(source, transparency=7)
+        decoded = Image.open(io.BytesIO(data))
+        factors = (decoded.size[0] // (REDUCING_GAP * SIZE),
+                   decoded.size[1] // (REDUCING_GAP * SIZE))
+        expected = whole(decoded).reduce(factors)
+        if expected.mode == "RGBA":
+            background = Image.new("RGB", expected.size, (255, 255, 255))
+            background.paste(expected, mask=expected.getchannel("A"))
+            expected = background
+        got = decode_for_embedding(data, size=SIZE)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected.convert("RGB")))
+
+
+def _png(image: Image.Image, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", **kwargs)
+    return buffer.getvalue()
+
+
+def test_decode_cost_follows_mode_and_format() -> None:
+    def cost(data: bytes) -> int:
+        return decode_cost(Image.open(io.BytesIO(data)))
+
+    strip = cost(ratio_bomb(1000, 1000, "L")) - 1000 * 1000
+    assert strip > 0
+    assert cost(ratio_bomb(1000, 1000, "P")) == 1_000_000 + strip
+    assert cost(ratio_bomb(1000, 1000, "RGB")) == 4_000_000 + strip
+    webp = io.BytesIO()
+    Image.new("RGB", (1000, 1000)).save(webp, "WEBP", lossless=True)
+    assert cost(webp.getvalue()) == 16_000_000 + strip
+
+
+_PEAK = """
+import io, json, sys
+from imgret.images import decode_cost, decode_for_embedding
+from PIL import Image
+data = sys.stdin.buffer.read()
+def kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the high-water mark to the current RSS
+base = kib("VmRSS")
+decode_for_embedding(data, size=224)
+print(json.dumps({"peak": (kib("VmHWM") - base) * 1024,
+                  "cost": decode_cost(Image.open(io.BytesIO(data)))}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["png-rgb", "png-palette", "png-rgba", "png-16bit", "webp"])
+def test_decode_cost_bounds_the_measured_peak(kind: str) -> None:
+    """The memory bound of the service rests on this: a fresh process decodes one 12 M-pixel
+    ratio bomb and its peak RSS growth stays under ``decode_cost`` (before the shrinking, a
+    palette bomb cost 13.5 bytes per pixel and a 16-bit one 16)."""
+    side = 3464
+    image = {
+        "png-rgb": lambda: Image.new("RGB", (side, side), (40, 90, 200)),
+        "png-palette": lambda: Image.new("P", (side, side), 0),
+        "png-rgba": lambda: Image.new("RGBA", (side, side), (1, 2, 3, 4)),
+        "png-16bit": lambda: Image.new("I;16", (side, side), 40000),
+        "webp": lambda: Image.new("RGB", (side, side), (9, 9, 9)),
+    }[kind]()
+    buffer = io.BytesIO()
+    if kind == "webp":
+        image.save(buffer, "WEBP", lossless=True)
+    else:
+        image.save(buffer, "PNG", **({"transparency": 0} if kind == "png-palette" else {}))
+    result = subprocess.run([sys.executable, "-c", _PEAK], input=buffer.getvalue(),
+                            capture_output=True, check=True, timeout=120)
+    measured = json.loads(result.stdout)
+    assert 0 < measured["peak"] <= measured["cost"], measured
+
+
 # --------------------------------------------------------------------------- the gate
 
 
@@ -278,7 +371,7 @@ def test_gate_lets_one_oversized_image_through_alone() -> None:
 
 
 def test_gate_is_one_per_process_and_capacity() -> None:
-    assert decode_gate(123) is decode_gate(123) is DecodeLimits(inflight_pixels=123).gate
+    assert decode_gate(123) is decode_gate(123) is DecodeLimits(decode_memory=123).gate
     assert decode_gate(123) is not decode_gate(124)
 
 
@@ -287,7 +380,7 @@ def test_settings_reach_the_limits_and_queue_must_hold_a_request() -> None:
 
     from imgret.settings import Settings
 
-    settings = Settings(max_request_pixels=7, decode_inflight_pixels=9, max_image_pixels=5)
-    assert DecodeLimits.from_settings(settings) == DecodeLimits(5, 7, 9)
+    settings = Settings(max_request_pixels=7, decode_memory_mb=9, max_image_pixels=5)
+    assert DecodeLimits.from_settings(settings) == DecodeLimits(5, 7, 9 * 1024 * 1024)
     with pytest.raises(ValidationError, match="IMGRET_BATCH_QUEUE_MAX"):
         Settings(batch_queue_max=8, search_batch_max_files=9)
