@@ -153,6 +153,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorMessage"}}}
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
+            _describe_multipart_as_sent(schema, operation)
             responses = operation.setdefault("responses", {})
             extra = dict(_COMMON_ERRORS)
             if is_write(method, path):
@@ -170,3 +171,32 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                     response["content"] = error_content
     app.openapi_schema = schema
     return schema
+
+
+def _describe_multipart_as_sent(schema: dict[str, Any], operation: dict[str, Any]) -> None:
+    """Make a multipart body's schema say what a client really sends (FastAPI's says more).
+
+    * An optional form field is *absent*, never ``null`` (a form has no null): FastAPI's
+      ``anyOf: [T, {"type": "null"}]`` becomes ``T``.
+    * A file is a binary part: ``format: binary`` beside FastAPI's ``contentMediaType`` (what
+      OpenAPI 3.0 tools, Swagger UI's file picker and generators look for).
+    * A required repeated field (``images``, ``labels``) has at least one value: an empty list
+      is the same request as a missing field.
+    """
+    content = operation.get("requestBody", {}).get("content", {})
+    body = content.get("multipart/form-data", {}).get("schema", {})
+    ref = body.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        body = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    required = set(body.get("required", ()))
+    for name, field in body.get("properties", {}).items():
+        options = [o for o in field.get("anyOf", ()) if o.get("type") != "null"]
+        if "anyOf" in field and len(options) == 1:
+            del field["anyOf"]
+            for key, value in options[0].items():
+                field.setdefault(key, value)  # the field's own title and description stay
+        for part in (field, field.get("items", {})):
+            if part.get("contentMediaType") == "application/octet-stream":
+                part["format"] = "binary"
+        if name in required and field.get("type") == "array":
+            field.setdefault("minItems", 1)
