@@ -112,11 +112,13 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, workers: int = 1) -> Non
     from imgret.errors import CheckpointError
     from imgret.settings import Settings
     from index.db import upgrade_to_head
-    from service.auth import check_write_exposure
+    from service.auth import check_write_exposure, normalized_origins
 
     settings = Settings()
-    # Before anything slow: an open write API on a network interface is refused outright.
+    # Before anything slow: an open write API on a network interface is refused outright,
+    # and a malformed IMGRET_ALLOWED_ORIGINS is named here rather than in every worker.
     check_write_exposure(settings, host)
+    normalized_origins(settings.allowed_origins)
     if settings.model is None:
         raise CheckpointError(
             "no model: set IMGRET_MODEL (or pass --model) to a run directory or its model.pt"

@@ -187,3 +187,34 @@ def test_validation_errors_do_not_echo_huge_inputs(local_client) -> None:
     assert response.status_code == 422
     assert len(response.text) < 2000
     assert "100000 characters" in response.text
+
+
+@pytest.mark.postgres
+def test_database_down_is_503_with_retry_after(
+    tmp_path, postgres_url: str, postgres_admin_url: str, tiny_checkpoint
+) -> None:
+    """A real outage: the database refuses connections; reads and writes answer 503."""
+    import psycopg
+
+    from tests.api.conftest import _client_factory
+    from tests.conftest import _libpq
+
+    name = postgres_url.rsplit("/", 1)[1]
+    with _client_factory(tmp_path / "data", postgres_url, tiny_checkpoint)() as client, \
+            psycopg.connect(_libpq(postgres_admin_url), autocommit=True) as admin:
+        assert client.post("/gallery", **_gallery()).status_code == 201
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s", (name,))
+            for method, url, kwargs in [("GET", "/gallery", {}), ("GET", "/gallery/1", {}),
+                                        ("POST", "/gallery", _gallery(filename="b.png")),
+                                        ("DELETE", "/gallery/1", {})]:
+                response = client.request(method, url, **kwargs)
+                assert response.status_code == 503, (method, url, response.text)
+                assert response.headers["retry-after"] == "1"
+                detail = response.json()["detail"]
+                assert "database" in detail and "SELECT" not in detail and name not in detail
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        assert client.get("/gallery").json()["count"] == 1  # back once the database is

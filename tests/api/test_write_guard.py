@@ -160,7 +160,7 @@ def test_start_up_check_names_the_fix() -> None:
     check_write_exposure(Settings(allow_anonymous_writes=True), "0.0.0.0")
 
 
-def test_imgret_serve_refuses_a_public_host_without_a_key(tmp_path) -> None:
+def test_imgret_serve_refuses_a_public_host_without_a_key_or_bad_origins(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("IMGRET_API_KEY", "IMGRET_ALLOW_ANONYMOUS_WRITES")}
     env["IMGRET_DATA_DIR"] = str(tmp_path)
@@ -174,6 +174,15 @@ def test_imgret_serve_refuses_a_public_host_without_a_key(tmp_path) -> None:
     assert "IMGRET_ALLOW_ANONYMOUS_WRITES=true" in result.stderr
     assert "Traceback" not in result.stderr
     assert not any(tmp_path.iterdir())  # refused before touching the data dir
+
+    env["IMGRET_ALLOWED_ORIGINS"] = "https://ok.example, not-an-origin"
+    result = subprocess.run(
+        [sys.executable, "-c", "from imgret.cli import main; main()", "serve", "--port", "1"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "IMGRET_ALLOWED_ORIGINS: 'not-an-origin'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_every_keyed_route_is_a_write_and_the_schema_documents_401_and_403() -> None:
