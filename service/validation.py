@@ -13,6 +13,9 @@ Rules (the contract is silent; these are the service's decisions):
   characters (U+0000..U+001F, U+007F) and no lone surrogates (a client can produce them
   through ``\\ud800`` JSON escapes or a multipart ``charset=utf-7``).
 * **Cameras** fit the 32-bit ``camera`` column and are not negative: 0..2**31-1.
+* **Form fields**: a field the endpoint does not know is refused (a typo such as ``camera``
+  for ``cameras`` would otherwise be dropped in silence), and so is a second value of a
+  field that takes one (``k``, ``label``, ...: which one should win?).
 * **JSON objects in form fields** (``metadata``): at most :data:`JSON_MAX_CHARS` characters
   and :data:`JSON_MAX_DEPTH` levels of nesting; numbers are finite (no ``NaN``,
   ``Infinity``, ``1e400``) and integers fit in 64 bits; keys are 1..255 characters without
@@ -25,9 +28,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Annotated, Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
 from pydantic import AfterValidator, Field
 
 LABEL_MAX = 255
@@ -181,3 +185,32 @@ def _json_problem(value: Any, path: str) -> str | None:
         if problem is not None:
             return f"value at {path or 'top level'!r} {problem}"
     return None
+
+
+def form_fields(
+    *, known: Iterable[str], single: Iterable[str] = ()
+) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that refuses unknown and repeated form fields with 422.
+
+    FastAPI has parsed the form before dependencies run; ``request.form()`` returns that
+    parsed form again (nothing is read twice).
+
+    Args:
+        known: every field name the endpoint reads.
+        single: the names that take one value.
+    """
+    known, single = frozenset(known), tuple(single)
+
+    async def check_form_fields(request: Request) -> None:
+        form = await request.form()
+        unknown = sorted(set(form.keys()) - known)
+        if unknown:
+            shown = [name[:40] for name in unknown[:5]]
+            raise HTTPException(
+                422, f"unknown form fields {shown}; this endpoint reads {sorted(known)}"
+            )
+        repeated = [name for name in single if len(form.getlist(name)) > 1]
+        if repeated:
+            raise HTTPException(422, f"{repeated[0]} was sent more than once: send it once")
+
+    return check_form_fields

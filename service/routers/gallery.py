@@ -19,7 +19,7 @@ from service.schemas import (
     GalleryItemPublic,
     GalleryItemsCreated,
 )
-from service.validation import LABEL_MAX, Camera, SafeText, check_text
+from service.validation import LABEL_MAX, Camera, SafeText, check_text, form_fields
 from service.validation import parse_json_object as _parse_json_field
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ router = APIRouter(prefix="/gallery", tags=["gallery"])
 
 ItemId = Annotated[int, Path(ge=1, le=2**63 - 1, description="gallery item id")]
 SOURCE_MAX = 255
+GALLERY_FIELDS = ("images", "labels", "cameras", "metadata")
 
 
 @router.post(
@@ -49,6 +50,7 @@ def add_gallery_items(
         list[str] | None,
         Form(description="JSON objects: one per image, or one for all images"),
     ] = None,
+    _fields: Annotated[None, Depends(form_fields(known=GALLERY_FIELDS))] = None,
 ) -> GalleryItemsCreated:
     """Add labelled images to the gallery; they are searchable when this returns.
 

@@ -16,11 +16,13 @@ from service.deps import ResourcesDep
 from service.pipeline import ImageQuery
 from service.routers.gallery import LABEL_MAX, image_uri, parse_json_object
 from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
-from service.validation import Camera, SafeText
+from service.validation import Camera, SafeText, form_fields
 
 router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
+SEARCH_OPTIONS = ("k", "label", "camera", "metadata")
+SEARCH_FIELDS = ("image", "images", *SEARCH_OPTIONS)
 
 _ERRORS = {
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
@@ -54,6 +56,8 @@ def search_options(
         Form(description='JSON object; only items whose metadata has these values, e.g. '
                          '{"color": "red"}'),
     ] = None,
+    _fields: Annotated[None, Depends(form_fields(known=SEARCH_FIELDS, single=SEARCH_OPTIONS))]
+    = None,
 ) -> SearchOptions:
     """``k`` from the form or the query string, and the optional filters."""
     if k_form is not None and k_query is not None and k_form != k_query:

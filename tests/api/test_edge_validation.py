@@ -80,6 +80,8 @@ CASES: list[tuple[str, str, str, dict, int, str]] = [
     ("item-id-huge", "GET", f"/gallery/{2**64}", {}, 422, ""),
     ("delete-id-huge", "DELETE", f"/gallery/{2**63}", {}, 422, ""),
     ("search-label-nul", "POST", "/search", _search(label="a\x00"), 422, "U+0000"),
+    ("search-k-twice", "POST", "/search", _search(k=["3", "5"]), 422, "more than once"),
+    ("gallery-misspelt-field", "POST", "/gallery", _gallery(camera="1"), 422, "unknown form"),
     ("search-camera-2^40", "POST", "/search", _search(camera=str(2**40)), 422, ""),
     ("search-meta-nan", "POST", "/search", _search(metadata='{"a": NaN}'), 422, "NaN"),
     ("search-meta-deep", "POST", "/search", _search(metadata=DEEP), 422, "nested"),
