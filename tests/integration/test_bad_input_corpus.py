@@ -424,8 +424,8 @@ BAD: list[Case] = [
          _evaluate_upload(headers={**AUTH, "Origin": "https://evil.example"}), 403),
 ]
 
-# Helper A's per-request pixel budget (defect 4): these rows run on their own, after the
-# gallery comparison, and an acceptance makes the test xfail (not fail) until it lands.
+# The per-request pixel budget (defect 4): these rows run on their own, after the gallery
+# comparison (an accepted bomb would change the gallery), and must all be refused.
 RATIO_BOMBS = [case for case in BAD if "ratio bomb" in case.kind]
 
 
@@ -622,5 +622,4 @@ def test_bad_input_corpus(tmp_path: Path, db_url: str, tiny_checkpoint: Path) ->
           f"{[f[:200] for f in failures + ratio_bomb_failed]}")
     assert not failures, f"{len(failures)} of {len(BAD) + len(valid)} cases failed:\n" + \
         "\n".join(failures)
-    if ratio_bomb_failed:
-        pytest.xfail("ratio bomb not refused yet (defect 4): " + "; ".join(ratio_bomb_failed))
+    assert not ratio_bomb_failed, "ratio bombs accepted: " + "; ".join(ratio_bomb_failed)
