@@ -118,8 +118,8 @@ async def _read_form(request: Request, max_files: int) -> FormData:
     in one request: a named set has no such limit)."""
     try:
         return await request.form(max_files=max_files, max_fields=4 * max_files)
-    except Exception as exc:  # starlette's MultiPartException and parser errors
-        if str(exc).startswith("Too many files"):
+    except Exception as exc:  # starlette's MultiPartException (as a 400) and parser errors
+        if "Too many files" in str(getattr(exc, "detail", exc)):
             raise HTTPException(
                 413, f"too many images: send at most {max_files} per request "
                      "(IMGRET_EVALUATE_MAX_FILES), or store a larger query set with "
