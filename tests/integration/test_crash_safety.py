@@ -1,8 +1,9 @@
 """Crash safety: SIGKILL mid-write, restart, and check what was acknowledged (both databases).
 
 1. A real `imgret serve` is killed with SIGKILL while several clients stream gallery adds and
-   deletes at it, at several kill points (after a few, more, and many acknowledged writes of
-   the round). After each restart on the same data dir and database:
+   deletes at it, at three kill points: after a few acknowledged writes of the round, after
+   more, and at the first moment the database holds a write whose answer has not reached its
+   client (committed, not acknowledged). After each restart on the same data dir and database:
 
    - every acknowledged add is there: ``GET /gallery/{id}`` is 200, its stored bytes are the
      uploaded ones, and a search with its own image ranks it first;
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import text
 
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import ingest_source
@@ -59,8 +61,25 @@ from tests.support.server import LiveServer, running_server
 
 pytestmark = pytest.mark.slow
 
-# A round's SIGKILL comes once this many writes of the round have been acknowledged.
-KILL_AFTER_ACKS = (3, 10, 25)
+# The kill points: a round's SIGKILL comes once this many writes of the round have been
+# acknowledged, and, where the flag is set, only then at the first moment the database holds
+# a write that no client has heard about (committed, answer not yet sent). For that one the
+# server runs with POST_COMMIT_DELAY, so the kill reliably lands in that window.
+KILL_POINTS = ((3, False), (10, False), (5, True))
+
+# Loaded at start-up by the server of the at-commit round only (a ``sitecustomize`` on its
+# PYTHONPATH): the index update that follows each committed add or delete waits a moment, which
+# keeps the committed write unacknowledged long enough for the kill.
+POST_COMMIT_DELAY = '''
+import time
+from index.search import Searcher
+def _slowed(method):
+    def slowed(self, *args, **kwargs):
+        time.sleep(0.5)
+        return method(self, *args, **kwargs)
+    return slowed
+Searcher.add, Searcher.remove = _slowed(Searcher.add), _slowed(Searcher.remove)
+'''
 WRITERS = 3
 CLASSES = 4
 BATCH_MAX = 16  # images per POST /search/batch (well under any configured cap)
@@ -79,6 +98,7 @@ class Writes:
     unanswered_deletes: dict[int, str] = field(default_factory=dict)
     data: dict[str, bytes] = field(default_factory=dict)  # sha256 -> uploaded bytes
     acks: int = 0
+    max_acked_id: int = 0
     failures: list[str] = field(default_factory=list)
     settled: str = ""  # how the in-flight requests of the last kill turned out
 
@@ -130,13 +150,17 @@ def _writer(base: str, writes: Writes, stop: threading.Event, seed: int) -> None
                 writes.failures.append(f"POST /gallery: {response.status_code} "
                                        f"{response.text[:200]}")
                 return
+            ids = response.json()["ids"]
             with writes.lock:
-                writes.present.update(zip(response.json()["ids"], shas, strict=True))
+                writes.present.update(zip(ids, shas, strict=True))
+                writes.max_acked_id = max(writes.max_acked_id, *ids)
                 writes.acks += 1
 
 
-def _stream_then_kill(server: LiveServer, writes: Writes, kill_after: int, seed: int) -> None:
-    """Writers stream at the server; SIGKILL it once ``kill_after`` writes were acknowledged."""
+def _stream_then_kill(server: LiveServer, writes: Writes, kill_after: int, at_commit: bool,
+                      db_url: str, seed: int) -> None:
+    """Writers stream at the server; SIGKILL it once ``kill_after`` writes were acknowledged
+    (and, with ``at_commit``, as soon as the database holds a write not yet acknowledged)."""
     stop = threading.Event()
     target = writes.acks + kill_after
     threads = [threading.Thread(target=_writer, args=(server.url, writes, stop, seed * 10 + n),
@@ -148,6 +172,8 @@ def _stream_then_kill(server: LiveServer, writes: Writes, kill_after: int, seed:
         assert time.monotonic() < deadline, f"only {writes.acks} writes acknowledged"
         assert server.process.poll() is None, "the server died by itself"
         time.sleep(0.005)
+    if at_commit:
+        _wait_for_unanswered_commit(db_url, writes, deadline)
     server.process.send_signal(signal.SIGKILL)
     server.process.wait(30)
     stop.set()
@@ -155,6 +181,23 @@ def _stream_then_kill(server: LiveServer, writes: Writes, kill_after: int, seed:
         thread.join(60)
     assert not any(t.is_alive() for t in threads), "a writer hung after the kill"
     assert not writes.failures, writes.failures
+
+
+def _wait_for_unanswered_commit(db_url: str, writes: Writes, deadline: float) -> None:
+    """Return at the first moment the database has an item or a delete the writers were not
+    told about yet (or at ``deadline``: the kill then lands wherever it lands)."""
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            while time.monotonic() < deadline and not writes.failures:
+                newest, deleted = conn.execute(text(
+                    "SELECT max(id), count(deleted_at) FROM gallery_items")).one()
+                conn.rollback()  # a fresh snapshot each time
+                with writes.lock:
+                    if (newest or 0) > writes.max_acked_id or deleted > len(writes.deleted):
+                        return
+    finally:
+        engine.dispose()
 
 
 def _search_batch(base: str, images: list[bytes], k: int) -> list[list[dict]]:
@@ -255,19 +298,25 @@ def test_server_killed_mid_writes_keeps_every_acknowledged_write(
     upgrade_to_head(db_url)
     writes = Writes()
     summary = []
-    for round_, kill_after in enumerate([*KILL_AFTER_ACKS, None]):
-        with running_server(env, log_path=tmp_path / f"serve-{round_}.log") as server:
+    delayed = tmp_path / "post-commit-delay"
+    delayed.mkdir()
+    (delayed / "sitecustomize.py").write_text(POST_COMMIT_DELAY)
+    path = os.pathsep.join(p for p in (str(delayed), os.environ.get("PYTHONPATH")) if p)
+    for round_, point in enumerate([*KILL_POINTS, None]):
+        at_commit = point is not None and point[1]
+        with running_server({**env, "PYTHONPATH": path} if at_commit else env,
+                            log_path=tmp_path / f"serve-{round_}.log") as server:
             if round_ > 0:
                 problems = _problems_after_restart(server.url, writes, data_dir, db_url)
                 assert not problems, (
-                    f"after SIGKILL #{round_} (after {KILL_AFTER_ACKS[round_ - 1]} acknowledged "
-                    "writes of the round):\n" + "\n".join(problems[:40])
+                    f"after SIGKILL #{round_} (kill point {KILL_POINTS[round_ - 1]}):\n"
+                    + "\n".join(problems[:40])
                 )
                 summary.append(f"kill #{round_}: {len(writes.present)} present, "
                                f"{len(writes.deleted)} deleted, all as acknowledged "
                                f"({writes.settled})")
-            if kill_after is not None:
-                _stream_then_kill(server, writes, kill_after, seed=round_)
+            if point is not None:
+                _stream_then_kill(server, writes, *point, db_url=db_url, seed=round_)
     print(f"\ncrash safety ({db_url.split(':')[0]}): " + "; ".join(summary))
 
 
