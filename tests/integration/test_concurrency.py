@@ -299,6 +299,7 @@ def _agreement(servers: list[str], db_url: str, probe: bytes) -> list[str]:
     return problems
 
 
+@pytest.mark.timeout(RUN_SECONDS + 240)  # long runs outlast the suite's 300 s default
 def test_two_servers_stay_consistent_under_concurrent_clients(
     tmp_path: Path, postgres_url: str, tiny_checkpoint: Path
 ) -> None:
