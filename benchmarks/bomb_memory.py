@@ -9,14 +9,16 @@ What it does, in one run (loopback only, bounded in time and in requests):
    ``--model`` names one;
 2. starts ``imgret serve`` on 127.0.0.1 (SQLite, fresh data dir, default limits) and adds a
    small gallery of generated images;
-3. warms it up with full batches of ordinary images (so the model's own working memory is in
-   the baseline) and measures its idle RSS;
+3. warms it up with full batches of ordinary images (a gallery add of 64, a /search/batch and
+   an /evaluate of 32: the model's own working memory is in the baseline) and measures its
+   idle RSS;
 4. floods it from ``--clients`` concurrent connections for ``--seconds`` with ratio bombs:
    files of a few kilobytes that each declare just under ``IMGRET_MAX_IMAGE_PIXELS`` - PNG
    (RGB, RGBA, palette with transparency, 1-bit), a lossless WebP (the costliest to decode:
    16 bytes per pixel) and a flat JPEG -, sent as single searches, as /search/batch and
    /evaluate requests under and over the request's pixel budget, plus headers over the
-   per-image limit and ordinary searches;
+   per-image limit and ordinary searches; with ``gallery`` in ``--endpoints``, also gallery
+   adds of the most files a request may send, each new to the gallery;
 5. samples the server's RSS every 10 ms (psutil when installed, else /proc/PID/status) and
    reads its VmHWM at the end;
 6. prints a markdown table: idle RSS, peak RSS under the flood, the stated bound, and the
@@ -350,10 +352,12 @@ def main() -> int:
         env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(model),
                "IMGRET_DEVICE": "cpu", "IMGRET_API_KEY": ""}
         with _server(env, tmp_path / "server.log") as (url, process):
+            # 64 items in one add: one forward pass of embedder.batch_size, so the model's own
+            # working memory at its largest batch is in the idle baseline.
             gallery = [("images", (f"g{i}.png", small_image(i % 3, i), "image/png"))
-                       for i in range(12)]
+                       for i in range(64)]
             response = httpx.post(f"{url}/gallery", files=gallery,
-                                  data={"labels": [str(i % 3) for i in range(12)]}, timeout=120)
+                                  data={"labels": [str(i % 3) for i in range(64)]}, timeout=300)
             response.raise_for_status()
             warm = [("images", (f"w{i}.png", small_image(i % 3, 100 + i), "image/png"))
                     for i in range(32)]
