@@ -260,7 +260,12 @@ def rank_queries(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False,
 ) -> Rankings:
-    """Search every query at the evaluation depth (see the module docstring)."""
+    """Search every query at the evaluation depth (see the module docstring).
+
+    The gallery of the evaluation is the index's live ids when it starts: items added while
+    it runs are left out of the rankings, items deleted while it runs count in R but can no
+    longer be ranked (they lower the numbers slightly instead of making them inconsistent).
+    """
     ids = searcher.ids()
     gallery_size = len(ids)
     if gallery_size == 0:
@@ -305,7 +310,11 @@ def rank_queries(
     rows_per_call = max(1, min(_QUERY_CHUNK, _RESULTS_PER_CALL // max(depth, 1)))
     for start in range(0, n, rows_per_call):
         stop = min(n, start + rows_per_call)
-        hits.extend(searcher.search(queries.vectors[start:stop], depth, filters[start:stop]))
+        rows = searcher.search(queries.vectors[start:stop], depth, filters[start:stop])
+        # R was counted on the snapshot ``ids``: an item added since (the gallery stays
+        # writable during an evaluation) is not part of this evaluation's gallery. Keeping it
+        # would let a ranking list more relevant items than R.
+        hits.extend([hit for hit in row if _in_sorted(ids, hit.id)] for row in rows)
     relevance = np.zeros((n, depth), dtype=bool)
     hit_labels: list[list[str]] = []
     for i, row in enumerate(hits):
@@ -320,6 +329,11 @@ def rank_queries(
     )
     protocol += f"; ranked through the served index ({searcher.factory}), depth {depth}"
     return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol)
+
+
+def _in_sorted(sorted_ids: np.ndarray, item_id: int) -> bool:
+    position = int(np.searchsorted(sorted_ids, item_id))
+    return position < len(sorted_ids) and int(sorted_ids[position]) == item_id
 
 
 def compare_versions(

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImageDecodeError
-from imgret.images import DEFAULT_MAX_PIXELS, decode_image
+from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, decode_image, embed_encoded
 from index import store
 from index.media import MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
@@ -196,8 +196,7 @@ class _Timer:
 
 def add_items(
     items: Sequence[NewItem], *, session_factory: sessionmaker[Session], media: MediaStore,
-    embedder: Embedder, max_pixels: int = DEFAULT_MAX_PIXELS,
-    decode: Callable[[bytes], Image.Image] | None = None,
+    embedder: Embedder, limits: DecodeLimits | None = None,
 ) -> AddedItems:
     """Add uploaded images to the gallery in one transaction (all or nothing).
 
@@ -206,24 +205,29 @@ def add_items(
     index yet: pass ``vector_ids``/``vectors``/``infos`` to ``Searcher.add`` after this
     returns (the rows are committed by then).
 
+    Decoding goes through ``imgret.images.embed_encoded``: every header is priced against the
+    request's pixel budget first, then one image at a time is decoded (under the process's
+    decode gate), shrunk and turned into model input, so memory stays bounded whatever the
+    number of files.
+
     Args:
         items: the images, with label, camera and metadata.
         session_factory: sessions on the gallery database.
         media: where image bytes are stored.
         embedder: the one embedding path (its model version is registered; the first one
             becomes active).
-        max_pixels: decompression-bomb limit (``IMGRET_MAX_IMAGE_PIXELS``).
-        decode: bytes -> RGB image; default ``decode_image`` with ``max_pixels`` (the service
-            passes its budgeted decoder).
+        limits: the decoding limits (``DecodeLimits.from_settings``; default the built-in
+            ones).
 
     Returns:
         The ids (input order) and the new vectors; see :class:`AddedItems`.
 
     Raises:
-        ImageDecodeError: an item is not a decodable image; the message starts with
-            ``images[i]``. Nothing is written.
+        ImageDecodeError: an item is not a decodable image, or the request is over its pixel
+            budget (``ImageTooLarge``); the message starts with ``images[i]``. Nothing is
+            written.
     """
-    decode = decode or (lambda data: decode_image(data, max_pixels=max_pixels))
+    limits = limits or DecodeLimits()
     cands = [
         _Candidate(i, it.data, sha256_hex(it.data), it.label, it.camera, it.metadata, it.source)
         for i, it in enumerate(items)
@@ -239,16 +243,10 @@ def add_items(
     # that was already stored got deleted in between (rare), so two rounds nearly always do.
     for _ in range(_PLAN_ROUNDS):
         todo = [c for c in plan.work if c.sha256 not in vectors_by_sha]
-        for cand in todo:
-            try:
-                cand.image = decode(cand.data)
-            except ImageDecodeError as exc:
-                raise type(exc)(f"images[{cand.position}]: {exc}") from None
         if todo:
-            vectors = embedder.embed([c.image for c in todo])
+            vectors = embed_encoded([c.data for c in todo], embedder=embedder, limits=limits,
+                                    names=[f"images[{c.position}]" for c in todo])
             vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
-            for cand in todo:
-                cand.image = None  # the decoded pixels are not needed any more
         with session_factory.begin() as session:
             plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
                                               media=media, model_version=model_version,

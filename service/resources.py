@@ -21,7 +21,7 @@ from index.gc import sweep_media
 from index.media import MediaStore
 from index.search import Hit, Searcher
 from service.batching import DynamicBatcher
-from service.pipeline import ImageQuery, SearchPipeline
+from service.pipeline import ImageQuery, build_search_batcher
 from service.telemetry import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -124,15 +124,8 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     searcher = Searcher.from_settings(sessions, settings, embedder.model_version)
     logger.info("index of %s ready: %d vectors", searcher.model_version, searcher.size)
     metrics.track_index_size(lambda: searcher.size)
-    pipeline = SearchPipeline(
-        embedder, searcher, max_pixels=settings.max_image_pixels, metrics=metrics
-    )
-    batcher: DynamicBatcher[ImageQuery, list[Hit]] = DynamicBatcher(
-        pipeline,
-        max_size=settings.batch_max_size,
-        max_wait_s=settings.batch_max_wait_ms / 1000.0,
-        on_batch=metrics.batch_size.observe,
-    )
+    batcher = build_search_batcher(settings, embedder=embedder, searcher=searcher,
+                                   metrics=metrics)
     return Resources(
         settings=settings,
         engine=engine,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Path, Query, UploadFile, status
 from fastapi.responses import FileResponse, Response
 
-from imgret.images import DecodeLimits, check_request_pixels, decode_for_embedding
+from imgret.images import DecodeLimits, check_request_pixels
 from index import store
 from index.gc import purge_media
 from index.ingest import AddedItems, NewItem, add_items
@@ -93,17 +93,12 @@ def add_gallery_items(
     ]
     # Every header is priced against the request's pixel budget before one pixel is decoded
     # (a ratio bomb costs a 413, not gigabytes); then each image is decoded under the
-    # process's decode gate and shrunk towards the model's input size at once.
+    # process's decode gate and shrunk towards the model's input size at once (add_items).
     limits = DecodeLimits.from_settings(resources.settings)
     size = resources.embedder.spec.image_size
     check_request_pixels([item.data for item in items], size=size, limits=limits)
-    added = add_items(
-        items, session_factory=resources.sessions, media=resources.media,
-        embedder=resources.embedder,
-        decode=lambda data: decode_for_embedding(
-            data, size=size, max_pixels=limits.image_pixels, gate=limits.gate
-        ),
-    )
+    added = add_items(items, session_factory=resources.sessions, media=resources.media,
+                      embedder=resources.embedder, limits=limits)
     # Committed: now the index. An id deleted meanwhile (by any process) is not added back:
     # the Searcher remembers deletions, and every search first applies the newest ones.
     try:

@@ -285,3 +285,26 @@ def test_query_time_knobs_are_applied(vectors):
     hnsw = trained_index("HNSW16")
     Searcher(hnsw, model_version="m", factory="HNSW16", use_gpu=False, ef_search=200)
     assert unwrap(hnsw).hnsw.efSearch == 200
+
+
+def test_an_evaluation_ranks_the_gallery_it_counted_while_items_are_added(vectors):
+    """/evaluate counts R on the index's ids, then searches; an add in between (the gallery
+    stays writable) must not make a ranking list more relevant items than R (was a 422)."""
+    from index.evaluation import QueryBatch, evaluate
+
+    class AddsDuringEvaluation(Searcher):
+        def ids(self) -> np.ndarray:
+            snapshot = super().ids()
+            # Concurrent POST /gallery requests: copies of the first query, with its label.
+            self.add(np.arange(10_000, 10_050), np.repeat(vectors[:1], 50, axis=0),
+                     [ItemInfo("l1")] * 50)
+            return snapshot
+
+    base = make_searcher("Flat", vectors)
+    searcher = AddsDuringEvaluation(base._index, model_version="m", factory="Flat",
+                                    infos={int(i): base.info(i) for i in base.ids()},
+                                    use_gpu=False)
+    queries = QueryBatch(vectors[:4], [base.info(i).label for i in base.ids()[:4]], None)
+    report = evaluate(searcher, queries).report
+    assert report["num_queries"] == 4
+    assert report["precision_at_1"] == 1.0  # the query's own copy (id 1), not an added one
