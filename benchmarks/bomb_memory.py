@@ -1,7 +1,7 @@
 """Peak memory of a real server under a flood of decompression-ratio bombs (issue 10, defect 4).
 
     python benchmarks/bomb_memory.py [--seconds 30] [--clients 6] [--model PATH]
-                                     [--endpoints search,batch,evaluate[,gallery]]
+                                     [--endpoints search,batch,evaluate,gallery]
 
 What it does, in one run (loopback only, bounded in time and in requests):
 
@@ -334,7 +334,7 @@ def main() -> int:
     parser.add_argument("--max-requests", type=int, default=5000, help="stop after this many")
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: "
                         "an untrained resnet18 at 224 px)")
-    parser.add_argument("--endpoints", default="search,batch,evaluate",
+    parser.add_argument("--endpoints", default="search,batch,evaluate,gallery",
                         help="comma-separated: search,batch,evaluate,gallery")
     args = parser.parse_args()
     endpoints = {e.strip() for e in args.endpoints.split(",") if e.strip()}
