@@ -25,8 +25,11 @@ RUN useradd --create-home --uid 10001 imgret && mkdir -p /data && chown imgret /
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /src/alembic.ini /app/alembic.ini
 COPY --from=build /src/migrations /app/migrations
+# MALLOC_ARENA_MAX: glibc gives each thread its own heap arena, and a decode or forward pass
+# in many threads keeps each arena's peak; two arenas keep the process near its decode bound.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    MALLOC_ARENA_MAX=2 \
     IMGRET_DATA_DIR=/data
 WORKDIR /app
 USER imgret

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
-from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, decode_image, embed_encoded
+from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from imgret.metrics import ranking_metrics
 from index import store
 from index.media import MediaStore
@@ -140,9 +140,13 @@ def load_query_batch(
             ) from None
         logger.info("embedding %d stored queries of %r with %s", len(items), name,
                     version.version)
-        images = [decode_image(media.read(item.media_path), max_pixels=max_pixels)
-                  for item in items]
-        vectors = embedder.embed(images)
+        # Stored images were checked at ingest: no request budget, but still one image decoded
+        # at a time (memory bounded by one image, not by the set).
+        vectors = embed_encoded(
+            [media.read(item.media_path) for item in items], embedder=embedder,
+            limits=DecodeLimits(image_pixels=max_pixels, request_pixels=2**62),
+            names=[f"query item {item.id}" for item in items],
+        )
     if not items:
         raise EvaluationError(f"query set {name!r} is empty")
     cameras = [item.camera for item in items]

@@ -44,7 +44,12 @@ from tqdm.auto import tqdm
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImageDecodeError
-from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, decode_image, embed_encoded
+from imgret.images import (
+    DEFAULT_MAX_PIXELS,
+    DecodeLimits,
+    decode_for_embedding,
+    embed_encoded,
+)
 from index import store
 from index.media import MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
@@ -374,7 +379,9 @@ def _ingest_chunk(
     for _ in range(_PLAN_ROUNDS):
         work = [c for c in plan.work if c.sha256 not in vectors_by_sha]
         with timer.stage("decode", len(work)):
-            decoded = list(pool.map(lambda c: _decode(c, max_pixels), work))
+            decoded = list(pool.map(
+                lambda c: _decode(c, max_pixels, embedder.spec.image_size), work
+            ))
         errors = {c.sha256: error for c, error in zip(work, decoded, strict=True) if error}
         # Copies of a corrupt file (same bytes) fail with it, each under its own name.
         failed = {c.position for c in cands if c.sha256 in errors
@@ -411,9 +418,12 @@ def _read_file(path: Path) -> tuple[bytes, str | None]:
         return b"", f"cannot read file ({exc.strerror})"
 
 
-def _decode(cand: _Candidate, max_pixels: int) -> str | None:
+def _decode(cand: _Candidate, max_pixels: int, size: int) -> str | None:
+    # The served path's decoder (JPEG draft, shrink towards the model's input at once): the
+    # same preprocessing as a search of the same file, and a chunk of large photos holds
+    # small images, not chunk_size full-size ones.
     try:
-        cand.image = decode_image(cand.data, max_pixels=max_pixels)
+        cand.image = decode_for_embedding(cand.data, size=size, max_pixels=max_pixels)
     except ImageDecodeError as exc:
         return str(exc)
     return None

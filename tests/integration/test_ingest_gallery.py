@@ -208,3 +208,27 @@ def test_cli_ingest_then_index_build(db_url, tmp_path, tiny_checkpoint, image_fo
     code, _, err = _run_cli(monkeypatch, capsys, env, "ingest", str(tmp_path / "missing"),
                             "--model", str(tiny_checkpoint))
     assert code == 2 and "missing" in err and "no such file" in err
+
+
+def test_ingest_and_search_embed_a_large_photo_the_same_way(sessions, media, embedder,
+                                                            tmp_path):
+    """One embedding path: a photo many times the model's input size gets the same vector
+    from `imgret ingest` as from a search upload (both decode with decode_for_embedding)."""
+    from PIL import Image
+
+    from imgret.images import DecodeLimits, embed_encoded
+
+    rng = np.random.default_rng(0)
+    big = Image.fromarray(rng.integers(0, 255, (600, 900, 3), dtype=np.uint8), "RGB")
+    folder = tmp_path / "photos" / "cat"
+    folder.mkdir(parents=True)
+    data = image_bytes(big, "JPEG")
+    (folder / "big.jpg").write_bytes(data)
+    ingest_source(folder.parent, session_factory=sessions, media=media, embedder=embedder,
+                  progress=False)
+    with sessions() as session:
+        version = store.get_model_version(session=session)
+        (item,) = session.scalars(select(GalleryItem)).all()
+        stored = store.fetch_vectors([item.id], session=session, model_version=version)
+    served = embed_encoded([data], embedder=embedder, limits=DecodeLimits())
+    np.testing.assert_allclose(stored.vectors, served, atol=1e-5)
