@@ -13,26 +13,13 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
-from imgret.embedder import Embedder
 from index import store
 from index.gc import purge_media, sweep_media
 from index.ingest import NewItem, add_items
 from index.media import MediaStore, sha256_hex
 from index.search import Searcher
-from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
-
-
-@pytest.fixture(scope="module")
-def embedder(tiny_checkpoint) -> Embedder:
-    return Embedder.from_checkpoint(tiny_checkpoint, device=TEST_DEVICE, batch_size=8)
-
-
-@pytest.fixture
-def media(tmp_path) -> MediaStore:
-    return MediaStore.in_data_dir(tmp_path / "data")
 
 
 def _open(sessions, tmp_path, embedder) -> Searcher:

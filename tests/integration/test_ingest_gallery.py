@@ -15,20 +15,10 @@ from imgret.errors import ImageDecodeError
 from imgret.images import decode_image
 from index import store
 from index.ingest import NewItem, add_items, ingest_source
-from index.media import MediaStore, sha256_hex
+from index.media import sha256_hex
 from index.models import Embedding, GalleryChange, GalleryItem, ModelVersion, QueryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes, write_market_folder
-
-
-@pytest.fixture(scope="module")
-def embedder(tiny_checkpoint) -> Embedder:
-    return Embedder.from_checkpoint(tiny_checkpoint, device=TEST_DEVICE, batch_size=8)
-
-
-@pytest.fixture
-def media(tmp_path) -> MediaStore:
-    return MediaStore.in_data_dir(tmp_path / "data")
 
 
 def count(sessions, model) -> int:
