@@ -318,7 +318,7 @@ def rank_queries(
         # R was counted on the snapshot ``ids``: an item added since (the gallery stays
         # writable during an evaluation) is not part of this evaluation's gallery. Keeping it
         # would let a ranking list more relevant items than R.
-        hits.extend([hit for hit in row if _in_sorted(ids, hit.id)] for row in rows)
+        hits.extend(_within(ids, row) for row in rows)
     relevance = np.zeros((n, depth), dtype=bool)
     hit_labels: list[list[str]] = []
     for i, row in enumerate(hits):
@@ -335,9 +335,14 @@ def rank_queries(
     return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol)
 
 
-def _in_sorted(sorted_ids: np.ndarray, item_id: int) -> bool:
-    position = int(np.searchsorted(sorted_ids, item_id))
-    return position < len(sorted_ids) and int(sorted_ids[position]) == item_id
+def _within(sorted_ids: np.ndarray, row: list[Hit]) -> list[Hit]:
+    """The hits whose id is in ``sorted_ids`` (one vectorised look-up per ranking)."""
+    if not row:
+        return row
+    found = np.fromiter((hit.id for hit in row), np.int64, len(row))
+    position = np.minimum(np.searchsorted(sorted_ids, found), len(sorted_ids) - 1)
+    keep = sorted_ids[position] == found
+    return row if keep.all() else [hit for hit, ok in zip(row, keep.tolist(), strict=True) if ok]
 
 
 def compare_versions(
