@@ -683,8 +683,9 @@ class Searcher:
             return 0
         with self._deletes_lock:
             try:
-                with self._session_factory() as session:
-                    deleted, seq = store.deletes_after(self._deletes_seq, session=session)
+                with self._session_factory.kw["bind"].connect() as connection:
+                    deleted, seq = store.deletes_after(self._deletes_seq,
+                                                       connection=connection)
             except SQLAlchemyError as exc:
                 raise DatabaseError(
                     f"cannot read the gallery's deletes from the database: "
