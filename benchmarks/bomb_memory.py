@@ -27,10 +27,14 @@ What it does, in one run (loopback only, bounded in time and in requests):
 
 The stated bound follows from the design (``imgret.images``): full-size decoding holds at most
 ``IMGRET_DECODE_MEMORY_MB`` (default 640 MiB) in the whole process, by the measured cost
-model ``decode_cost`` (tested against measured peaks); everything else is small (reduced
-images, model inputs, the uploads themselves). So:
-``bound = idle after warm-up + IMGRET_DECODE_MEMORY_MB + 256 MiB`` (uploads in flight,
-threads' stacks, allocator slack). Before the fix the same flood made the server hold every
+model ``decode_cost`` (tested against measured peaks); the model runs one forward pass at a
+time (``Embedder``), whose working memory is in the idle baseline (the warm-up runs its
+largest batch); each upload request in flight holds at most one chunk of model inputs
+(``batch_size`` x 3 x S x S float32) while it waits for that pass; the rest is small (reduced
+images, the uploads themselves). So:
+``bound = idle after warm-up + IMGRET_DECODE_MEMORY_MB + clients x one chunk of model inputs
++ 256 MiB`` (threads' stacks, allocator slack). The server runs with ``MALLOC_ARENA_MAX=2``,
+as the Docker image does. Before the fix the same flood made the server hold every
 decoded image of a request at once, at full size and then as float tensors: 8 bombs in one
 /search/batch request were over 8 x 1 GB, times the concurrent requests.
 
@@ -288,6 +292,14 @@ def request_mix(bombs: dict[str, bytes], endpoints: set[str], request_pixels: in
     return mix
 
 
+def _model_input_chunk_bytes(model: Path) -> int:
+    """Bytes of one chunk of model inputs (``Embedder`` default batch of 64, float32)."""
+    from imgret.checkpoint import load_checkpoint
+
+    size = load_checkpoint(model).spec.image_size
+    return 64 * 3 * size * size * 4
+
+
 async def flood(url: str, mix: list[tuple[str, dict | Callable]], *, clients: int,
                 seconds: float,
                 max_requests: int) -> Tally:
@@ -350,7 +362,8 @@ def main() -> int:
         print(f"making ratio bombs of {max_pixels:,} pixels ...", flush=True)
         bombs = make_bombs(max_pixels)
         env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(model),
-               "IMGRET_DEVICE": "cpu", "IMGRET_API_KEY": ""}
+               "IMGRET_DEVICE": "cpu", "IMGRET_API_KEY": "", "MALLOC_ARENA_MAX": "2"}
+        chunk_bytes = _model_input_chunk_bytes(model)
         with _server(env, tmp_path / "server.log") as (url, process):
             # 64 items in one add: one forward pass of embedder.batch_size, so the model's own
             # working memory at its largest batch is in the idle baseline.
@@ -381,7 +394,8 @@ def main() -> int:
             normal = httpx.post(f"{url}/search", timeout=30, files={
                 "image": ("q.png", small_image(1, 7), "image/png")}).status_code
 
-    bound = idle_rss + decode_memory + SLACK
+    inputs = args.clients * chunk_bytes
+    bound = idle_rss + decode_memory + inputs + SLACK
     bomb_sizes = ", ".join(f"{name} {len(data) / 1024:.0f} KiB" for name, data in bombs.items())
     print()
     print(f"Ratio-bomb flood: {tally.requests} requests in {elapsed:.1f} s from {args.clients} "
@@ -394,6 +408,7 @@ def main() -> int:
     print(f"| peak RSS under the flood (sampled) | {flood_rss.peak / MIB:.0f} |")
     print(f"| peak RSS since start (VmHWM) | {hwm / MIB:.0f} |")
     print(f"| stated bound: idle + IMGRET_DECODE_MEMORY_MB ({decode_memory // MIB}) + "
+          f"{args.clients} clients x {chunk_bytes / MIB:.0f} MiB of model inputs + "
           f"{SLACK // MIB} | {bound / MIB:.0f} |")
     print()
     print("| request | status | count |")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -38,6 +39,13 @@ class Embedder:
         self.model_version = model_version or model_version_of(model, spec)
         self.batch_size = batch_size
         self.transform = eval_transform(spec)
+        # One forward pass at a time, whatever the number of threads (search batches, gallery
+        # uploads, /evaluate uploads, ingest): torch already spreads one pass over every CPU
+        # core, so concurrent passes gain no speed and only multiply the activation memory
+        # (six concurrent resnet18 passes at batch 64, 224 px, held 2+ GB), and on a GPU they
+        # would queue on the device anyway. Taken per chunk of ``batch_size``, so a large
+        # upload interleaves with the search batches instead of holding them up.
+        self._forward_lock = threading.Lock()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str = "auto", **kwargs) -> Embedder:
@@ -75,8 +83,8 @@ class Embedder:
     def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
         """Embed already preprocessed ``(n, 3, S, S)`` tensors (datasets that load tensors)."""
         out = []
-        with self._inference():
-            for start in range(0, len(batch), self.batch_size):
+        for start in range(0, len(batch), self.batch_size):
+            with self._forward_lock, self._inference():
                 chunk = batch[start : start + self.batch_size].to(self.device, non_blocking=True)
                 if self.device == "cuda":
                     chunk = chunk.contiguous(memory_format=torch.channels_last)

@@ -118,3 +118,40 @@ def test_every_backbone_embeds(backbone: str, size: int) -> None:
         [class_image(0, 0)]
     )
     assert vectors.shape == (1, 8)
+
+
+def test_forward_passes_from_many_threads_never_overlap(images) -> None:
+    """Concurrent uploads and search batches share one Embedder: one forward pass at a time
+    (concurrent passes only multiply activation memory on a CPU), each chunk on its own."""
+    import threading
+    import time
+
+    model = _model()
+    inside, most = 0, 0
+    guard = threading.Lock()
+
+    def count_in(*_):
+        nonlocal inside, most
+        with guard:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.01)  # a slow layer: overlapping threads would be caught in here
+
+    def count_out(*_):
+        nonlocal inside
+        with guard:
+            inside -= 1
+
+    model.register_forward_pre_hook(count_in)
+    model.register_forward_hook(count_out)
+    embedder = Embedder.from_model(model, batch_size=2, device=TEST_DEVICE)
+    expected = embedder.embed(images)
+    results: list[np.ndarray] = []
+    threads = [threading.Thread(target=lambda: results.append(embedder.embed(images)))
+               for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most == 1
+    assert len(results) == 6 and all(np.allclose(r, expected, atol=1e-6) for r in results)
