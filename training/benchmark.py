@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import platform
 import time
 from collections.abc import Sequence
@@ -26,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from imgret.errors import ImgretError
+from imgret.stats import mean_ci
 from training.config import LossConfig, TrainConfig, base_config, config_diff
 from training.loop import METRICS_FILE, train
 from training.plots import plot_benchmark_bars, plot_benchmark_curves
@@ -40,12 +38,6 @@ MANIFEST_FILE = "benchmark.json"
 RESULTS_MD, RESULTS_JSON = "results.md", "results.json"
 BARS_PNG, CURVES_PNG = "bars.png", "curves.png"
 REPORTED = ("map_at_r", "r_precision", "precision_at_1")
-# Two-sided 95% Student-t quantiles t_{0.975, df} for df = 1..30 (beyond: normal 1.96).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
 class BenchmarkMismatch(ImgretError, ValueError):
     """Runs that do not share one base config (or one split) cannot be compared."""
 
@@ -57,20 +49,6 @@ class Cell:
     name: str
     config: TrainConfig
     out: Path
-
-
-def mean_ci(values: Sequence[float] | np.ndarray) -> tuple[float, list[float]]:
-    """Mean and 95% t-interval over seeds: ``mean ± t_{0.975,n-1} · s / sqrt(n)``.
-
-    With one value the interval is that value (no spread can be estimated).
-    """
-    x = np.asarray(values, dtype=np.float64)
-    mean = float(x.mean())
-    if len(x) < 2:
-        return mean, [mean, mean]
-    t = _T975[len(x) - 2] if len(x) - 1 <= len(_T975) else 1.96
-    half = t * float(x.std(ddof=1)) / math.sqrt(len(x))
-    return mean, [mean - half, mean + half]
 
 
 def parse_losses(text: str | Sequence[str]) -> list[LossConfig]:

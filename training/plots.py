@@ -85,7 +85,7 @@ def plot_benchmark_curves(
     Args:
         curves: loss name -> one ``metrics.json`` ``epochs`` list per seed.
     """
-    from training.benchmark import mean_ci
+    from imgret.stats import mean_ci
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for name, runs in curves.items():

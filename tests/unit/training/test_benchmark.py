@@ -10,10 +10,10 @@ import pytest
 
 import training.benchmark as benchmark
 from imgret.errors import UnknownName
+from imgret.stats import mean_ci
 from training.benchmark import (
     BenchmarkMismatch,
     check_comparable,
-    mean_ci,
     parse_losses,
     plan_cells,
     run_benchmark,
