@@ -10,6 +10,7 @@ COPY imgret imgret
 COPY training training
 COPY index index
 COPY service service
+COPY cli cli
 COPY migrations migrations
 ARG EXTRAS=postgres
 RUN python -m venv /opt/venv \

@@ -75,7 +75,7 @@ SLACK = 256 * MIB
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 DEFAULT_REQUEST_PIXELS = 256_000_000
 DEFAULT_DECODE_MEMORY_MB = 640
-_SERVE = "from imgret.cli import main; main()"
+_SERVE = "from cli.main import main; main()"
 
 
 # --------------------------------------------------------------------------- the server

@@ -57,7 +57,7 @@ BOUNDARY = "imgret-load-bench"
 QUERY_BODIES = 64
 WARMUP_S = 3.0
 GALLERY_CHUNK = 16  # images per POST /gallery
-# The demo's model (imgret/commands/demo.py): what the untrained fallback imitates.
+# The demo's model (cli/demo.py): what the untrained fallback imitates.
 DEMO_SPEC = {"backbone": "tiny_cnn", "dim": 64, "image_size": 28}
 
 _LUA = """
@@ -255,7 +255,7 @@ def serve(env: dict[str, str], log_path: Path, *, workers: int = 1,
     port = _free_port()
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-c", "from imgret.cli import main; main()", "serve",
+            [sys.executable, "-c", "from cli.main import main; main()", "serve",
              "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)],
             env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
         )

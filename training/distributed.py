@@ -1,6 +1,6 @@
 """Data-parallel training under ``torchrun`` (PyTorch DDP).
 
-``torchrun --nproc_per_node=N -m imgret.cli train ...`` sets ``WORLD_SIZE``, ``RANK`` and
+``torchrun --nproc_per_node=N -m cli train ...`` sets ``WORLD_SIZE``, ``RANK`` and
 ``LOCAL_RANK``; :func:`from_env` sees them and joins the process group (gloo on CPU, nccl on
 CUDA, one GPU per process: ``cuda:LOCAL_RANK``). Without them (or with ``WORLD_SIZE=1``) it
 returns ``None`` and the loop runs exactly as a single process.

@@ -106,7 +106,7 @@ def test_named_query_set_and_worst_queries(client, tmp_path: Path) -> None:
     # `imgret evaluate` runs the same code on the same database: the same report.
     from typer.testing import CliRunner
 
-    from imgret.cli import app
+    from cli.main import app
 
     settings = resources.settings
     out = tmp_path / "report.json"

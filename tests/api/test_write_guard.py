@@ -165,7 +165,7 @@ def test_imgret_serve_refuses_a_public_host_without_a_key_or_bad_origins(tmp_pat
            if k not in ("IMGRET_API_KEY", "IMGRET_ALLOW_ANONYMOUS_WRITES")}
     env["IMGRET_DATA_DIR"] = str(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-c", "from imgret.cli import main; main()", "serve", "--host",
+        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--host",
          "0.0.0.0", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=120,
     )
@@ -177,7 +177,7 @@ def test_imgret_serve_refuses_a_public_host_without_a_key_or_bad_origins(tmp_pat
 
     env["IMGRET_ALLOWED_ORIGINS"] = "https://ok.example, not-an-origin"
     result = subprocess.run(
-        [sys.executable, "-c", "from imgret.cli import main; main()", "serve", "--port", "1"],
+        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

@@ -340,7 +340,7 @@ def stop_before(real):
     return rename
 os.replace, os.rename = stop_before(os.replace), stop_before(os.rename)
 sys.argv = ["imgret", *sys.argv[3:]]
-from imgret.cli import main
+from cli.main import main
 main()
 """
 TOTAL, CHUNK = 32, 8
@@ -420,7 +420,7 @@ def test_killed_ingest_and_index_builds_then_serve(
 
 def _imgret(args: list[str], env: dict[str, str], log: Path) -> None:
     with log.open("wb") as out:
-        done = subprocess.run([sys.executable, "-c", "from imgret.cli import main; main()",
+        done = subprocess.run([sys.executable, "-c", "from cli.main import main; main()",
                                *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                               timeout=300)
     assert done.returncode == 0, log.read_text()

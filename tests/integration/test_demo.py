@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from imgret.cli import app
+from cli.main import app
 from imgret.datasets import FASHION_MNIST_DIR
 from imgret.settings import get_settings
 

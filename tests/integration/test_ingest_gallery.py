@@ -160,7 +160,7 @@ def test_a_new_model_version_embeds_the_existing_gallery(sessions, media, embedd
 
 
 def _run_cli(monkeypatch, capsys, env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    from imgret import cli
+    from cli import main as cli
     from imgret.settings import get_settings
 
     for key, value in env.items():

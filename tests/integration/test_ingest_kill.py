@@ -32,7 +32,7 @@ def slow_embed(self, images):
     return original(self, images)
 Embedder.embed = slow_embed
 sys.argv = ["imgret", *sys.argv[2:]]
-from imgret.cli import main
+from cli.main import main
 main()
 """
 

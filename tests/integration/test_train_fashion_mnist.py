@@ -32,7 +32,7 @@ def test_fashion_mnist_split_is_the_documented_one() -> None:
 def test_train_on_fashion_mnist_reports_model_and_baselines(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from imgret.cli import app
+    from cli.main import app
 
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [

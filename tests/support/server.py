@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-_SERVE = "from imgret.cli import main; main()"
+_SERVE = "from cli.main import main; main()"
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import sys
 
 def test_help_does_not_import_heavy_libraries() -> None:
     code = (
-        "import sys, imgret.cli\n"
+        "import sys, cli.main\n"
         "heavy = [m for m in ('torch', 'faiss', 'fastapi', 'sqlalchemy') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
@@ -18,7 +18,7 @@ def test_help_does_not_import_heavy_libraries() -> None:
 
 def test_help_lists_commands() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "from imgret.cli import main; main()", "--help"],
+        [sys.executable, "-c", "from cli.main import main; main()", "--help"],
         capture_output=True, text=True,
     )
     assert out.returncode == 0

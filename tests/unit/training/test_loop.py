@@ -11,8 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 import training.loop as loop
+from cli.main import app
 from imgret.checkpoint import load_checkpoint
-from imgret.cli import app
 from training.config import LossConfig, TrainConfig, TrainConfigError
 from training.loop import LAST_FILE, train
 

@@ -115,8 +115,6 @@ def train_command(
     pixels, each with its 95% interval and the split it comes from.
     """
     from training.config import LossConfig
-    from training.data import describe_split
-    from training.evaluation import format_metric
     from training.loop import train
 
     config = _config(
@@ -132,6 +130,14 @@ def train_command(
     result = train(config, out, resume=resume, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 reports the run
+    echo_run(result)
+
+
+def echo_run(result: Any) -> None:
+    """Print a finished run (a ``training.loop.RunResult``): where, split, val and test."""
+    from training.data import describe_split
+    from training.evaluation import format_metric
+
     typer.echo(f"run: {result.out} (model version {result.model_version})")
     typer.echo(f"split: {describe_split(result.split)}")
     typer.echo(f"best epoch {result.best_epoch}: validation MAP@R {format_metric(result.val)}")

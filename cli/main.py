@@ -1,4 +1,4 @@
-"""The `imgret` command line: a Typer app whose commands live in imgret/commands/.
+"""The `imgret` command line: a Typer app whose commands live beside it in cli/.
 
 Heavy libraries (torch, faiss, FastAPI) are imported inside each command, so `imgret --help`
 starts instantly. Errors imgret raises on purpose are printed as one line naming the file and
@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from imgret.commands import demo, gallery, serve, train
+from cli import demo, gallery, serve, train
 from imgret.errors import ImgretError
 
 app = typer.Typer(

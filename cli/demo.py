@@ -3,15 +3,17 @@
 Train (closed-set protocol) -> export a gallery and a held-out query set as PNG folders ->
 ingest both -> build the index -> evaluate through the serving path, beside the untrained
 network and raw pixels measured by the same metric function on the same images -> serve.
-Every stage reuses the CLI's own commands, and a re-run reuses what is already there.
+Every stage calls the same layer function as its own command (``training.loop.train``,
+``index.jobs.ingest`` / ``build`` / ``evaluate_named``, ``service.run.serve``) with the demo's
+settings, and a re-run reuses what is already there.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -36,16 +38,16 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         serve: bool = typer.Option(True, "--serve/--no-serve", help="start the API at the end"),
     ) -> None:
         """Train, ingest, index and evaluate on Fashion-MNIST, then serve the API and web page."""
-        from imgret.settings import get_settings
+        from imgret.settings import Settings
+        from index import jobs
 
-        data_dir = (data_dir or get_settings().data_dir).resolve()
+        base = Settings()
+        data_dir = (data_dir or base.data_dir).resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
         run_dir = data_dir / "demo-run"
-        # Every stage below reads its settings from the environment, as a user's commands do;
-        # afterwards `IMGRET_MODEL=<data dir>/demo-run imgret serve` serves the same gallery.
-        os.environ["IMGRET_DATA_DIR"] = str(data_dir)
-        os.environ["IMGRET_MODEL"] = str(run_dir)
-        get_settings.cache_clear()
+        # Afterwards `IMGRET_DATA_DIR=<data dir> IMGRET_MODEL=<data dir>/demo-run imgret serve`
+        # serves the same gallery.
+        settings = base.model_copy(update={"data_dir": data_dir, "model": run_dir})
         timings: list[tuple[str, float]] = []
 
         def stage(name: str, work: Callable[[], None]) -> None:
@@ -54,41 +56,46 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
             work()
             timings.append((name, time.perf_counter() - start))
 
-        def cli(*args: str) -> None:
-            from imgret.cli import app as cli_app
+        def ingest(folder: Path, query_set: str | None = None) -> None:
+            for line in jobs.ingest(settings, folder, query_set=query_set).summary():
+                typer.echo(line)
 
-            cli_app(list(args), standalone_mode=False)
+        def build() -> None:
+            built = jobs.build(settings)
+            typer.echo(f"built {built.factory} index: {built.size} vectors -> {built.folder}")
 
-        stage("train (closed-set protocol)", lambda: _train(cli, run_dir, epochs, train_images))
+        stage("train (closed-set protocol)", lambda: _train(run_dir, epochs, train_images))
         stage("export images", lambda: _export(data_dir, gallery_per_class, queries_per_class))
-        stage("ingest gallery", lambda: cli("ingest", str(data_dir / "demo-gallery")))
-        stage("ingest query set", lambda: cli(
-            "ingest", str(data_dir / "demo-queries"), "--query-set", QUERY_SET))
-        stage("build index", lambda: cli("index", "build"))
-        stage("evaluate", lambda: _evaluate(data_dir, run_dir))
+        stage("ingest gallery", lambda: ingest(data_dir / "demo-gallery"))
+        stage("ingest query set", lambda: ingest(data_dir / "demo-queries", QUERY_SET))
+        stage("build index", build)
+        stage("evaluate", lambda: _evaluate(settings, run_dir))
 
         typer.secho("\n== stage times", bold=True)
         for name, seconds in timings:
             typer.echo(f"{name:<30} {seconds:7.1f} s")
         typer.echo(f"{'total':<30} {sum(s for _, s in timings):7.1f} s")
         if serve:
+            from service.run import serve as run_server
+
             typer.secho(f"\nserving on http://{host}:{port}/  (Ctrl-C to stop)", bold=True)
-            from imgret.commands.serve import serve as run_server
-
-            run_server(host=host, port=port)
+            run_server(settings, host=host, port=port)
 
 
-def _train(cli: Callable[..., None], run_dir: Path, epochs: int, train_images: int) -> None:
+def _train(run_dir: Path, epochs: int, train_images: int) -> None:
     if (run_dir / "metrics.json").is_file():
         typer.echo(f"{run_dir}: trained already, reusing it (delete the folder to retrain)")
         return
-    cli(
-        "train", "--data", "fashion-mnist", "--protocol", "closed-set",
-        "--loss", "multi_similarity", "--backbone", "tiny_cnn", "--dim", "64",
-        "--image-size", "28", "--epochs", str(epochs),
-        "--max-train-images", str(train_images), "--max-eval-images", "2000",
-        "--out", str(run_dir),
+    from cli.train import echo_run
+    from training.config import FASHION_MNIST, LossConfig, TrainConfig
+    from training.loop import train
+
+    config = TrainConfig(
+        data=FASHION_MNIST, protocol="closed-set", loss=LossConfig(name="multi_similarity"),
+        backbone="tiny_cnn", dim=64, image_size=28, epochs=epochs,
+        max_train_images=train_images, max_eval_images=2000,
     )
+    echo_run(train(config, run_dir))
 
 
 def _export(data_dir: Path, gallery_per_class: int, queries_per_class: int) -> None:
@@ -115,20 +122,21 @@ def _export(data_dir: Path, gallery_per_class: int, queries_per_class: int) -> N
         typer.echo(f"{folder}: {per_class} images per class from the {split} split")
 
 
-def _evaluate(data_dir: Path, run_dir: Path) -> None:
+def _evaluate(settings: Any, run_dir: Path) -> None:
     """The served model through the index, and two baselines by the same metric function."""
     import json
 
     from imgret.checkpoint import EmbeddingNet, load_checkpoint
-    from imgret.commands.serve import evaluate_query_set
     from imgret.datasets import list_records
     from imgret.embedder import Embedder
     from imgret.images import load_image_file
     from imgret.metrics import retrieval_metrics
     from index.evaluation import format_report
+    from index.jobs import evaluate_named
     from training.evaluation import pixel_embeddings
 
-    report = evaluate_query_set(QUERY_SET, ks=[1, 5, 10])
+    data_dir = settings.data_dir
+    report = evaluate_named(settings, QUERY_SET, ks=[1, 5, 10])
     for line in format_report(report):
         typer.echo(line)
 

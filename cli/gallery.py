@@ -1,0 +1,96 @@
+"""CLI commands: the gallery database (`db upgrade`), `ingest`, and `index build`: each calls
+one function of ``index.jobs``.
+
+Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_MODEL``, ``IMGRET_DEVICE``,
+``IMGRET_INDEX_FACTORY``, ``IMGRET_MAX_IMAGE_PIXELS``) come from the environment; options
+override them. Heavy modules are imported inside each command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
+    """Add this area's commands to the CLI."""
+
+    @db_app.command("upgrade")
+    def db_upgrade() -> None:
+        """Bring the database schema to the latest migration (Alembic `upgrade head`)."""
+        from imgret.settings import get_settings
+        from index import jobs
+
+        settings = get_settings()
+        revision = jobs.upgrade(settings)
+        typer.echo(f"database schema at revision {revision} ({jobs.safe_url(settings.db_url)})")
+
+    @db_app.command("downgrade")
+    def db_downgrade(
+        revision: str = typer.Argument("base", help="target revision; base drops every table"),
+        yes: bool = typer.Option(False, "--yes", help="confirm: this deletes data"),
+    ) -> None:
+        """Undo migrations down to REVISION (data in dropped tables is lost)."""
+        from imgret.settings import get_settings
+        from index import jobs
+
+        settings = get_settings()
+        jobs.downgrade_to(settings, revision, confirmed=yes)
+        typer.echo(f"database schema downgraded to {revision} "
+                   f"({jobs.safe_url(settings.db_url)})")
+
+    @app.command("ingest")
+    def ingest_command(
+        path: Path = typer.Argument(
+            ..., help="ImageFolder tree, CSV manifest (path,label[,camera]) or Market-1501 folder"
+        ),
+        model: Path | None = typer.Option(
+            None, "--model", help="checkpoint (run dir or model.pt); default: IMGRET_MODEL"
+        ),
+        query_set: str | None = typer.Option(
+            None, "--query-set", help="store the images in this named query set, not the gallery"
+        ),
+        batch_size: int = typer.Option(64, "--batch-size", min=1, help="images per forward pass"),
+        chunk_size: int = typer.Option(
+            256, "--chunk-size", min=1, help="images per transaction (lost if interrupted)"
+        ),
+        workers: int | None = typer.Option(
+            None, "--workers", min=1, help="threads reading and decoding files"
+        ),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Embed a data set into the gallery (or a query set); running it again adds nothing."""
+        from imgret.settings import get_settings
+        from index import jobs
+
+        report = jobs.ingest(get_settings(), path, model=model, query_set=query_set,
+                             batch_size=batch_size, chunk_size=chunk_size, workers=workers,
+                             progress=progress)
+        for line in report.summary():
+            typer.echo(line)
+        if not query_set and report.added + report.embedded:
+            typer.echo("next: `imgret index build` (or start `imgret serve`, which builds it)")
+
+    @index_app.command("build")
+    def index_build(
+        factory: str | None = typer.Option(
+            None, "--factory",
+            help="FAISS index factory string (Flat = exact; IVF1024,Flat; HNSW32; "
+            "IVF1024,PQ32 ...); default: IMGRET_INDEX_FACTORY",
+        ),
+        model_version: str | None = typer.Option(
+            None, "--model-version", help="default: the active model version"
+        ),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Build the FAISS index from the stored embeddings (no re-embedding) and save it."""
+        from imgret.settings import get_settings
+        from index import jobs
+
+        built = jobs.build(get_settings(), factory=factory, model_version=model_version,
+                           progress=progress)
+        typer.echo(
+            f"built {built.factory} index of model version {built.model_version}: "
+            f"{built.size} vectors in {built.seconds:.1f}s -> {built.folder}"
+        )

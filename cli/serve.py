@@ -1,0 +1,80 @@
+"""CLI commands: serve (``service.run.serve``) and evaluate (``index.jobs.evaluate_named``, the
+same code as POST /evaluate)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import typer
+
+logger = logging.getLogger(__name__)
+
+def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
+    """Add this area's commands to the CLI."""
+
+    @app.command("serve")
+    def serve_command(
+        host: str = typer.Option("127.0.0.1", help="interface to bind (0.0.0.0 for all)"),
+        port: int = typer.Option(8000, min=1, max=65535),
+        workers: int = typer.Option(
+            1, min=1, help="API processes; each loads the model and its own index copy"
+        ),
+        model: Path | None = typer.Option(
+            None, help="checkpoint (run dir or model.pt); default: IMGRET_MODEL"
+        ),
+    ) -> None:
+        """Bring the schema up to date (Alembic), then serve the API with uvicorn.
+
+        Settings come from the environment (IMGRET_DATABASE_URL, IMGRET_DATA_DIR, ...).
+        """
+        from imgret.settings import Settings
+        from service.run import serve
+
+        if model is not None:
+            # Workers are separate processes that read their settings from the environment.
+            os.environ["IMGRET_MODEL"] = str(model)
+        serve(Settings(), host=host, port=port, workers=workers)
+
+    @app.command("evaluate")
+    def evaluate_command(
+        query_set: str = typer.Option(..., "--query-set", help="a set stored by `imgret ingest "
+                                      "PATH --query-set NAME`"),
+        k: str = typer.Option("1,5,10", "--k", help="comma-separated cut-offs"),
+        exclude_same_camera: bool = typer.Option(
+            False, "--exclude-same-camera", help="re-ID rule: drop same-label same-camera items"
+        ),
+        model_version: str | None = typer.Option(
+            None, "--model-version", help="default: IMGRET_MODEL's version, else the active one"
+        ),
+        worst: int = typer.Option(0, "--worst", min=0, max=100, help="list the n worst queries"),
+        json_out: Path | None = typer.Option(None, "--json", help="also write the report here"),
+    ) -> None:
+        """Evaluate a named query set through the index, exactly as POST /evaluate does."""
+        try:
+            ks = [int(part) for part in k.split(",") if part.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"{k!r} is not a list of integers", param_hint="--k") from None
+        from imgret.settings import Settings
+        from index.evaluation import format_report
+        from index.jobs import evaluate_named
+
+        report = evaluate_named(
+            Settings(), query_set, ks=ks, exclude_same_camera=exclude_same_camera,
+            model_version=model_version, worst=worst,
+        )
+
+        for line in format_report(report):
+            typer.echo(line)
+        for query in report.get("worst", []):
+            neighbours = ", ".join(
+                f"{n['label']}{'*' if n['relevant'] else ''} {n['score']:.3f}"
+                for n in query["neighbours"][:5]
+            )
+            typer.echo(f"worst: query {query['index']} ({query['label']}): AP@R "
+                       f"{query['average_precision_at_r']:.3f}; top: {neighbours}")
+        if json_out is not None:
+            json_out.write_text(json.dumps(report, indent=2, default=str))
+            typer.echo(f"report written to {json_out}")

@@ -1,1 +1,0 @@
-"""CLI commands, one module per area; each exposes ``register(app, *, db_app, index_app)``."""

@@ -1,0 +1,172 @@
+"""The index layer's jobs, one function each: what `imgret ingest`, `imgret index build`,
+`imgret evaluate` and `imgret db` run (and the demo, which calls these, not the CLI).
+
+Every job takes the :class:`~imgret.settings.Settings` in force and opens the gallery database
+through :func:`open_gallery`: schema brought to head, an engine, sessions, disposed at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from imgret.errors import CheckpointError, DatabaseError, GalleryError
+from imgret.settings import Settings
+from index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
+from index.ingest import IngestReport
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def open_gallery(settings: Settings) -> Iterator[sessionmaker[Session]]:
+    """Sessions on the gallery database of ``settings``, with the schema at head.
+
+    A fresh data dir or database just works: the schema is upgraded first (a no-op at head).
+    The engine is disposed when the block ends.
+    """
+    upgrade_to_head(settings.db_url)
+    engine = make_engine(settings.db_url)
+    try:
+        yield make_sessionmaker(engine)
+    finally:
+        engine.dispose()
+
+
+def safe_url(url: str) -> str:
+    """A database URL fit for logs and messages (the password hidden)."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def upgrade(settings: Settings) -> str:
+    """`imgret db upgrade`: the schema to the latest migration; returns the revision."""
+    return upgrade_to_head(settings.db_url)
+
+
+def downgrade_to(settings: Settings, revision: str, *, confirmed: bool) -> None:
+    """`imgret db downgrade`: undo migrations down to ``revision`` (data is lost).
+
+    Raises:
+        DatabaseError: not ``confirmed``.
+    """
+    if not confirmed:
+        raise DatabaseError("downgrading deletes gallery data; pass --yes to confirm")
+    downgrade(settings.db_url, revision)
+
+
+def ingest(
+    settings: Settings, path: str | Path, *, model: Path | None = None,
+    query_set: str | None = None, batch_size: int = 64, chunk_size: int = 256,
+    workers: int | None = None, progress: bool = True,
+) -> IngestReport:
+    """`imgret ingest`: embed a data set into the gallery or a named query set (idempotent).
+
+    Args:
+        settings: the settings in force (database, data dir, device, pixel limit).
+        path: an ImageFolder tree, a CSV manifest or a Market-1501 folder.
+        model: the checkpoint; default ``settings.model``.
+        query_set: store the images in this named query set instead of the gallery.
+        batch_size: images per forward pass.
+        chunk_size: images per transaction.
+        workers: threads reading and decoding files.
+        progress: a tqdm bar.
+
+    Raises:
+        CheckpointError: no model given or configured.
+        GalleryError: an empty query-set name.
+    """
+    from imgret.embedder import Embedder
+    from index.ingest import ingest_source
+    from index.media import MediaStore
+
+    checkpoint = model or settings.model
+    if checkpoint is None:
+        raise CheckpointError("no model: pass --model RUN_DIR (or its model.pt) or set "
+                              "IMGRET_MODEL")
+    if query_set is not None and not query_set.strip():
+        raise GalleryError("the query set name is empty (--query-set)")
+    embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
+                                        batch_size=batch_size)
+    with open_gallery(settings) as sessions:
+        return ingest_source(
+            path, session_factory=sessions, media=MediaStore.in_data_dir(settings.data_dir),
+            embedder=embedder, query_set=query_set, chunk_size=chunk_size,
+            max_pixels=settings.max_image_pixels, workers=workers, progress=progress,
+        )
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What `imgret index build` made."""
+
+    factory: str
+    model_version: str
+    size: int
+    seconds: float
+    folder: Path
+
+
+def build(
+    settings: Settings, *, factory: str | None = None, model_version: str | None = None,
+    progress: bool = True,
+) -> BuildReport:
+    """`imgret index build`: the FAISS index from the stored embeddings, saved with its manifest.
+
+    Unlike a starting service, an explicit build refuses a factory the gallery is too small to
+    train, instead of falling back to exact search.
+    """
+    from index.faiss_index import build_from_sql
+    from index.search import Searcher
+
+    with open_gallery(settings) as sessions:
+        start = time.perf_counter()
+        built = build_from_sql(sessions, factory or settings.index_factory,
+                               model_version=model_version, progress=progress)
+        seconds = time.perf_counter() - start
+        searcher = Searcher(
+            built.index, model_version=built.manifest.model_version,
+            factory=built.manifest.factory, infos=built.infos,
+            change_seq=built.manifest.change_seq, session_factory=sessions,
+            data_dir=settings.data_dir, use_gpu=False,
+        )
+        searcher.refresh_from_changes()
+        folder = searcher.save()
+    return BuildReport(built.manifest.factory, built.manifest.model_version, searcher.size,
+                       seconds, folder)
+
+
+def evaluate_named(
+    settings: Settings, name: str, *, ks: list[int] | None = None,
+    exclude_same_camera: bool = False, model_version: str | None = None, worst: int = 0,
+) -> dict:
+    """`imgret evaluate`: the report of ``POST /evaluate {"query_set": name}``, same code.
+
+    The index of the version is loaded (or rebuilt from SQL) like the service does; the model
+    (``settings.model``) is needed only when the query set has no stored embeddings for it.
+    """
+    from imgret.embedder import Embedder
+    from index import evaluation
+    from index.media import MediaStore
+    from index.search import Searcher
+
+    embedder = (
+        Embedder.from_checkpoint(settings.model, device=settings.device)
+        if settings.model is not None else None
+    )
+    if model_version is None and embedder is not None:
+        model_version = embedder.model_version
+    with open_gallery(settings) as sessions:
+        searcher = Searcher.from_settings(sessions, settings, model_version)  # None: active
+        return evaluation.evaluate_query_set(
+            searcher, name, session_factory=sessions, embedder=embedder,
+            media=MediaStore.in_data_dir(settings.data_dir),
+            max_pixels=settings.max_image_pixels, k=ks,
+            exclude_same_camera=exclude_same_camera, worst=worst,
+        ).report
