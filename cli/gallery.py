@@ -21,10 +21,11 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         """Bring the database schema to the latest migration (Alembic `upgrade head`)."""
         from imgret.settings import get_settings
         from index import jobs
+        from index.db import safe_url
 
         settings = get_settings()
         revision = jobs.upgrade(settings)
-        typer.echo(f"database schema at revision {revision} ({jobs.safe_url(settings.db_url)})")
+        typer.echo(f"database schema at revision {revision} ({safe_url(settings.db_url)})")
 
     @db_app.command("downgrade")
     def db_downgrade(
@@ -34,11 +35,12 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         """Undo migrations down to REVISION (data in dropped tables is lost)."""
         from imgret.settings import get_settings
         from index import jobs
+        from index.db import safe_url
 
         settings = get_settings()
         jobs.downgrade_to(settings, revision, confirmed=yes)
         typer.echo(f"database schema downgraded to {revision} "
-                   f"({jobs.safe_url(settings.db_url)})")
+                   f"({safe_url(settings.db_url)})")
 
     @app.command("ingest")
     def ingest_command(

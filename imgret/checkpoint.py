@@ -15,6 +15,7 @@ from torch import nn
 
 from imgret.backbones import build_backbone
 from imgret.errors import CheckpointError
+from imgret.files import write_atomic_with
 
 CHECKPOINT_FILE = "model.pt"
 FORMAT = "imgret-checkpoint-v1"
@@ -131,9 +132,7 @@ def save_checkpoint(
         "state_dict": state,
         "extra": extra or {},
     }
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
+    write_atomic_with(path, lambda handle: torch.save(payload, handle))
     return version
 
 

@@ -120,9 +120,9 @@ def upgrade_to_head(url: str) -> str:
         head = MigrationContext.configure(connection).get_current_revision()
     if before != head:
         logger.info("database schema upgraded from %s to %s (%s)", before or "empty", head,
-                    _safe_url(url))
+                    safe_url(url))
     else:
-        logger.debug("database schema already at %s (%s)", head, _safe_url(url))
+        logger.debug("database schema already at %s (%s)", head, safe_url(url))
     return head or ""
 
 
@@ -217,10 +217,11 @@ def _migration_connection_unlocked(url: str) -> Iterator:
 def _unreachable(url: str, exc: Exception) -> DatabaseError:
     first = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
     return DatabaseError(
-        f"cannot use the database {_safe_url(url)}: {first}; check IMGRET_DATABASE_URL "
+        f"cannot use the database {safe_url(url)}: {first}; check IMGRET_DATABASE_URL "
         "(and that PostgreSQL is running) or unset it to use the SQLite file in the data dir"
     )
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
+    """A database URL fit for logs and messages (the password hidden)."""
     return make_url(url).render_as_string(hide_password=True)

@@ -26,8 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from imgret.errors import IndexStale, InvalidIndexFactory
+from imgret.files import file_sha256, write_atomic
 from index import store
-from index.files import file_sha256, write_atomic
 from index.manifest import (
     INDEX_FILE,
     Manifest,

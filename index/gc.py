@@ -20,8 +20,8 @@ from collections.abc import Iterable
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from imgret.files import remove_stale_temps
 from index import store
-from index.files import remove_stale_temps
 from index.media import MediaStore
 
 logger = logging.getLogger(__name__)

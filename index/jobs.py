@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import CheckpointError, DatabaseError, GalleryError
@@ -38,11 +37,6 @@ def open_gallery(settings: Settings) -> Iterator[sessionmaker[Session]]:
         yield make_sessionmaker(engine)
     finally:
         engine.dispose()
-
-
-def safe_url(url: str) -> str:
-    """A database URL fit for logs and messages (the password hidden)."""
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def upgrade(settings: Settings) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from imgret.errors import IndexStale
-from index.files import write_atomic
+from imgret.files import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Content-addressed media store: image files named by their SHA-256, written atomically.
 
 Layout: ``<root>/<h[0:2]>/<h[2:4]>/<h>`` (two fan-out levels keep folders small at millions
-of files). Files are written with ``index.files.write_atomic`` (temporary name, fsync,
+of files). Files are written with ``imgret.files.write_atomic`` (temporary name, fsync,
 rename), so a reader (or a crash) never sees half a file; storing bytes that are already
 there is a no-op, so duplicates are stored once. Deleting the last row that refers to a file
 removes the file (``index.gc``): a deleted face must not stay on disk. Files carry no
@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from index.files import file_sha256, fsync_dir, write_atomic
+from imgret.files import file_sha256, fsync_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 

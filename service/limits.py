@@ -38,7 +38,7 @@ class UploadLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._refuse(send, declared)
             return
@@ -98,11 +98,9 @@ class UploadLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
+    """The request's declared ``Content-Length``; ``None`` when absent or not a number."""
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+            return int(value) if value.isdigit() else None
     return None

@@ -13,10 +13,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError
+from imgret.files import remove_stale_temps
 from imgret.settings import Settings
 from index import store
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
-from index.files import remove_stale_temps
 from index.gc import sweep_media
 from index.media import MediaStore
 from index.search import Hit, Searcher

@@ -12,8 +12,7 @@ import logging
 from imgret.checkpoint import resolve_checkpoint_path
 from imgret.errors import CheckpointError
 from imgret.settings import Settings
-from index.db import upgrade_to_head
-from index.jobs import safe_url
+from index.db import safe_url, upgrade_to_head
 from service.auth import check_write_exposure, normalized_origins
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.limits import content_length
+
 access_logger = logging.getLogger("service.access")
 
 # Latency buckets from 1 ms to 10 s: a CPU forward pass sits in the tens of milliseconds.
@@ -150,7 +152,7 @@ class AccessLogMiddleware:
                         "route": route,
                         "status": status,
                         "duration_ms": round(elapsed * 1000, 2),
-                        "bytes_in": _content_length(scope),
+                        "bytes_in": content_length(scope),
                         "bytes_out": sent_bytes,
                         "client": client[0] if client else None,
                     },
@@ -173,6 +175,3 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _content_length(scope: Scope) -> int | None:
-    value = _header(scope, b"content-length")
-    return int(value) if value and value.isdigit() else None

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from imgret.checkpoint import EmbeddingNet, load_checkpoint, save_checkpoint
+from imgret.files import write_atomic, write_atomic_with
 from imgret.settings import resolve_device
 from training.config import TrainConfig, TrainConfigError, config_diff
 from training.data import (
@@ -500,15 +501,11 @@ def _save_state(
         "rng": torch.get_rng_state(),
         "record": to_jsonable(record),
     }
-    tmp = out / (LAST_FILE + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out / LAST_FILE)
+    write_atomic_with(out / LAST_FILE, lambda handle: torch.save(state, handle))
 
 
 def _write_record(out: Path, record: dict[str, Any]) -> None:
-    tmp = out / (METRICS_FILE + ".tmp")
-    tmp.write_text(json.dumps(to_jsonable(record), indent=1))
-    tmp.replace(out / METRICS_FILE)
+    write_atomic(out / METRICS_FILE, json.dumps(to_jsonable(record), indent=1).encode())
 
 
 def _check_same_config(saved: dict[str, Any], config: TrainConfig, out: Path) -> None:

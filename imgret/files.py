@@ -1,4 +1,5 @@
-"""Crash-safe files: the one atomic writer (index, manifest, media) and its clean-up.
+"""Crash-safe files: the one atomic writer (checkpoints, training records, index, manifest,
+media) and its clean-up.
 
 A file is written to a uniquely named temporary file in its final folder (``mkstemp``: two
 threads or processes never share one), flushed and fsync'd, renamed over the target, and the
@@ -15,8 +16,9 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +29,24 @@ STALE_TEMP_AGE_S = 600.0
 
 def write_atomic(path: str | Path, data: bytes | Iterable[bytes]) -> None:
     """Write ``data`` (bytes, or chunks of bytes) to ``path`` atomically and durably."""
+    chunks = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+
+    def write(handle: BinaryIO) -> None:
+        for chunk in chunks:
+            handle.write(chunk)
+
+    write_atomic_with(path, write)
+
+
+def write_atomic_with(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """Like :func:`write_atomic`, for a writer that wants a file (``torch.save(obj, f)``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{path.name}.",
                                dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            for chunk in [data] if isinstance(data, bytes | bytearray | memoryview) else data:
-                handle.write(chunk)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
