@@ -38,6 +38,17 @@ def image_folder(tmp_path: Path) -> Path:
     return write_image_folder(tmp_path / "images")
 
 
+def require(available: bool, what: str) -> None:
+    """Skip a test whose real part (a browser, a data set) is missing; under ``CI=true``, fail
+    instead: CI installs every part, so a missing one is a broken set-up, not a reason to pass.
+    """
+    if available:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing (CI must install it)")
+    pytest.skip(f"{what} is missing")
+
+
 def _postgres_available() -> bool:
     try:
         import psycopg

@@ -11,17 +11,17 @@ from typer.testing import CliRunner
 from cli.main import app
 from imgret.datasets import FASHION_MNIST_DIR
 from imgret.settings import get_settings
+from tests.conftest import require
 
-pytestmark = pytest.mark.skipif(
-    not FASHION_MNIST_DIR.is_dir(), reason="apt-get install dataset-fashion-mnist"
-)
+
+@pytest.fixture(autouse=True)
+def _fashion_mnist() -> None:
+    require(FASHION_MNIST_DIR.is_dir(), "Fashion-MNIST (apt-get install dataset-fashion-mnist)")
 
 
 def test_demo_runs_every_stage_and_reuses_its_work(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("IMGRET_DATABASE_URL", raising=False)
-    # The demo exports its settings to the environment for its stages; restore them after.
-    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("IMGRET_MODEL", str(tmp_path / "demo-run"))
+    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "elsewhere"))  # --data-dir wins
     args = ["demo", "--data-dir", str(tmp_path), "--gallery-per-class", "8",
             "--queries-per-class", "3", "--epochs", "1", "--train-images", "300", "--no-serve"]
     try:
@@ -34,6 +34,10 @@ def test_demo_runs_every_stage_and_reuses_its_work(tmp_path: Path, monkeypatch) 
         assert set(report) == {"trained (served index)", "untrained network", "raw pixels"}
         for row in report.values():
             assert 0.0 <= row["map_at_r"] <= 1.0
+        # Even one short epoch must have learnt something the random network has not.
+        assert report["trained (served index)"]["map_at_r"] > \
+            report["untrained network"]["map_at_r"]
+        assert not (tmp_path / "elsewhere").exists()
 
         second = CliRunner().invoke(app, args, catch_exceptions=False)
         assert second.exit_code == 0, second.output

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, require
 from tests.support.images import class_image
 from tests.support.server import running_server
 
@@ -27,8 +27,8 @@ CLASSES, PER_CLASS, SIZE = 4, 6, 64
 @pytest.fixture
 def browser(tmp_path: Path):
     """Headless Chromium with a fresh profile, no network chatter."""
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("chromium and chromedriver are not installed")
+    require(bool(CHROMIUM and CHROMEDRIVER), "chromium and chromedriver (apt-get install "
+            "chromium chromium-driver)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
