@@ -51,21 +51,19 @@ import contextlib
 import io
 import math
 import os
-import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 from PIL import Image
+from servers import class_png, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -75,51 +73,6 @@ SLACK = 256 * MIB
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 DEFAULT_REQUEST_PIXELS = 256_000_000
 DEFAULT_DECODE_MEMORY_MB = 640
-_SERVE = "from cli.main import main; main()"
-
-
-# --------------------------------------------------------------------------- the server
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _server(env: dict[str, str], log_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``imgret serve`` on a free loopback port; yields (base URL, process) once healthy."""
-    port = _free_port()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after 180 s; see {log_path}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-
-
 # --------------------------------------------------------------------------- memory
 
 
@@ -221,13 +174,6 @@ def with_nonce(png: bytes, nonce: int) -> bytes:
     return png[:33] + _chunk(b"tEXt", b"nonce\x00" + str(nonce).encode()) + png[33:]
 
 
-def small_image(label: int, index: int, size: int = 96) -> bytes:
-    rng = np.random.default_rng([label, index])
-    base = np.array([(label * 67) % 256, (label * 131) % 256, (label * 29 + 80) % 256], float)
-    pixels = base + rng.normal(0, 20, (size, size, 3))
-    return _png(Image.fromarray(np.clip(pixels, 0, 255).astype("uint8"), "RGB"))
-
-
 # --------------------------------------------------------------------------- the flood
 
 
@@ -258,7 +204,7 @@ def request_mix(bombs: dict[str, bytes], endpoints: set[str], request_pixels: in
         mix.append(("/search over-limit header",
                     {"url": "/search", "files": _files([over_limit], "image")}))
         mix.append(("/search normal",
-                    {"url": "/search", "files": _files([small_image(1, 99)], "image")}))
+                    {"url": "/search", "files": _files([class_png(1, 99)], "image")}))
     if "batch" in endpoints:
         mix.append((f"/search/batch {under} bombs (fits budget)",
                     {"url": "/search/batch",
@@ -364,15 +310,16 @@ def main() -> int:
         env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(model),
                "IMGRET_DEVICE": "cpu", "IMGRET_API_KEY": "", "MALLOC_ARENA_MAX": "2"}
         chunk_bytes = _model_input_chunk_bytes(model)
-        with _server(env, tmp_path / "server.log") as (url, process):
+        with serve(env, tmp_path / "server.log") as server:
+            url, process = server.url, server.process
             # 64 items in one add: one forward pass of embedder.batch_size, so the model's own
             # working memory at its largest batch is in the idle baseline.
-            gallery = [("images", (f"g{i}.png", small_image(i % 3, i), "image/png"))
+            gallery = [("images", (f"g{i}.png", class_png(i % 3, i), "image/png"))
                        for i in range(64)]
             response = httpx.post(f"{url}/gallery", files=gallery,
                                   data={"labels": [str(i % 3) for i in range(64)]}, timeout=300)
             response.raise_for_status()
-            warm = [("images", (f"w{i}.png", small_image(i % 3, 100 + i), "image/png"))
+            warm = [("images", (f"w{i}.png", class_png(i % 3, 100 + i), "image/png"))
                     for i in range(32)]
             for path, data in (("/search/batch", {}),
                                ("/evaluate", {"labels": [str(i % 3) for i in range(32)]})):
@@ -392,7 +339,7 @@ def main() -> int:
             hwm = _status_kib(process.pid, "VmHWM") * 1024
             alive = httpx.get(f"{url}/health", timeout=10).status_code == 200
             normal = httpx.post(f"{url}/search", timeout=30, files={
-                "image": ("q.png", small_image(1, 7), "image/png")}).status_code
+                "image": ("q.png", class_png(1, 7), "image/png")}).status_code
 
     inputs = args.clients * chunk_bytes
     bound = idle_rss + decode_memory + inputs + SLACK

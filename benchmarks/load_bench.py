@@ -32,24 +32,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
 import logging
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
+from servers import serve
 
 logger = logging.getLogger("load_bench")
 
@@ -145,7 +143,8 @@ def main() -> None:
             "IMGRET_DEVICE": "cpu",
             "IMGRET_API_KEY": secrets.token_hex(16),
         }
-        with serve(env, work / "serve.log", workers=args.workers) as base:
+        with serve(env, work / "serve.log", workers=args.workers) as server:
+            base = server.url
             _fill_gallery(base, gallery, env["IMGRET_API_KEY"])
             logger.info("warming up for %.0f s", WARMUP_S)
             run_wrk(base, bodies, levels[len(levels) // 2], WARMUP_S)
@@ -240,46 +239,6 @@ def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> 
 
 
 # --------------------------------------------------------------------------- the server
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(env: dict[str, str], log_path: Path, *, workers: int = 1,
-          timeout_s: float = 180.0) -> Iterator[str]:
-    """Run ``imgret serve`` on a free port of 127.0.0.1; yield its base URL once healthy."""
-    port = _free_port()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", "from cli.main import main; main()", "serve",
-             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)],
-            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"imgret serve exited with {process.returncode}; see "
-                                   f"{log_path}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"imgret serve not healthy after {timeout_s:.0f} s")
-            time.sleep(0.2)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 
 def run_wrk(base: str, bodies: list[Path], connections: int, seconds: float) -> Level:

@@ -39,12 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-from tests.support.images import class_image, image_bytes  # noqa: E402
-from tests.support.server import running_server, running_servers  # noqa: E402
+from servers import class_png, serve, serve_many
 
 logger = logging.getLogger("service_bench")
 
@@ -109,14 +104,14 @@ def main() -> None:
             "IMGRET_MODEL": str(checkpoint),
             "IMGRET_DEVICE": "cpu",
         }
-        with running_server(env, log_path=work / "fill.log") as server:
+        with serve(env, work / "fill.log") as server:
             _fill_gallery(server.url)
         modes = (("batching on", 32), ("batching off", 1))
         specs = [({**env, "IMGRET_BATCH_MAX_SIZE": str(size)}, work / f"serve-{size}.log")
                  for _, size in modes]
         runs: dict[str, list[tuple[int, int, float, float, float]]] = {m: [] for m, _ in modes}
         batches: dict[str, list[float]] = {m: [0.0, 0.0] for m, _ in modes}
-        with running_servers(specs) as servers:
+        with serve_many(specs) as servers:
             for (mode, _), server in zip(modes, servers, strict=True):
                 logger.info("%s: warming up for %.0f s", mode, WARMUP_S)
                 _load(client, server.url, bodies, args.clients, WARMUP_S)
@@ -162,7 +157,7 @@ def _query_bodies(folder: Path) -> list[Path]:
     folder.mkdir(parents=True)
     paths = []
     for i in range(QUERY_BODIES):
-        png = image_bytes(class_image(i % CLASSES, 1000 + i, size=SIZE))
+        png = class_png(i % CLASSES, 1000 + i, size=SIZE)
         body = (
             f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"k\"\r\n\r\n10\r\n"
             f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"image\"; "
@@ -178,8 +173,8 @@ def _fill_gallery(base: str) -> None:
     pairs = [(c, i) for c in range(CLASSES) for i in range(PER_CLASS)]
     for start in range(0, len(pairs), 50):
         chunk = pairs[start : start + 50]
-        files = [("images", (f"{c}_{i}.png", image_bytes(class_image(c, i, size=SIZE)),
-                             "image/png")) for c, i in chunk]
+        files = [("images", (f"{c}_{i}.png", class_png(c, i, size=SIZE), "image/png"))
+                 for c, i in chunk]
         response = httpx.post(f"{base}/gallery", files=files,
                               data={"labels": [f"class-{c}" for c, _ in chunk]}, timeout=120)
         response.raise_for_status()

@@ -5,7 +5,7 @@ every import (function-local ones included), with no exemption:
     imgret  <-  index  <-  service
     cli on top of all of them (and imported by none)
 
-and no import cycle between any two modules of these packages.
+and no import cycle between any two modules of these packages; benchmarks import no test code.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ def test_package_imports_respect_layers(package: str) -> None:
     for path in sorted((ROOT / package).rglob("*.py")):
         bad = {name.split(".")[0] for name in _imported(path)} & FORBIDDEN[package]
         assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_benchmarks_import_no_test_code() -> None:
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        assert "tests" not in {name.split(".")[0] for name in _imported(path)}, \
+            f"{path.relative_to(ROOT)} imports test code"
 
 
 def test_no_import_cycles_between_modules() -> None:
