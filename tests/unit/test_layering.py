@@ -10,13 +10,14 @@ and no import cycle between any two modules of these packages; benchmarks import
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
+from tools import import_graph
+
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("imgret", "training", "index", "service", "cli")
+PACKAGES = import_graph.PACKAGES
 # package -> packages it must not import, anywhere in any of its files.
 FORBIDDEN = {
     "imgret": {"training", "index", "service", "cli"},
@@ -27,30 +28,11 @@ FORBIDDEN = {
 }
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            found[name] = path
-    return found
-
-
 def _imported(path: Path) -> set[str]:
-    """Every absolute import of a file: ``a.b`` for ``import a.b``; ``a.b`` and ``a.b.c`` for
-    ``from a.b import c`` (``c`` may be a module or a name)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return import_graph.imported(path)
 
 
-MODULES = _modules()
+MODULES = import_graph.modules(ROOT)
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -80,35 +62,4 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The groups of two or more modules that import each other (Tarjan), sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    groups: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for target in sorted(graph.get(node, ())):
-            if target not in index:
-                visit(target)
-                low[node] = min(low[node], low[target])
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            group = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                group.append(member)
-                if member == node:
-                    break
-            if len(group) > 1:
-                groups.append(sorted(group))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return sorted(groups)
+    return import_graph.cycles(graph)
