@@ -10,7 +10,6 @@ settings, and a re-run reuses what is already there.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     ) -> None:
         """Train, ingest, index and evaluate on Fashion-MNIST, then serve the API and web page."""
         from imgret.settings import Settings
+        from imgret.timing import timed
         from index import jobs
 
         base = Settings()
@@ -52,9 +52,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
 
         def stage(name: str, work: Callable[[], None]) -> None:
             typer.secho(f"\n== {name}", bold=True)
-            start = time.perf_counter()
-            work()
-            timings.append((name, time.perf_counter() - start))
+            with timed(lambda seconds: timings.append((name, seconds))):
+                work()
 
         def ingest(folder: Path, query_set: str | None = None) -> None:
             for line in jobs.ingest(settings, folder, query_set=query_set).summary():

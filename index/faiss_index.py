@@ -14,7 +14,6 @@ import hashlib
 import logging
 import math
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
+from imgret import timing
 from imgret.errors import IndexStale, InvalidIndexFactory
 from imgret.files import file_sha256, write_atomic
 from index import store
@@ -510,8 +510,5 @@ _METRIC_NAMES = {faiss.METRIC_INNER_PRODUCT: "inner product", faiss.METRIC_L2: "
 def timed(stage: str) -> Iterator[None]:
     """Log a stage and its duration (autofaiss's Timeit)."""
     logger.info("%s ...", stage)
-    start = time.perf_counter()
-    try:
+    with timing.timed(lambda seconds: logger.info("%s: done in %.2fs", stage, seconds)):
         yield
-    finally:
-        logger.info("%s: done in %.2fs", stage, time.perf_counter() - start)

@@ -27,12 +27,12 @@ transaction per chunk, so there is never an item without its embedding and chang
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from imgret.images import (
     decode_for_embedding,
     embed_encoded,
 )
+from imgret.timing import timed
 from index import store
 from index.media import MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
@@ -186,14 +187,12 @@ class _Timer:
     def __init__(self, report: IngestReport):
         self.report = report
 
-    @contextmanager
-    def stage(self, name: str, count: int) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.report.seconds[name] += time.perf_counter() - start
+    def stage(self, name: str, count: int) -> contextlib.AbstractContextManager[None]:
+        def record(seconds: float) -> None:
+            self.report.seconds[name] += seconds
             self.report.counts[name] += count
+
+        return timed(record)
 
 
 # --------------------------------------------------------------------------- service path

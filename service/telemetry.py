@@ -8,11 +8,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from imgret.timing import timed
 from service.limits import content_length
 
 access_logger = logging.getLogger("service.access")
@@ -88,14 +89,9 @@ class ServiceMetrics:
         """Read the index size at scrape time (no stale copies to keep up to date)."""
         self.index_size.set_function(size)
 
-    @contextlib.contextmanager
-    def timed(self, histogram: Histogram) -> Iterator[None]:
+    def timed(self, histogram: Histogram) -> contextlib.AbstractContextManager[None]:
         """Observe the wall time of the block in ``histogram``."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            histogram.observe(time.perf_counter() - start)
+        return timed(histogram.observe)
 
 
 class AccessLogMiddleware:
