@@ -95,7 +95,20 @@ class ModelVersion(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class GalleryItem(Base):
+class StoredImage:
+    """The columns every stored image has, gallery item or query-set item (a mixin)."""
+
+    sha256: Mapped[str] = mapped_column(String(64))
+    media_path: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(64))
+    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # ``metadata`` is reserved on declarative classes; the column keeps the natural name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class GalleryItem(StoredImage, Base):
     """One searchable image: its FAISS id, content hash, stored file, label and camera."""
 
     __tablename__ = "gallery_items"
@@ -111,15 +124,7 @@ class GalleryItem(Base):
     )
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
-    sha256: Mapped[str] = mapped_column(String(64))
-    media_path: Mapped[str] = mapped_column(String(255))
-    content_type: Mapped[str] = mapped_column(String(64))
     label: Mapped[str] = mapped_column(String(255), index=True)
-    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    # ``metadata`` is reserved on declarative classes; the column keeps the natural name.
-    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
-    source: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     embeddings: Mapped[list[Embedding]] = relationship(
@@ -180,7 +185,7 @@ class QuerySet(Base):
     )
 
 
-class QueryItem(Base):
+class QueryItem(StoredImage, Base):
     """One query image of a query set; not a gallery item, never searchable."""
 
     __tablename__ = "query_items"
@@ -193,14 +198,7 @@ class QueryItem(Base):
     query_set_id: Mapped[int] = mapped_column(
         ForeignKey("query_sets.id", ondelete="CASCADE"), index=True
     )
-    sha256: Mapped[str] = mapped_column(String(64))
-    media_path: Mapped[str] = mapped_column(String(255))
-    content_type: Mapped[str] = mapped_column(String(64))
     label: Mapped[str] = mapped_column(String(255))
-    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
-    source: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     query_set: Mapped[QuerySet] = relationship(back_populates="items")
 
