@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -198,7 +197,6 @@ class Searcher:
         self._dead = np.zeros(1024, dtype=bool)
         self._install(index, dict(infos or {}), change_seq, tombstones)
         self._deletes_seq = self._seq
-        self.last_refresh_at: float | None = None  # time.time() of the last successful replay
 
     # ------------------------------------------------------------------ construction
 
@@ -619,16 +617,11 @@ class Searcher:
         Returns:
             How many live ids were removed (unknown ids are ignored).
         """
-        wanted = {int(i) for i in np.asarray(ids, dtype=np.int64).ravel()}
-        wanted.discard(-1)
+        wanted = {int(i) for i in np.asarray(ids, dtype=np.int64).ravel() if i >= 0}
         with self._lock.write():
             if wanted:
-                dead = np.fromiter(wanted, np.int64, len(wanted))
-                if dead.max() >= len(self._dead):
-                    grown = np.zeros(max(int(dead.max()) + 1, 2 * len(self._dead)), dtype=bool)
-                    grown[: len(self._dead)] = self._dead
-                    self._dead = grown
-                self._dead[dead[dead >= 0]] = True
+                self._dead = _grown(self._dead, max(wanted) + 1)
+                self._dead[np.fromiter(wanted, np.int64, len(wanted))] = True
             present = sorted(i for i in wanted if i in self._infos)
             if not present:
                 return 0
@@ -660,10 +653,7 @@ class Searcher:
         return len(present)
 
     def _grow(self, capacity: int) -> None:
-        if capacity > len(self._live):
-            grown = np.zeros(max(capacity, 2 * len(self._live)), dtype=bool)
-            grown[: len(self._live)] = self._live
-            self._live = grown
+        self._live = _grown(self._live, capacity)
 
     # ------------------------------------------------------------------ replicas
 
@@ -708,9 +698,7 @@ class Searcher:
         if self._session_factory is None:
             raise GalleryError("this Searcher has no database to follow (session_factory)")
         with self._refresh_lock:
-            applied = self._replay_changes(page_size)
-            self.last_refresh_at = time.time()
-            return applied
+            return self._replay_changes(page_size)
 
     def _replay_changes(self, page_size: int = 10_000) -> int:
         """The body of :meth:`refresh_from_changes`; the caller holds ``_refresh_lock``."""
@@ -736,7 +724,6 @@ class Searcher:
             with self._lock.write():
                 self._seq = max(self._seq, changes[-1].seq)
             total += len(changes)
-            self.last_refresh_at = time.time()
             if len(changes) < page_size:
                 return total
 
@@ -828,8 +815,16 @@ class Searcher:
             "model_version": self.model_version, "factory": self.factory, "size": self.size,
             "stored": int(self._index.ntotal), "tombstones": len(self._tombstones),
             "change_seq": self._seq, "device": self.device,
-            "last_refresh_at": self.last_refresh_at,
         }
+
+
+def _grown(mask: np.ndarray, capacity: int) -> np.ndarray:
+    """``mask`` itself when it holds ``capacity`` ids, else a copy at least twice as long."""
+    if capacity <= len(mask):
+        return mask
+    grown = np.zeros(max(capacity, 2 * len(mask)), dtype=bool)
+    grown[: len(mask)] = mask
+    return grown
 
 
 def _can_remove(index: faiss.Index) -> bool:
