@@ -73,6 +73,13 @@ def check_text(value: str, name: str, *, max_length: int | None = None) -> str:
     return value
 
 
+def check_label(value: str, name: str) -> str:
+    """A class or identity label: 1 to ``LABEL_MAX`` characters of storable text; 422 else."""
+    if not value.strip() or len(value) > LABEL_MAX:
+        raise HTTPException(422, f"{name}: a label is 1 to {LABEL_MAX} characters, not empty")
+    return check_text(value, name)
+
+
 def _safe_text(value: str) -> str:
     problem = text_problem(value)
     if problem is not None:

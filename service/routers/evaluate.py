@@ -18,7 +18,6 @@ from index import evaluation, store
 from index.search import Searcher
 from service.deps import ResourcesDep, require_api_key
 from service.resources import Resources
-from service.routers.gallery import LABEL_MAX
 from service.schemas import (
     WORST_MAX,
     EvaluateRequest,
@@ -26,7 +25,7 @@ from service.schemas import (
     ModelComparison,
     check_ks,
 )
-from service.validation import CAMERA_MAX, check_text
+from service.validation import CAMERA_MAX, check_label
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 
@@ -158,10 +157,8 @@ async def _parse_upload(form: FormData) -> _Upload:
         raise HTTPException(
             422, f"{len(labels)} labels for {len(files)} images: send one label per image"
         )
-    if any(not label.strip() or len(label) > LABEL_MAX for label in labels):
-        raise HTTPException(422, f"a label is 1 to {LABEL_MAX} characters, not empty")
     for position, label in enumerate(labels):
-        check_text(label, f"labels[{position}]")
+        check_label(label, f"labels[{position}]")
     cameras = None
     raw_cameras = form.getlist("cameras")
     if raw_cameras:

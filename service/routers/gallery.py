@@ -20,8 +20,15 @@ from service.schemas import (
     GalleryItemPublic,
     GalleryItemsCreated,
 )
-from service.validation import LABEL_MAX, Camera, SafeText, check_text, form_fields
-from service.validation import parse_json_object as _parse_json_field
+from service.validation import (
+    LABEL_MAX,
+    Camera,
+    SafeText,
+    check_label,
+    check_text,
+    form_fields,
+    parse_json_object,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +76,7 @@ def add_gallery_items(
         )
     _check_count("labels", labels, n)
     for position, label in enumerate(labels):
-        if not label.strip() or len(label) > LABEL_MAX:
-            raise HTTPException(
-                422, f"labels[{position}]: a label is 1 to {LABEL_MAX} characters, not empty"
-            )
-        check_text(label, f"labels[{position}]")
+        check_label(label, f"labels[{position}]")
     for position, upload in enumerate(images):
         if upload.filename:  # kept as a note (``source``): it must be storable text
             check_text(upload.filename, f"images[{position}] file name")
@@ -237,12 +240,3 @@ def _parse_metadata(values: list[str] | None, n: int) -> list[dict[str, Any] | N
         )
     parsed = [parse_json_object(value, f"metadata[{i}]") for i, value in enumerate(values)]
     return parsed * n if len(parsed) == 1 else parsed
-
-
-def parse_json_object(value: str, name: str) -> dict[str, Any]:
-    """A form field holding a JSON object (``{"color": "red"}``); 422 otherwise.
-
-    Bounded in size and depth, finite numbers, 64-bit integers, no NUL: see
-    :func:`service.validation.parse_json_object`.
-    """
-    return _parse_json_field(value, name)

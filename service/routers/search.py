@@ -14,9 +14,9 @@ from imgret.images import DecodeLimits, check_request_pixels
 from index.search import Hit, Searcher, SearchFilter
 from service.deps import ResourcesDep
 from service.pipeline import ImageQuery
-from service.routers.gallery import LABEL_MAX, image_uri, parse_json_object
+from service.routers.gallery import image_uri
 from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
-from service.validation import Camera, SafeText, form_fields
+from service.validation import LABEL_MAX, Camera, SafeText, form_fields, parse_json_object
 
 router = APIRouter(prefix="/search", tags=["search"])
 
