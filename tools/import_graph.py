@@ -1,13 +1,16 @@
 """The import graph of imgret's packages, read from the source (ast), every import counted
 (function-local ones included).
 
-    python tools/import_graph.py            # package -> packages it imports, and module cycles
+    python tools/import_graph.py                 # package -> packages it imports, and module cycles
+    python tools/import_graph.py --root OTHER    # the same for another checkout (e.g. an old commit's
+                                                 # `git worktree`), to compare before and after
 
 ``tests/unit/test_layering.py`` enforces the same graph.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 from collections import defaultdict
@@ -91,8 +94,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(groups)
 
 
-def main() -> int:
-    found = modules()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=ROOT, help="checkout to read (default: this one)")
+    found = modules(parser.parse_args(argv).root)
     for package, deps in package_graph(found).items():
         print(f"{package:<9} -> {', '.join(sorted(deps)) or '(nothing of ours)'}")
     found_cycles = cycles(module_graph(found))
