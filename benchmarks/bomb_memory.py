@@ -62,8 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from harness import class_png, running_server
 from PIL import Image
-from servers import class_png, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -310,7 +310,7 @@ def main() -> int:
         env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(model),
                "IMGRET_DEVICE": "cpu", "IMGRET_API_KEY": "", "MALLOC_ARENA_MAX": "2"}
         chunk_bytes = _model_input_chunk_bytes(model)
-        with serve(env, tmp_path / "server.log") as server:
+        with running_server(env, log_path=tmp_path / "server.log") as server:
             url, process = server.url, server.process
             # 64 items in one add: one forward pass of embedder.batch_size, so the model's own
             # working memory at its largest batch is in the idle baseline.

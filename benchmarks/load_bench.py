@@ -38,70 +38,22 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
-from servers import serve
+from harness import Level, run_wrk, running_server, search_bodies
 
 logger = logging.getLogger("load_bench")
 
-BOUNDARY = "imgret-load-bench"
 QUERY_BODIES = 64
 WARMUP_S = 3.0
 GALLERY_CHUNK = 16  # images per POST /gallery
 # The demo's model (cli/demo.py): what the untrained fallback imitates.
 DEMO_SPEC = {"backbone": "tiny_cnn", "dim": 64, "image_size": 28}
-
-_LUA = """
-local n = tonumber(os.getenv("LOAD_BENCH_N"))
-local dir = os.getenv("LOAD_BENCH_DIR")
-local bodies = {}
-for i = 1, n do
-  local f = assert(io.open(dir .. "/body" .. i .. ".bin", "rb"))
-  bodies[i] = f:read("*a")
-  f:close()
-end
-local i = 0
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "multipart/form-data; boundary=BOUNDARY"
-request = function()
-  i = i % n + 1
-  return wrk.format(nil, "/search", nil, bodies[i])
-end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("LOAD_BENCH %d %d %d %d %d %d %d %d %d\\n", summary.requests,
-    summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
-    latency:percentile(50), latency:percentile(99)))
-end
-""".replace("BOUNDARY", BOUNDARY)
-
-
-@dataclass(frozen=True)
-class Level:
-    """One load level: what wrk (or the in-process driver) measured."""
-
-    connections: int
-    requests: int
-    seconds: float
-    p50_ms: float
-    p99_ms: float
-    non_2xx: int = 0
-    socket_errors: int = 0
-
-    @property
-    def rps(self) -> float:
-        """Successful requests per second."""
-        return (self.requests - self.non_2xx) / self.seconds if self.seconds else 0.0
-
-    def held(self, p99_target_ms: float) -> bool:
-        return self.p99_ms < p99_target_ms and not self.non_2xx and not self.socket_errors
 
 
 def main() -> None:
@@ -133,7 +85,7 @@ def main() -> None:
         work = Path(tmp)
         model, model_note = _model(args.model, work / "run")
         gallery, queries, data_note = _images(args.gallery)
-        bodies = _query_bodies(queries, work / "bodies")
+        bodies = search_bodies(queries, work / "bodies")
         data_dir = work / "data"
         env = {
             "IMGRET_DATA_DIR": str(data_dir),
@@ -143,7 +95,7 @@ def main() -> None:
             "IMGRET_DEVICE": "cpu",
             "IMGRET_API_KEY": secrets.token_hex(16),
         }
-        with serve(env, work / "serve.log", workers=args.workers) as server:
+        with running_server(env, log_path=work / "serve.log", workers=args.workers) as server:
             base = server.url
             _fill_gallery(base, gallery, env["IMGRET_API_KEY"])
             logger.info("warming up for %.0f s", WARMUP_S)
@@ -208,22 +160,6 @@ def _images(n_gallery: int) -> tuple[list[tuple[bytes, str]], list[bytes], str]:
     return gallery, queries, "Fashion-MNIST (train split gallery, test split queries)"
 
 
-def _query_bodies(queries: list[bytes], folder: Path) -> list[Path]:
-    """One multipart ``POST /search`` body (k=10 + the image) per query, as files for wrk."""
-    folder.mkdir(parents=True)
-    paths = []
-    for i, data in enumerate(queries):
-        body = (
-            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"k\"\r\n\r\n10\r\n"
-            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"image\"; "
-            f"filename=\"q{i}.png\"\r\nContent-Type: image/png\r\n\r\n"
-        ).encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
-        path = folder / f"body{i + 1}.bin"
-        path.write_bytes(body)
-        paths.append(path)
-    return paths
-
-
 def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> None:
     for start in range(0, len(gallery), GALLERY_CHUNK):
         chunk = gallery[start : start + GALLERY_CHUNK]
@@ -236,29 +172,6 @@ def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> 
         response.raise_for_status()
     size = httpx.get(f"{base}/health", timeout=30).json()["index_size"]
     logger.info("gallery: %d images added, index size %d", len(gallery), size)
-
-
-# --------------------------------------------------------------------------- the server
-
-
-def run_wrk(base: str, bodies: list[Path], connections: int, seconds: float) -> Level:
-    """``wrk -t1 -c<connections>`` for ``seconds`` against ``POST /search``."""
-    script = bodies[0].parent / "search.lua"
-    script.write_text(_LUA)
-    env = {**os.environ, "LOAD_BENCH_DIR": str(bodies[0].parent),
-           "LOAD_BENCH_N": str(len(bodies))}
-    done = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-         "-s", str(script), base],
-        env=env, capture_output=True, text=True, timeout=seconds + 60,
-    )
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("LOAD_BENCH ")), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    (requests, duration_us, connect, read, write, timeout, status, p50_us,
-     p99_us) = (int(v) for v in line.split()[1:])
-    return Level(connections, requests, duration_us / 1e6, p50_us / 1000, p99_us / 1000,
-                 non_2xx=status, socket_errors=connect + read + write + timeout)
 
 
 # --------------------------------------------------------------------------- the engine

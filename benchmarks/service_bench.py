@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,31 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from servers import class_png, serve, serve_many
+from harness import BOUNDARY, class_png, run_wrk, running_server, running_servers, search_bodies
 
 logger = logging.getLogger("service_bench")
 
-BOUNDARY = "imgret-bench-boundary"
 CLASSES, PER_CLASS, SIZE = 10, 30, 64
 QUERY_BODIES = 32
 WARMUP_S = 3.0
-
-_LUA = """
-local bodies = {}
-local n = tonumber(os.getenv("IMGRET_BENCH_N"))
-for i = 1, n do
-  local f = io.open(os.getenv("IMGRET_BENCH_DIR") .. "/body" .. i .. ".bin", "rb")
-  bodies[i] = f:read("*a")
-  f:close()
-end
-local i = 0
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "multipart/form-data; boundary=BOUNDARY"
-request = function()
-  i = i % n + 1
-  return wrk.format(nil, "/search", nil, bodies[i])
-end
-""".replace("BOUNDARY", BOUNDARY)
 
 
 @dataclass
@@ -98,20 +79,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="imgret-bench-") as tmp:
         work = Path(tmp)
         checkpoint, version = _checkpoint(work / "run")
-        bodies = _query_bodies(work / "bodies")
+        bodies = search_bodies(
+            [class_png(i % CLASSES, 1000 + i, size=SIZE) for i in range(QUERY_BODIES)],
+            work / "bodies")
         env = {
             "IMGRET_DATA_DIR": str(work / "data"),
             "IMGRET_MODEL": str(checkpoint),
             "IMGRET_DEVICE": "cpu",
         }
-        with serve(env, work / "fill.log") as server:
+        with running_server(env, log_path=work / "fill.log") as server:
             _fill_gallery(server.url)
         modes = (("batching on", 32), ("batching off", 1))
         specs = [({**env, "IMGRET_BATCH_MAX_SIZE": str(size)}, work / f"serve-{size}.log")
                  for _, size in modes]
         runs: dict[str, list[tuple[int, int, float, float, float]]] = {m: [] for m, _ in modes}
         batches: dict[str, list[float]] = {m: [0.0, 0.0] for m, _ in modes}
-        with serve_many(specs) as servers:
+        with running_servers(specs) as servers:
             for (mode, _), server in zip(modes, servers, strict=True):
                 logger.info("%s: warming up for %.0f s", mode, WARMUP_S)
                 _load(client, server.url, bodies, args.clients, WARMUP_S)
@@ -152,23 +135,6 @@ def _checkpoint(run: Path) -> tuple[Path, str]:
     return run, version
 
 
-def _query_bodies(folder: Path) -> list[Path]:
-    """Multipart bodies of distinct query images (class images not in the gallery)."""
-    folder.mkdir(parents=True)
-    paths = []
-    for i in range(QUERY_BODIES):
-        png = class_png(i % CLASSES, 1000 + i, size=SIZE)
-        body = (
-            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"k\"\r\n\r\n10\r\n"
-            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"image\"; "
-            f"filename=\"q{i}.png\"\r\nContent-Type: image/png\r\n\r\n"
-        ).encode() + png + f"\r\n--{BOUNDARY}--\r\n".encode()
-        path = folder / f"body{i + 1}.bin"
-        path.write_bytes(body)
-        paths.append(path)
-    return paths
-
-
 def _fill_gallery(base: str) -> None:
     pairs = [(c, i) for c in range(CLASSES) for i in range(PER_CLASS)]
     for start in range(0, len(pairs), 50):
@@ -190,27 +156,9 @@ def _load(client: str, base: str, bodies: list[Path], clients: int,
 
 def _load_wrk(base: str, bodies: list[Path], clients: int,
               seconds: float) -> tuple[int, int, float, float, float]:
-    script = bodies[0].parent / "search.lua"
-    script.write_text(_LUA)
-    env = {**os.environ, "IMGRET_BENCH_DIR": str(bodies[0].parent),
-           "IMGRET_BENCH_N": str(len(bodies))}
-    out = subprocess.run(
-        ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--latency",
-         "--timeout", "30s", "-s", str(script), base],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout
-    requests = int(re.search(r"(\d+) requests in ([\d.]+)(\w+)", out).group(1))
-    span = re.search(r"requests in ([\d.]+)(\w+)", out)
-    elapsed = float(span.group(1)) * {"s": 1.0, "ms": 1e-3, "m": 60.0}[span.group(2)]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return (requests, int(errors.group(1)) if errors else 0, elapsed,
-            _wrk_ms(out, "50%"), _wrk_ms(out, "99%"))
-
-
-def _wrk_ms(out: str, percentile: str) -> float:
-    match = re.search(rf"^\s*{re.escape(percentile)}\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
-    value, unit = float(match.group(1)), match.group(2)
-    return value * {"us": 1e-3, "ms": 1.0, "s": 1000.0}[unit]
+    level = run_wrk(base, bodies, clients, seconds, request_timeout_s=30)
+    return (level.requests, level.non_2xx + level.socket_errors, level.seconds, level.p50_ms,
+            level.p99_ms)
 
 
 async def _load_httpx(base: str, bodies: list[Path], clients: int,

@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.harness import running_servers
 from index.db import upgrade_to_head
 from index.media import sha256_hex
 from tests.conftest import TEST_DEVICE
@@ -47,7 +48,6 @@ from tests.support.gallery_state import (
     png,
     server_env,
 )
-from tests.support.server import running_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -40,6 +40,7 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from benchmarks.harness import LiveServer, running_server
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import ingest_source
 from index.media import MediaStore, sha256_hex
@@ -57,7 +58,6 @@ from tests.support.gallery_state import (
     temp_files,
 )
 from tests.support.images import write_image_folder
-from tests.support.server import LiveServer, running_server
 
 pytestmark = pytest.mark.slow
 

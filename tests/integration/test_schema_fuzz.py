@@ -38,9 +38,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
-from tests.support.server import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE, require
 from tests.support.images import class_image
-from tests.support.server import running_server
 
 pytestmark = pytest.mark.slow
 

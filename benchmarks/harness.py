@@ -1,0 +1,218 @@
+"""The harness that benchmarks and end-to-end tests share: a real ``imgret serve`` on loopback,
+generated class images, and ``wrk`` driving ``POST /search``.
+
+Benchmarks run as ``python benchmarks/NAME.py`` and find this module beside them
+(``from harness import ...``); tests import it as ``benchmarks.harness``. It imports nothing
+from ``tests/`` (checked by ``tests/unit/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+_SERVE = "from cli.main import main; main()"
+BOUNDARY = "imgret-bench-boundary"
+
+
+# --------------------------------------------------------------------------- the server
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    """A running ``imgret serve`` process, its base URL (``http://127.0.0.1:PORT``) and log."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nobody listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_servers(specs: Sequence[tuple[dict[str, str], Path]], *, workers: int = 1,
+                    start_timeout_s: float = 180.0) -> Iterator[list[LiveServer]]:
+    """Start ``imgret serve`` once per ``(env, log_path)`` on free loopback ports, ``env``
+    added to this process's environment; yield the servers, in the order of ``specs``, once
+    every one answers /health (start-up is mostly imports: they overlap).
+
+    A server that exits or is not healthy within ``start_timeout_s`` raises, with its log's
+    tail. At the end each is stopped with SIGTERM (graceful shutdown), and killed if it hangs.
+    """
+    servers: list[LiveServer] = []
+    try:
+        for env, log_path in specs:
+            port = free_port()
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-c", _SERVE, "serve", "--host", "127.0.0.1",
+                     "--port", str(port), "--workers", str(workers)],
+                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            servers.append(LiveServer(f"http://127.0.0.1:{port}", process, Path(log_path)))
+        for server in servers:
+            _wait_healthy(server, start_timeout_s)
+        yield servers
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.process.terminate()
+        for server in servers:
+            try:
+                server.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running_server(env: dict[str, str], *, log_path: Path, workers: int = 1,
+                   start_timeout_s: float = 180.0) -> Iterator[LiveServer]:
+    """One ``imgret serve`` (see :func:`running_servers`)."""
+    with running_servers([(env, log_path)], workers=workers,
+                         start_timeout_s=start_timeout_s) as (server,):
+        yield server
+
+
+def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"imgret serve exited with {server.process.returncode}:\n"
+                               f"{_tail(server.log_path)}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"imgret serve not healthy after {timeout_s:.0f} s:\n"
+                       f"{_tail(server.log_path)}")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# --------------------------------------------------------------------------- images
+
+
+def class_png(label: int, index: int, size: int = 64) -> bytes:
+    """A PNG of class ``label``: a class colour plus seeded noise (classes are separable)."""
+    rng = np.random.default_rng([label, index])
+    base = np.array([(label * 67) % 256, (label * 131) % 256, (label * 29 + 80) % 256], float)
+    pixels = base + rng.normal(0, 20, (size, size, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype("uint8"), "RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class Level:
+    """One load level: what wrk (or an in-process driver) measured."""
+
+    connections: int
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int = 0
+    socket_errors: int = 0
+
+    @property
+    def rps(self) -> float:
+        """Successful requests per second."""
+        return (self.requests - self.non_2xx) / self.seconds if self.seconds else 0.0
+
+    def held(self, p99_target_ms: float) -> bool:
+        """Whether this level kept p99 under the target with every request answered 2xx."""
+        return self.p99_ms < p99_target_ms and not self.non_2xx and not self.socket_errors
+
+
+# wrk cycles through pre-built multipart bodies and reports its own counters from done():
+# parsing its human-readable summary would lose the socket-error breakdown.
+_LUA = """
+local n = tonumber(os.getenv("IMGRET_WRK_N"))
+local dir = os.getenv("IMGRET_WRK_DIR")
+local bodies = {}
+for i = 1, n do
+  local f = assert(io.open(dir .. "/body" .. i .. ".bin", "rb"))
+  bodies[i] = f:read("*a")
+  f:close()
+end
+local i = 0
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "multipart/form-data; boundary=BOUNDARY"
+request = function()
+  i = i % n + 1
+  return wrk.format(nil, "/search", nil, bodies[i])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("IMGRET_WRK %d %d %d %d %d %d %d %d %d\\n", summary.requests,
+    summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99)))
+end
+""".replace("BOUNDARY", BOUNDARY)
+
+
+def search_bodies(images: Sequence[bytes], folder: Path, *, k: int = 10) -> list[Path]:
+    """One multipart ``POST /search`` body (``k`` and one PNG) per image, as files
+    ``body1.bin``, ``body2.bin``, ... in ``folder`` (created), the way :func:`run_wrk` reads
+    them."""
+    folder.mkdir(parents=True)
+    paths = []
+    for i, data in enumerate(images):
+        body = (
+            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"k\"\r\n\r\n{k}\r\n"
+            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"image\"; "
+            f"filename=\"q{i}.png\"\r\nContent-Type: image/png\r\n\r\n"
+        ).encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+        path = folder / f"body{i + 1}.bin"
+        path.write_bytes(body)
+        paths.append(path)
+    return paths
+
+
+def run_wrk(base: str, bodies: list[Path], connections: int, seconds: float, *,
+            request_timeout_s: float = 10.0) -> Level:
+    """``wrk -t1 -c<connections>`` for ``seconds`` against ``POST /search``, cycling through
+    ``bodies`` (from :func:`search_bodies`)."""
+    script = bodies[0].parent / "search.lua"
+    script.write_text(_LUA)
+    env = {**os.environ, "IMGRET_WRK_DIR": str(bodies[0].parent),
+           "IMGRET_WRK_N": str(len(bodies))}
+    done = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+         "--timeout", f"{max(1, round(request_timeout_s))}s", "-s", str(script), base],
+        env=env, capture_output=True, text=True, timeout=seconds + request_timeout_s + 60,
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("IMGRET_WRK ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    (requests, duration_us, connect, read, write, timeout, status, p50_us,
+     p99_us) = (int(v) for v in line.split()[1:])
+    return Level(connections, requests, duration_us / 1e6, p50_us / 1000, p99_us / 1000,
+                 non_2xx=status, socket_errors=connect + read + write + timeout)
