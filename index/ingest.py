@@ -241,7 +241,7 @@ def add_items(
             session=session, version=embedder.model_version, dim=embedder.dim,
             config=embedder.spec.to_dict(),
         )
-        plan = _plan_gallery(cands, session=session, model_version=model_version)
+        plan = _make_plan(cands, session=session, model_version=model_version, query_set=None)
     vectors_by_sha: dict[str, np.ndarray] = {}
     # Each round embeds what the last plan needed; a new round is needed only when an item
     # that was already stored got deleted in between (rare), so two rounds nearly always do.
@@ -442,22 +442,9 @@ def _make_plan(
     cands: list[_Candidate], *, session: Session, model_version: ModelVersion,
     query_set: QuerySet | None,
 ) -> _Plan:
-    if query_set is None:
-        return _plan_gallery(cands, session=session, model_version=model_version)
-    existing = store.find_query_items(query_set.id, (c.sha256 for c in cands), session=session)
-    embedded = store.query_ids_with_embedding(
-        session=session, query_item_ids=existing.values(), model_version_id=model_version.id
-    )
-    return _split(cands, existing, embedded)
-
-
-def _plan_gallery(
-    cands: list[_Candidate], *, session: Session, model_version: ModelVersion
-) -> _Plan:
-    existing = store.find_live_items(session=session, sha256s=(c.sha256 for c in cands))
-    embedded = store.ids_with_embedding(
-        session=session, item_ids=existing.values(), model_version_id=model_version.id
-    )
+    existing = store.find_items((c.sha256 for c in cands), session=session, query_set=query_set)
+    embedded = store.ids_with_embedding(existing.values(), session=session, query_set=query_set,
+                                        model_version_id=model_version.id)
     return _split(cands, existing, embedded)
 
 
@@ -492,12 +479,8 @@ def _write_planned(
     if any(c.sha256 not in vectors_by_sha for c in plan.work):
         return plan, None
     vectors = _stack(vectors_by_sha, plan.work, model_version.dim)
-    if query_set is None:
-        return plan, _write_gallery(plan, vectors, session=session, media=media,
-                                    model_version=model_version)
-    _write_query_items(plan, vectors, session=session, media=media,
-                       model_version=model_version, query_set=query_set)
-    return plan, {}
+    return plan, _write(plan, vectors, session=session, media=media,
+                        model_version=model_version, query_set=query_set)
 
 
 def _stack(vectors_by_sha: Mapping[str, np.ndarray], work: Sequence[_Candidate],
@@ -507,36 +490,25 @@ def _stack(vectors_by_sha: Mapping[str, np.ndarray], work: Sequence[_Candidate],
     return np.stack([vectors_by_sha[c.sha256] for c in work]).astype(np.float32, copy=False)
 
 
-def _write_gallery(
+def _write(
     plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
-    model_version: ModelVersion,
+    model_version: ModelVersion, query_set: QuerySet | None,
 ) -> dict[str, int]:
-    """Store media and rows; returns sha256 -> id for every candidate of the plan.
+    """Store media and rows (gallery items, or items of ``query_set``); returns sha256 -> id
+    for every candidate of the plan.
 
     The caller holds the gallery write lock (:func:`_write_planned`).
     """
     n_create = len(plan.create)
     rows = [_store_media(c, media) for c in plan.create]
     new_ids = store.insert_items(rows, vectors[:n_create], session=session,
-                                 model_version=model_version)
+                                 model_version=model_version, query_set=query_set)
     existing_ids = [c.existing_id for c in plan.embed_existing]
     store.add_embeddings(existing_ids, vectors[n_create:], session=session,
-                         model_version=model_version)
+                         model_version=model_version, query_set=query_set)
     ids = {c.sha256: i for c, i in zip(plan.create, new_ids, strict=True)}
     ids.update({c.sha256: c.existing_id for c in plan.embed_existing})
     return ids
-
-
-def _write_query_items(
-    plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
-    model_version: ModelVersion, query_set: QuerySet,
-) -> None:
-    n_create = len(plan.create)
-    rows = [_store_media(c, media) for c in plan.create]
-    store.insert_query_items(query_set, rows, vectors[:n_create], session=session,
-                             model_version=model_version)
-    store.add_query_embeddings([c.existing_id for c in plan.embed_existing], vectors[n_create:],
-                               session=session, model_version=model_version)
 
 
 def _store_media(cand: _Candidate, media: MediaStore) -> NewRow:

@@ -132,20 +132,28 @@ class GalleryItem(StoredImage, Base):
     )
 
 
-class Embedding(Base):
-    """The vector of one gallery item under one model version (float32 bytes, unit norm)."""
+class StoredVector:
+    """The columns every stored vector has, of a gallery item or a query item (a mixin): the
+    model version that produced it (first column of the primary key), its dimension, its
+    float32 bytes (unit norm) and when it was stored."""
 
-    __tablename__ = "embeddings"
-
+    # sort_order keeps the pre-mixin column order (mixin columns would otherwise come last).
     model_version_id: Mapped[int] = mapped_column(
-        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
-    )
-    item_id: Mapped[int] = mapped_column(
-        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), primary_key=True, index=True
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True, sort_order=-1
     )
     dim: Mapped[int] = mapped_column(Integer)
     vector: Mapped[bytes] = mapped_column(VectorType)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Embedding(StoredVector, Base):
+    """The vector of one gallery item under one model version."""
+
+    __tablename__ = "embeddings"
+
+    item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
 
     item: Mapped[GalleryItem] = relationship(back_populates="embeddings")
 
@@ -203,17 +211,11 @@ class QueryItem(StoredImage, Base):
     query_set: Mapped[QuerySet] = relationship(back_populates="items")
 
 
-class QueryEmbedding(Base):
+class QueryEmbedding(StoredVector, Base):
     """The vector of one query item under one model version."""
 
     __tablename__ = "query_embeddings"
 
-    model_version_id: Mapped[int] = mapped_column(
-        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
-    )
     query_item_id: Mapped[int] = mapped_column(
         IdType, ForeignKey("query_items.id", ondelete="CASCADE"), primary_key=True, index=True
     )
-    dim: Mapped[int] = mapped_column(Integer)
-    vector: Mapped[bytes] = mapped_column(VectorType)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -216,30 +216,58 @@ def lock_gallery_writes(*, session: Session) -> None:
         session.execute(text("UPDATE model_versions SET id = id WHERE 1 = 0"))
 
 
-def find_live_items(*, session: Session, sha256s: Iterable[str]) -> dict[str, int]:
-    """Map content hashes to the ids of live (not deleted) gallery items that have them."""
+@dataclass(frozen=True)
+class _Tables:
+    """Where one kind of stored image lives: its item table and its embedding table."""
+
+    item: type
+    embedding: type
+    key: str  # the embedding table's column naming the item
+
+    @property
+    def embedding_item_id(self):
+        return getattr(self.embedding, self.key)
+
+
+_GALLERY = _Tables(GalleryItem, Embedding, "item_id")
+_QUERIES = _Tables(QueryItem, QueryEmbedding, "query_item_id")
+
+
+def _tables(query_set: QuerySet | None) -> _Tables:
+    return _GALLERY if query_set is None else _QUERIES
+
+
+def find_items(
+    sha256s: Iterable[str], *, session: Session, query_set: QuerySet | None = None
+) -> dict[str, int]:
+    """Map content hashes to the ids of the items that have them: live (not deleted) gallery
+    items, or the items of ``query_set``."""
+    tables = _tables(query_set)
+    scope = (GalleryItem.deleted_at.is_(None) if query_set is None
+             else QueryItem.query_set_id == query_set.id)
     found: dict[str, int] = {}
     for chunk in _chunks(sorted(set(sha256s))):
         rows = session.execute(
-            select(GalleryItem.sha256, GalleryItem.id).where(
-                GalleryItem.sha256.in_(chunk), GalleryItem.deleted_at.is_(None)
-            )
+            select(tables.item.sha256, tables.item.id).where(tables.item.sha256.in_(chunk), scope)
         )
         found.update({sha: item_id for sha, item_id in rows})
     return found
 
 
 def ids_with_embedding(
-    *, session: Session, item_ids: Iterable[int], model_version_id: int
+    item_ids: Iterable[int], *, session: Session, model_version_id: int,
+    query_set: QuerySet | None = None,
 ) -> set[int]:
-    """The subset of ``item_ids`` that already have an embedding for the model version."""
+    """The subset of ``item_ids`` (gallery items, or items of ``query_set``) that already
+    have an embedding for the model version."""
+    tables = _tables(query_set)
     have: set[int] = set()
     for chunk in _chunks(sorted(set(item_ids))):
         have.update(
             session.scalars(
-                select(Embedding.item_id).where(
-                    Embedding.model_version_id == model_version_id,
-                    Embedding.item_id.in_(chunk),
+                select(tables.embedding_item_id).where(
+                    tables.embedding.model_version_id == model_version_id,
+                    tables.embedding_item_id.in_(chunk),
                 )
             )
         )
@@ -247,48 +275,57 @@ def ids_with_embedding(
 
 
 def insert_items(
-    rows: Sequence[NewRow], vectors: np.ndarray, *, session: Session, model_version: ModelVersion
+    rows: Sequence[NewRow], vectors: np.ndarray, *, session: Session, model_version: ModelVersion,
+    query_set: QuerySet | None = None,
 ) -> list[int]:
-    """Insert gallery items with their embeddings and one ``add`` change row each.
+    """Insert items with their embeddings: gallery items (each with one ``add`` change row,
+    under the gallery write lock) or, with ``query_set``, items of that query set (never
+    searchable, so no change rows).
 
     Args:
         rows: the items (their bytes already stored).
         vectors: ``(len(rows), d)`` float32, unit norm, ``d == model_version.dim``.
         session: the open transaction.
         model_version: the version that produced ``vectors``.
+        query_set: where the items go; ``None`` for the gallery.
 
     Returns:
-        The new ids (FAISS ids), in the order of ``rows``.
+        The new ids (FAISS ids for gallery items), in the order of ``rows``.
     """
     _check_vectors(vectors, len(rows), model_version)
     if not rows:
         return []
-    lock_gallery_writes(session=session)
+    tables = _tables(query_set)
+    if query_set is None:
+        lock_gallery_writes(session=session)
+    scope = {} if query_set is None else {"query_set_id": query_set.id}
     items = [
-        GalleryItem(
+        tables.item(
             sha256=r.sha256, media_path=r.media_path, content_type=r.content_type,
             label=r.label, camera=r.camera, meta=dict(r.metadata or {}), source=r.source,
+            **scope,
         )
         for r in rows
     ]
     session.add_all(items)
     session.flush()  # assigns the ids
     ids = [item.id for item in items]
-    _insert_embeddings(Embedding, "item_id", ids, vectors, session, model_version)
-    session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in ids)
-    session.flush()
+    _insert_embeddings(tables, ids, vectors, session, model_version)
+    if query_set is None:
+        session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in ids)
+        session.flush()
     return ids
 
 
 def add_embeddings(
     item_ids: Sequence[int], vectors: np.ndarray, *, session: Session,
-    model_version: ModelVersion,
+    model_version: ModelVersion, query_set: QuerySet | None = None,
 ) -> list[int]:
     """Store embeddings of existing items for another model version (re-embedding).
 
-    Only items that are still live get one (an item deleted since the caller looked is
-    skipped: its vector must never reach an index again). Each gets an ``add`` change row, so
-    a searcher of that version picks it up.
+    Gallery items: only those still live get one (an item deleted since the caller looked is
+    skipped: its vector must never reach an index again), and each gets an ``add`` change row,
+    so a searcher of that version picks it up. Items of ``query_set`` all get one.
 
     Returns:
         The ids that got an embedding, in the order given.
@@ -296,11 +333,15 @@ def add_embeddings(
     _check_vectors(vectors, len(item_ids), model_version)
     if not item_ids:
         return []
+    if query_set is not None:
+        ids = [int(i) for i in item_ids]
+        _insert_embeddings(_QUERIES, ids, vectors, session, model_version)
+        return ids
     lock_gallery_writes(session=session)
     live = _live_ids(item_ids, session=session)
     keep = [row for row, item_id in enumerate(item_ids) if int(item_id) in live]
     ids = [int(item_ids[row]) for row in keep]
-    _insert_embeddings(Embedding, "item_id", ids, vectors[keep], session, model_version)
+    _insert_embeddings(_GALLERY, ids, vectors[keep], session, model_version)
     session.add_all(GalleryChange(item_id=i, op=CHANGE_ADD) for i in ids)
     session.flush()
     return ids
@@ -555,68 +596,6 @@ def get_or_create_query_set(name: str, *, session: Session) -> QuerySet:
     return row
 
 
-def find_query_items(
-    query_set_id: int, sha256s: Iterable[str], *, session: Session
-) -> dict[str, int]:
-    """Map content hashes to the ids of items already in the query set."""
-    found: dict[str, int] = {}
-    for chunk in _chunks(sorted(set(sha256s))):
-        rows = session.execute(
-            select(QueryItem.sha256, QueryItem.id).where(
-                QueryItem.query_set_id == query_set_id, QueryItem.sha256.in_(chunk)
-            )
-        )
-        found.update({sha: item_id for sha, item_id in rows})
-    return found
-
-
-def query_ids_with_embedding(
-    *, session: Session, query_item_ids: Iterable[int], model_version_id: int
-) -> set[int]:
-    have: set[int] = set()
-    for chunk in _chunks(sorted(set(query_item_ids))):
-        have.update(
-            session.scalars(
-                select(QueryEmbedding.query_item_id).where(
-                    QueryEmbedding.model_version_id == model_version_id,
-                    QueryEmbedding.query_item_id.in_(chunk),
-                )
-            )
-        )
-    return have
-
-
-def insert_query_items(
-    query_set: QuerySet, rows: Sequence[NewRow], vectors: np.ndarray, *, session: Session,
-    model_version: ModelVersion,
-) -> list[int]:
-    """Add items (and their embeddings) to a query set; they are never gallery items."""
-    _check_vectors(vectors, len(rows), model_version)
-    items = [
-        QueryItem(
-            query_set_id=query_set.id, sha256=r.sha256, media_path=r.media_path,
-            content_type=r.content_type, label=r.label, camera=r.camera,
-            meta=dict(r.metadata or {}), source=r.source,
-        )
-        for r in rows
-    ]
-    session.add_all(items)
-    session.flush()
-    ids = [item.id for item in items]
-    _insert_embeddings(QueryEmbedding, "query_item_id", ids, vectors, session, model_version)
-    return ids
-
-
-def add_query_embeddings(
-    query_item_ids: Sequence[int], vectors: np.ndarray, *, session: Session,
-    model_version: ModelVersion,
-) -> None:
-    _check_vectors(vectors, len(query_item_ids), model_version)
-    _insert_embeddings(
-        QueryEmbedding, "query_item_id", list(query_item_ids), vectors, session, model_version
-    )
-
-
 def load_query_set(
     name: str, *, session: Session, model_version: ModelVersion | None = None
 ) -> tuple[list[QueryItem], np.ndarray | None]:
@@ -667,16 +646,16 @@ def _check_vectors(vectors: np.ndarray, n: int, model_version: ModelVersion) -> 
         )
 
 
-def _insert_embeddings(model, key, ids, vectors, session, model_version) -> None:
+def _insert_embeddings(tables: _Tables, ids, vectors, session, model_version) -> None:
     if len(ids) == 0:
         return  # an empty executemany would insert one row of defaults
     vectors = np.asarray(vectors, dtype=np.float32)
     session.execute(
-        model.__table__.insert(),
+        tables.embedding.__table__.insert(),
         [
             {
                 "model_version_id": model_version.id,
-                key: item_id,
+                tables.key: item_id,
                 "dim": model_version.dim,
                 "vector": encode_vector(vector),
                 "created_at": utcnow(),

@@ -174,10 +174,11 @@ def test_bytes_still_referenced_by_a_query_item_are_kept(sessions, media, embedd
     with sessions.begin() as session:
         version = store.get_model_version(session=session, version=embedder.model_version)
         query_set = store.get_or_create_query_set("q", session=session)
-        store.insert_query_items(
-            query_set, [store.NewRow(sha256_hex(data), MediaStore.relative_path(sha256_hex(data)),
-                                     "image/png", "x")],
+        store.insert_items(
+            [store.NewRow(sha256_hex(data), MediaStore.relative_path(sha256_hex(data)),
+                          "image/png", "x")],
             np.zeros((1, embedder.dim), np.float32), session=session, model_version=version,
+            query_set=query_set,
         )
     deleted = _delete(sessions, [item_id])
     assert purge_media([d.sha256 for d in deleted], session_factory=sessions, media=media) == 0
