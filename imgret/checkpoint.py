@@ -11,19 +11,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
 from imgret.backbones import build_backbone
 from imgret.errors import CheckpointError
 from imgret.files import write_atomic_with
+from imgret.validation import describe
 
 CHECKPOINT_FILE = "model.pt"
 FORMAT = "imgret-checkpoint-v1"
 
 
-@dataclass(frozen=True)
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ModelSpec:
     """Everything needed to rebuild the network and preprocess its input.
+
+    A pydantic dataclass, so the ``spec`` dict of a checkpoint is checked field by field when
+    it is loaded (unknown keys, wrong types; JSON lists become tuples).
 
     Attributes:
         backbone: a key of ``imgret.backbones.BACKBONES``.
@@ -41,19 +47,8 @@ class ModelSpec:
     grayscale: bool = False
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (tuples kept: ``torch.load(weights_only=True)`` reads them)."""
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise CheckpointError(f"unknown model config keys {sorted(unknown)}")
-        data = dict(data)
-        for key in ("mean", "std"):
-            if key in data:
-                data[key] = tuple(float(v) for v in data[key])
-        return cls(**data)
 
 
 class EmbeddingNet(nn.Module):
@@ -145,7 +140,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: cannot read checkpoint ({exc})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an imgret checkpoint (expected {FORMAT})")
-    spec = ModelSpec.from_dict(payload["spec"])
+    try:
+        spec = TypeAdapter(ModelSpec).validate_python(payload["spec"])
+    except ValidationError as exc:
+        raise CheckpointError(f"{path}: bad model config ({describe(exc)})") from None
     model = EmbeddingNet(spec)
     try:
         model.load_state_dict(payload["state_dict"])
@@ -153,3 +151,4 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{path}: weights do not match the config ({exc})") from None
     model.eval()
     return Checkpoint(model, spec, payload["model_version"], payload.get("extra", {}))
+
