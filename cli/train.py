@@ -1,69 +1,80 @@
 """CLI commands: train (one run) and benchmark (losses x seeds on one base config).
 
-torch and the training package are imported inside the commands so `imgret --help` stays fast.
+Both commands take the same base-config options: one per TrainConfig field, its type, default
+and help read from the field (:func:`with_config_options`), so no option is written twice.
+torch and the rest of the training package are imported inside the commands so that
+`imgret --help` stays fast.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_origin
 
 import typer
 
-_BASE = "Base config (shared by every loss in a benchmark)"
+from training.config import LossConfig, TrainConfig, default_image_size
 
-DataOpt = Annotated[str, typer.Option(
-    "--data", help="fashion-mnist[:FOLDER], an ImageFolder / Market-1501 folder, or a CSV "
-    "manifest (path,label[,camera])", rich_help_panel=_BASE)]
+_BASE = "Base config (shared by every loss in a benchmark)"
+# The base-config options of both commands, in the order --help lists them.
+BASE_OPTIONS = (
+    "data", "backbone", "dim", "epochs", "image_size", "batch_size", "m_per_class", "lr",
+    "weight_decay", "warmup_epochs", "protocol", "split_seed", "val_fraction", "test_fraction",
+    "backbone_weights", "max_train_images", "max_eval_images", "time_budget_s", "augmentation",
+    "device", "num_workers",
+)
+# Where an option differs from its field: a run must name its data, the input side defaults by
+# data set (resolved in _config), the trunk weights are a path, and the budget flag is shorter.
+_OPTION_CHANGES: dict[str, dict[str, Any]] = {
+    "data": {"default": inspect.Parameter.empty},
+    "image_size": {"type": int | None, "default": None,
+                   "help": "input side in px; default 32 for fashion-mnist, else 224"},
+    "backbone_weights": {"type": Path | None},
+    "time_budget_s": {"flag": "--time-budget"},
+}
+# The default of a command parameter that is the option of the TrainConfig field of its name.
+FROM_CONFIG: Any = object()
+
 OutOpt = Annotated[Path, typer.Option("--out", help="run (or benchmark) directory")]
-ProtocolOpt = Annotated[str, typer.Option(
-    "--protocol", help="class-disjoint (train/val/test classes disjoint; Reality Check) or "
-    "closed-set (same classes, held-out images; product search)", rich_help_panel=_BASE)]
-SplitSeedOpt = Annotated[int, typer.Option("--split-seed", help="seeds the class shuffle / "
-                                           "hold-out (not the training)", rich_help_panel=_BASE)]
-ValFracOpt = Annotated[float, typer.Option("--val-fraction", rich_help_panel=_BASE,
-                                           help="share of classes (or images) for validation")]
-TestFracOpt = Annotated[float, typer.Option("--test-fraction", rich_help_panel=_BASE,
-                                            help="share of classes (or images) for test")]
-BackboneOpt = Annotated[str, typer.Option(
-    "--backbone", help="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16",
-    rich_help_panel=_BASE)]
-WeightsOpt = Annotated[Path | None, typer.Option(
-    "--backbone-weights", help="local torchvision state dict for the trunk (nothing is "
-    "downloaded); default: random init", rich_help_panel=_BASE)]
-DimOpt = Annotated[int, typer.Option("--dim", help="embedding size", rich_help_panel=_BASE)]
-SizeOpt = Annotated[int | None, typer.Option(
-    "--image-size", help="input side in px; default 32 for fashion-mnist, else 224",
-    rich_help_panel=_BASE)]
-EpochsOpt = Annotated[int, typer.Option("--epochs", rich_help_panel=_BASE)]
-BudgetOpt = Annotated[float | None, typer.Option(
-    "--time-budget", help="training wall-clock budget in seconds (validation excluded)",
-    rich_help_panel=_BASE)]
-MaxTrainOpt = Annotated[int | None, typer.Option(
-    "--max-train-images", help="seeded stratified subset of the training split",
-    rich_help_panel=_BASE)]
-MaxEvalOpt = Annotated[int | None, typer.Option(
-    "--max-eval-images", help="seeded stratified subset of validation and test (each)",
-    rich_help_panel=_BASE)]
-BatchOpt = Annotated[int, typer.Option("--batch-size", rich_help_panel=_BASE)]
-MOpt = Annotated[int | None, typer.Option(
-    "--m-per-class", help="images per class in a batch (default: smallest divisor of the "
-    "batch size >= 4 that the classes allow)", rich_help_panel=_BASE)]
-LrOpt = Annotated[float, typer.Option("--lr", help="AdamW learning rate of the network",
-                                      rich_help_panel=_BASE)]
-WdOpt = Annotated[float, typer.Option("--weight-decay", rich_help_panel=_BASE)]
-WarmupOpt = Annotated[float, typer.Option("--warmup-epochs", help="linear warm-up, then cosine",
-                                          rich_help_panel=_BASE)]
-AugOpt = Annotated[str, typer.Option("--augmentation", help="standard or none",
-                                     rich_help_panel=_BASE)]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu or cuda",
-                                        rich_help_panel=_BASE)]
-WorkersOpt = Annotated[int, typer.Option("--num-workers", help="DataLoader workers",
-                                         rich_help_panel=_BASE)]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars")]
+
+
+def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
+    """The Typer option of TrainConfig field ``name``: flag, type, default and help."""
+    field = TrainConfig.__pydantic_fields__[name]
+    changes = _OPTION_CHANGES.get(name, {})
+    kind = changes.get("type", field.annotation)
+    if get_origin(kind) is Literal:  # shown and parsed as text; TrainConfig names the choices
+        kind = str
+    option = typer.Option(
+        changes.get("flag", "--" + name.replace("_", "-")),
+        help=changes.get("help", field.description), rich_help_panel=panel,
+    )
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, option],
+        default=changes.get("default", field.default),
+    )
+
+
+def with_config_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command its TrainConfig options: its ``**base`` becomes the :data:`BASE_OPTIONS`
+    (in the base-config panel), and a parameter whose default is :data:`FROM_CONFIG` becomes
+    the option of the field of that name."""
+    parameters = []
+    for parameter in inspect.signature(command, eval_str=True).parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            parameters += [config_option(name, _BASE) for name in BASE_OPTIONS]
+        elif parameter.default is FROM_CONFIG:
+            parameters.append(config_option(parameter.name))
+        else:
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    return command
 
 
 def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
@@ -72,8 +83,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     app.command("benchmark")(benchmark_command)
 
 
+@with_config_options
 def train_command(
-    data: DataOpt,
     out: OutOpt,
     loss: Annotated[str, typer.Option(
         "--loss", help="contrastive, triplet, multi_similarity, proxy_anchor, proxy_nca, "
@@ -83,30 +94,11 @@ def train_command(
         "the loss's own (triplet: semihard, multi_similarity: multi_similarity)")] = None,
     loss_option: Annotated[list[str] | None, typer.Option(
         "--loss-option", help="KEY=VALUE override of a loss default, repeatable")] = None,
-    backbone: BackboneOpt = "resnet18",
-    dim: DimOpt = 128,
-    epochs: EpochsOpt = 10,
-    seed: Annotated[int, typer.Option("--seed", help="init, sampling, augmentation")] = 0,
-    image_size: SizeOpt = None,
-    batch_size: BatchOpt = 64,
-    m_per_class: MOpt = None,
-    lr: LrOpt = 1e-3,
-    weight_decay: WdOpt = 1e-4,
-    warmup_epochs: WarmupOpt = 0.5,
-    protocol: ProtocolOpt = "class-disjoint",
-    split_seed: SplitSeedOpt = 0,
-    val_fraction: ValFracOpt = 0.25,
-    test_fraction: TestFracOpt = 0.25,
-    backbone_weights: WeightsOpt = None,
-    max_train_images: MaxTrainOpt = None,
-    max_eval_images: MaxEvalOpt = None,
-    time_budget: BudgetOpt = None,
-    augmentation: AugOpt = "standard",
-    device: DeviceOpt = "auto",
-    num_workers: WorkersOpt = 0,
+    seed: int = FROM_CONFIG,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue the run in --out from its last.pt (same options)")] = False,
     progress: ProgressOpt = True,
+    **base: Any,
 ) -> None:
     """Train an embedding with a metric-learning loss; validate every epoch, test once.
 
@@ -114,20 +106,11 @@ def train_command(
     last.pt (for --resume). Prints test MAP@R of the model, the untrained network and raw
     pixels, each with its 95% interval and the split it comes from.
     """
-    from training.config import LossConfig
     from training.loop import train
 
-    config = _config(
-        data=data, protocol=protocol, split_seed=split_seed, val_fraction=val_fraction,
-        test_fraction=test_fraction, backbone=backbone, backbone_weights=backbone_weights,
-        dim=dim, image_size=image_size, epochs=epochs, time_budget=time_budget,
-        max_train_images=max_train_images, max_eval_images=max_eval_images,
-        batch_size=batch_size, m_per_class=m_per_class, lr=lr, weight_decay=weight_decay,
-        warmup_epochs=warmup_epochs, augmentation=augmentation, device=device,
-        num_workers=num_workers, seed=seed,
-        loss=LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss)),
-    )
-    result = train(config, out, resume=resume, progress=progress)
+    loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
+    result = train(_config(base, seed=seed, loss=loss_block), out, resume=resume,
+                   progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 reports the run
     echo_run(result)
@@ -148,33 +131,14 @@ def echo_run(result: Any) -> None:
                f"P@1 {format_metric(result.test, 'precision_at_1')}")
 
 
+@with_config_options
 def benchmark_command(
-    data: DataOpt,
     out: OutOpt,
     losses: Annotated[str, typer.Option(
         "--losses", help="comma-separated loss[:miner], e.g. triplet,triplet:hard,arcface")],
     seeds: Annotated[int, typer.Option("--seeds", help="seeds 0..N-1 per loss", min=1)] = 3,
-    backbone: BackboneOpt = "resnet18",
-    dim: DimOpt = 128,
-    epochs: EpochsOpt = 10,
-    image_size: SizeOpt = None,
-    batch_size: BatchOpt = 64,
-    m_per_class: MOpt = None,
-    lr: LrOpt = 1e-3,
-    weight_decay: WdOpt = 1e-4,
-    warmup_epochs: WarmupOpt = 0.5,
-    protocol: ProtocolOpt = "class-disjoint",
-    split_seed: SplitSeedOpt = 0,
-    val_fraction: ValFracOpt = 0.25,
-    test_fraction: TestFracOpt = 0.25,
-    backbone_weights: WeightsOpt = None,
-    max_train_images: MaxTrainOpt = None,
-    max_eval_images: MaxEvalOpt = None,
-    time_budget: BudgetOpt = None,
-    augmentation: AugOpt = "standard",
-    device: DeviceOpt = "auto",
-    num_workers: WorkersOpt = 0,
     progress: ProgressOpt = True,
+    **base: Any,
 ) -> None:
     """Compare losses fairly: one base config, several seeds, mean ± 95% CI on the test split.
 
@@ -184,17 +148,9 @@ def benchmark_command(
     from training.benchmark import parse_losses, run_benchmark
 
     blocks = parse_losses(losses)
-    base = _config(
-        data=data, protocol=protocol, split_seed=split_seed, val_fraction=val_fraction,
-        test_fraction=test_fraction, backbone=backbone, backbone_weights=backbone_weights,
-        dim=dim, image_size=image_size, epochs=epochs, time_budget=time_budget,
-        max_train_images=max_train_images, max_eval_images=max_eval_images,
-        batch_size=batch_size, m_per_class=m_per_class, lr=lr, weight_decay=weight_decay,
-        warmup_epochs=warmup_epochs, augmentation=augmentation, device=device,
-        num_workers=num_workers, seed=0, loss=blocks[0],
-    )
+    config = _config(base, seed=0, loss=blocks[0])
     command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results = run_benchmark(base, blocks, list(range(seeds)), out, command=command,
+    results = run_benchmark(config, blocks, list(range(seeds)), out, command=command,
                             progress=progress)
     split = results["split"]
     typer.echo(f"test split: {split['protocol']} {split['digest']} of {split['source']}")
@@ -206,15 +162,14 @@ def benchmark_command(
     typer.echo(f"report: {Path(out) / 'results.md'}")
 
 
-def _config(*, data: str, image_size: int | None, backbone_weights: Path | None,
-            time_budget: float | None, **fields: Any) -> Any:
-    from training.config import TrainConfig, default_image_size
-
-    return TrainConfig(
-        data=data, image_size=image_size or default_image_size(data),
-        backbone_weights=str(backbone_weights) if backbone_weights else None,
-        time_budget_s=time_budget, **fields,
-    )
+def _config(options: dict[str, Any], **per_run: Any) -> TrainConfig:
+    """The TrainConfig of the base-config options and the per-run fields (loss, seed)."""
+    weights = options["backbone_weights"]
+    return TrainConfig(**{
+        **options,
+        "image_size": options["image_size"] or default_image_size(options["data"]),
+        "backbone_weights": str(weights) if weights else None,
+    }, **per_run)
 
 
 def _parse_options(items: list[str] | None, loss: str) -> dict[str, Any]:

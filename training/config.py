@@ -1,22 +1,29 @@
-"""TrainConfig: every hyper-parameter of a training run, frozen, saved inside model.pt.
+"""TrainConfig: every hyper-parameter of a training run, frozen, validated, saved inside model.pt.
 
 The config is split the powerful-benchmarker way: a :class:`LossConfig` block (loss name,
 miner, loss options) and everything else (the *base*: data, split, backbone, embedding size,
 optimiser, learning rate, augmentation, batch composition, budget). A benchmark shares one
 base between all losses and varies only the loss block and the seed, so an unfair comparison
 cannot be written by accident (:func:`base_config` / :func:`config_diff`).
+
+Both are pydantic dataclasses: the field constraints check every value when a config is built
+(``dataclasses.replace`` included) and a bad one raises :class:`TrainConfigError`. A field's
+description is the help of its ``imgret train`` / ``imgret benchmark`` option: the CLI builds
+those options from these fields (``cli/train.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
+
 from imgret.errors import ImgretError
+from imgret.validation import raising
 
 FASHION_MNIST = "fashion-mnist"
-PROTOCOLS = ("class-disjoint", "closed-set")
 # Fields that may differ between the runs of one benchmark.
 PER_RUN_FIELDS = ("loss", "seed")
 
@@ -25,7 +32,8 @@ class TrainConfigError(ImgretError, ValueError):
     """A training option that is out of range or inconsistent with the data."""
 
 
-@dataclass(frozen=True)
+@raising(TrainConfigError)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class LossConfig:
     """The loss block: the only part a benchmark varies between losses.
 
@@ -37,92 +45,81 @@ class LossConfig:
 
     name: str = "multi_similarity"
     miner: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@raising(TrainConfigError)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class TrainConfig:
-    """One training run.
+    """One training run; each field's description is its command-line help.
 
-    Attributes:
-        data: ``fashion-mnist`` (Debian's raw idx files), a folder (ImageFolder / Market-1501),
-            or a CSV manifest ``path,label[,camera]``.
-        protocol: ``class-disjoint`` (train/val/test have disjoint classes; the Reality-Check
-            protocol) or ``closed-set`` (same classes, held-out images; product search).
-        split_seed: seeds the class shuffle (folders) and image hold-outs; the same value gives
-            the same split, whatever the training ``seed``.
-        val_fraction, test_fraction: share of classes (class-disjoint) or of each class's
-            images (closed-set) held out for validation and test.
-        backbone, dim, image_size: the network (``imgret.backbones``), embedding size, input side.
-        backbone_weights: optional local state dict for the trunk (nothing is downloaded).
-        epochs: training epochs; one epoch = as many samples as the training split holds.
-        time_budget_s: optional wall-clock budget for training (validation excluded); the run
-            stops after the step that exceeds it, validates, and goes to the test.
-        max_train_images: optional cap on training images (seeded, stratified subset).
-        max_eval_images: optional cap on the validation and test images each (same rule).
+    Beyond the help:
+        data: ``fashion-mnist`` reads Debian's raw idx files.
+        split_seed: the same value gives the same split, whatever the training ``seed``.
+        val_fraction, test_fraction: shares of classes (class-disjoint) or of each class's
+            images (closed-set); together less than 1.
+        image_size: ``imgret train`` defaults it by data set (:func:`default_image_size`).
+        epochs: one epoch = as many samples as the training split holds.
+        time_budget_s: the run stops after the step that exceeds it, validates, and tests.
         batch_size, m_per_class: MPerClassSampler batches of ``batch_size / m_per_class``
-            classes x ``m_per_class`` images; ``m_per_class=None`` picks the smallest divisor
-            of ``batch_size`` >= 4 that the number of training classes allows.
+            classes x ``m_per_class`` images (``m_per_class`` divides ``batch_size``).
         lr, weight_decay, warmup_epochs: AdamW, linear warm-up then cosine decay to 0.
-        augmentation: ``standard`` (random resized crop + flip, + colour jitter for colour
-            data) or ``none``.
-        seed: model init, sampling and augmentation.
-        device: ``auto``, ``cpu`` or ``cuda`` (bf16 autocast on CUDA).
-        num_workers: DataLoader workers (0 = in process).
+        augmentation: ``standard`` = random resized crop + flip (+ colour jitter for colour
+            data).
+        device: ``cuda`` trains under bf16 autocast.
         loss: the loss block.
     """
 
-    data: str = FASHION_MNIST
-    protocol: Literal["class-disjoint", "closed-set"] = "class-disjoint"
-    split_seed: int = 0
-    val_fraction: float = 0.25
-    test_fraction: float = 0.25
-    backbone: str = "resnet18"
-    dim: int = 128
-    image_size: int = 224
-    backbone_weights: str | None = None
-    epochs: int = 10
-    time_budget_s: float | None = None
-    max_train_images: int | None = None
-    max_eval_images: int | None = None
-    batch_size: int = 64
-    m_per_class: int | None = None
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    warmup_epochs: float = 0.5
-    augmentation: Literal["standard", "none"] = "standard"
-    seed: int = 0
-    device: str = "auto"
-    num_workers: int = 0
-    loss: LossConfig = field(default_factory=LossConfig)
+    data: str = Field(
+        FASHION_MNIST, description="fashion-mnist[:FOLDER], an ImageFolder / Market-1501 "
+        "folder, or a CSV manifest (path,label[,camera])")
+    protocol: Literal["class-disjoint", "closed-set"] = Field(
+        "class-disjoint", description="class-disjoint (train/val/test classes disjoint; "
+        "Reality Check) or closed-set (same classes, held-out images; product search)")
+    split_seed: int = Field(
+        0, description="seeds the class shuffle / hold-out (not the training)")
+    val_fraction: float = Field(
+        0.25, gt=0, lt=1, description="share of classes (or images) for validation")
+    test_fraction: float = Field(
+        0.25, gt=0, lt=1, description="share of classes (or images) for test")
+    backbone: str = Field(
+        "resnet18",
+        description="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16")
+    dim: int = Field(128, gt=0, description="embedding size")
+    image_size: int = Field(224, ge=8, description="input side in px")
+    backbone_weights: str | None = Field(
+        None, description="local torchvision state dict for the trunk (nothing is "
+        "downloaded); default: random init")
+    epochs: int = Field(10, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0,
+        description="training wall-clock budget in seconds (validation excluded)")
+    max_train_images: int | None = Field(
+        None, ge=2, description="seeded stratified subset of the training split")
+    max_eval_images: int | None = Field(
+        None, ge=4, description="seeded stratified subset of validation and test (each)")
+    batch_size: int = Field(64, ge=2)
+    m_per_class: int | None = Field(
+        None, ge=2,  # a class needs a positive pair in the batch
+        description="images per class in a batch (default: smallest divisor of the batch "
+        "size >= 4 that the classes allow)")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the network")
+    weight_decay: float = Field(1e-4, ge=0)
+    warmup_epochs: float = Field(0.5, ge=0, description="linear warm-up, then cosine")
+    augmentation: Literal["standard", "none"] = Field(
+        "standard", description="standard or none")
+    seed: int = Field(0, description="init, sampling, augmentation")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto, cpu or cuda")
+    num_workers: int = Field(0, ge=0, description="DataLoader workers")
+    loss: LossConfig = Field(default_factory=LossConfig)
 
-    def __post_init__(self) -> None:
-        checks = [
-            (self.protocol in PROTOCOLS, f"protocol must be one of {', '.join(PROTOCOLS)}"),
-            (self.augmentation in ("standard", "none"), "augmentation must be standard or none"),
-            (self.device in ("auto", "cpu", "cuda"), "device must be auto, cpu or cuda"),
-            (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1
-             and self.val_fraction + self.test_fraction < 1,
-             "val and test fractions must be in (0, 1) and sum to less than 1"),
-            (self.dim > 0 and self.image_size >= 8, "dim must be > 0 and image size >= 8"),
-            (self.epochs >= 1, "epochs must be >= 1"),
-            (self.batch_size >= 2, "batch size must be >= 2"),
-            (self.m_per_class is None or self.m_per_class >= 2,
-             "m-per-class must be >= 2 (a class needs a positive pair in the batch)"),
-            (self.m_per_class is None or self.batch_size % self.m_per_class == 0,
-             "m-per-class must divide batch size"),
-            (self.lr > 0 and self.weight_decay >= 0, "lr must be > 0, weight decay >= 0"),
-            (self.warmup_epochs >= 0, "warmup epochs must be >= 0"),
-            (self.time_budget_s is None or self.time_budget_s > 0, "time budget must be > 0"),
-            (self.max_train_images is None or self.max_train_images >= 2,
-             "max train images must be >= 2"),
-            (self.max_eval_images is None or self.max_eval_images >= 4,
-             "max eval images must be >= 4"),
-            (self.num_workers >= 0, "num workers must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise TrainConfigError(f"{message} (config: {self.short()})")
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError("val_fraction + test_fraction must be less than 1")
+        if self.m_per_class is not None and self.batch_size % self.m_per_class:
+            raise ValueError("m_per_class must divide batch_size")
+        return self
 
     def short(self) -> str:
         """A one-line summary for logs: loss, backbone, data, protocol, seed."""
@@ -133,24 +130,8 @@ class TrainConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (nested loss block)."""
+        """A JSON-ready dict (nested loss block), in field order."""
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are refused."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise TrainConfigError(f"unknown train config keys {sorted(unknown)}")
-        data = dict(data)
-        loss = data.pop("loss", {}) or {}
-        if isinstance(loss, dict):
-            loss_names = {f.name for f in dataclasses.fields(LossConfig)}
-            if set(loss) - loss_names:
-                raise TrainConfigError(f"unknown loss config keys {sorted(set(loss) - loss_names)}")
-            loss = LossConfig(**loss)
-        return cls(loss=loss, **data)
 
 
 def default_image_size(data: str) -> int:

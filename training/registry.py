@@ -52,7 +52,7 @@ class SoftmaxClassifierLoss(nn.Module):
         return F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossSpec:
     """How to build one loss.
 
@@ -81,13 +81,13 @@ class LossSpec:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MinerSpec:
     """How to build one miner: ``factory(**defaults)`` (``None`` factory = no mining)."""
 
     factory: Callable[..., nn.Module] | None
     defaults: Mapping[str, Any] = field(default_factory=dict)
-    reason: str = ""
+    reason: str
 
 
 def _pml(cls: type, *, with_classes: bool) -> Callable[..., nn.Module]:
@@ -104,102 +104,121 @@ def _softmax(*, num_classes: int, embedding_size: int, **options: Any) -> nn.Mod
     return SoftmaxClassifierLoss(num_classes, embedding_size, **options)
 
 
+def _tuple_loss(
+    cls: type, *, defaults: Mapping[str, Any], source: str, reason: str,
+    default_miner: str = NO_MINER,
+) -> LossSpec:
+    """A PML loss over pairs / triplets of the batch: it takes a miner and owns no parameters."""
+    return LossSpec(
+        factory=_pml(cls, with_classes=False), needs_classes=False, has_params=False,
+        default_miner=default_miner, accepts_miner=True, defaults=defaults, param_lr_mult=1.0,
+        source=source, reason=reason,
+    )
+
+
+def _class_loss(
+    factory: Callable[..., nn.Module], *, defaults: Mapping[str, Any], source: str, reason: str,
+    param_lr_mult: float = 1.0,
+) -> LossSpec:
+    """A proxy or classifier loss: a trainable weight vector per class, nothing to mine."""
+    return LossSpec(
+        factory=factory, needs_classes=True, has_params=True, default_miner=NO_MINER,
+        accepts_miner=False, defaults=defaults, param_lr_mult=param_lr_mult, source=source,
+        reason=reason,
+    )
+
+
 LOSSES: dict[str, LossSpec] = {
-    "contrastive": LossSpec(
-        _pml(losses.ContrastiveLoss, with_classes=False), False, False, NO_MINER, True,
-        {"pos_margin": 0.0, "neg_margin": 1.0}, 1.0,
-        "PML defaults (Hadsell et al. 2006 margin loss on L2 distance of unit vectors)",
-        "the oldest pair loss; Musgrave et al. 2020 found it competitive when tuned",
+    "contrastive": _tuple_loss(
+        losses.ContrastiveLoss, defaults={"pos_margin": 0.0, "neg_margin": 1.0},
+        source="PML defaults (Hadsell et al. 2006 margin loss on L2 distance of unit vectors)",
+        reason="the oldest pair loss; Musgrave et al. 2020 found it competitive when tuned",
     ),
-    "triplet": LossSpec(
-        _pml(losses.TripletMarginLoss, with_classes=False), False, False, "semihard", True,
-        {"margin": 0.2}, 1.0,
-        "FaceNet (Schroff et al. 2015): margin 0.2 with semi-hard negative mining",
-        "the classic triplet baseline, with FaceNet's own mining",
+    "triplet": _tuple_loss(
+        losses.TripletMarginLoss, default_miner="semihard", defaults={"margin": 0.2},
+        source="FaceNet (Schroff et al. 2015): margin 0.2 with semi-hard negative mining",
+        reason="the classic triplet baseline, with FaceNet's own mining",
     ),
-    "multi_similarity": LossSpec(
-        _pml(losses.MultiSimilarityLoss, with_classes=False), False, False,
-        "multi_similarity", True,
-        {"alpha": 2.0, "beta": 50.0, "base": 0.5}, 1.0,
-        "Wang et al. 2019: alpha 2, beta 50, miner eps 0.1; base 0.5 = PML default (paper: 1)",
-        "a strong pair loss in the Reality Check; weights pairs by their relative similarity",
+    "multi_similarity": _tuple_loss(
+        losses.MultiSimilarityLoss, default_miner="multi_similarity",
+        defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5},
+        source="Wang et al. 2019: alpha 2, beta 50, miner eps 0.1; base 0.5 = PML default "
+        "(paper: 1)",
+        reason="a strong pair loss in the Reality Check; weights pairs by their relative "
+        "similarity",
     ),
-    "proxy_anchor": LossSpec(
-        _pml(losses.ProxyAnchorLoss, with_classes=True), True, True, NO_MINER, False,
-        {"margin": 0.1, "alpha": 32.0}, 100.0,
-        "Kim et al. 2020: margin 0.1, alpha 32, proxies at 100x the trunk learning rate",
-        "fast-converging proxy loss; one proxy per class instead of mined pairs",
+    "proxy_anchor": _class_loss(
+        _pml(losses.ProxyAnchorLoss, with_classes=True), param_lr_mult=100.0,
+        defaults={"margin": 0.1, "alpha": 32.0},
+        source="Kim et al. 2020: margin 0.1, alpha 32, proxies at 100x the trunk learning rate",
+        reason="fast-converging proxy loss; one proxy per class instead of mined pairs",
     ),
-    "proxy_nca": LossSpec(
-        _pml(losses.ProxyNCALoss, with_classes=True), True, True, NO_MINER, False,
-        {"softmax_scale": 9.0}, 100.0,
-        "ProxyNCA++ (Teh et al. 2020): temperature 1/9 (scale 9), fast-moving proxies",
-        "the first proxy loss (Movshovitz-Attias et al. 2017)",
+    "proxy_nca": _class_loss(
+        _pml(losses.ProxyNCALoss, with_classes=True), param_lr_mult=100.0,
+        defaults={"softmax_scale": 9.0},
+        source="ProxyNCA++ (Teh et al. 2020): temperature 1/9 (scale 9), fast-moving proxies",
+        reason="the first proxy loss (Movshovitz-Attias et al. 2017)",
     ),
-    "normalized_softmax": LossSpec(
-        _pml(losses.NormalizedSoftmaxLoss, with_classes=True), True, True, NO_MINER, False,
-        {"temperature": 0.05}, 1.0,
-        "Zhai & Wu 2019: temperature 0.05 (= PML default)",
-        "cosine softmax classifier; 'classification is a strong baseline' for retrieval",
+    "normalized_softmax": _class_loss(
+        _pml(losses.NormalizedSoftmaxLoss, with_classes=True), defaults={"temperature": 0.05},
+        source="Zhai & Wu 2019: temperature 0.05 (= PML default)",
+        reason="cosine softmax classifier; 'classification is a strong baseline' for retrieval",
     ),
-    "cross_entropy": LossSpec(
-        _softmax, True, True, NO_MINER, False,
-        {"label_smoothing": 0.0}, 1.0,
-        "plain softmax cross-entropy on a linear classifier over the embedding",
-        "the baseline: what a classification network gives without metric learning",
+    "cross_entropy": _class_loss(
+        _softmax, defaults={"label_smoothing": 0.0},
+        source="plain softmax cross-entropy on a linear classifier over the embedding",
+        reason="the baseline: what a classification network gives without metric learning",
     ),
-    "cosface": LossSpec(
-        _pml(losses.CosFaceLoss, with_classes=True), True, True, NO_MINER, False,
-        {"margin": 0.35, "scale": 64.0}, 1.0,
-        "Wang et al. 2018 (CosFace): additive cosine margin 0.35, scale 64",
-        "large-margin cosine classifier from face recognition",
+    "cosface": _class_loss(
+        _pml(losses.CosFaceLoss, with_classes=True), defaults={"margin": 0.35, "scale": 64.0},
+        source="Wang et al. 2018 (CosFace): additive cosine margin 0.35, scale 64",
+        reason="large-margin cosine classifier from face recognition",
     ),
-    "arcface": LossSpec(
-        _pml(losses.ArcFaceLoss, with_classes=True), True, True, NO_MINER, False,
-        {"margin": math.degrees(0.5), "scale": 64.0}, 1.0,
-        "Deng et al. 2019 (ArcFace): additive angular margin 0.5 rad (28.6 deg), scale 64",
-        "the standard face / re-ID classifier loss",
+    "arcface": _class_loss(
+        _pml(losses.ArcFaceLoss, with_classes=True),
+        defaults={"margin": math.degrees(0.5), "scale": 64.0},
+        source="Deng et al. 2019 (ArcFace): additive angular margin 0.5 rad (28.6 deg), scale 64",
+        reason="the standard face / re-ID classifier loss",
     ),
-    "ntxent": LossSpec(
-        _pml(losses.NTXentLoss, with_classes=False), False, False, NO_MINER, True,
-        {"temperature": 0.07}, 1.0,
-        "PML default temperature 0.07 (MoCo / InfoNCE); positives = same-label pairs",
-        "InfoNCE / SimCLR loss used with labels: the contrastive-learning family",
+    "ntxent": _tuple_loss(
+        losses.NTXentLoss, defaults={"temperature": 0.07},
+        source="PML default temperature 0.07 (MoCo / InfoNCE); positives = same-label pairs",
+        reason="InfoNCE / SimCLR loss used with labels: the contrastive-learning family",
     ),
-    "supcon": LossSpec(
-        _pml(losses.SupConLoss, with_classes=False), False, False, NO_MINER, True,
-        {"temperature": 0.1}, 1.0,
-        "Khosla et al. 2020 (SupCon): temperature 0.1 (= PML default)",
-        "supervised contrastive learning, many positives per anchor",
+    "supcon": _tuple_loss(
+        losses.SupConLoss, defaults={"temperature": 0.1},
+        source="Khosla et al. 2020 (SupCon): temperature 0.1 (= PML default)",
+        reason="supervised contrastive learning, many positives per anchor",
     ),
-    "circle": LossSpec(
-        _pml(losses.CircleLoss, with_classes=False), False, False, NO_MINER, True,
-        {"m": 0.4, "gamma": 80.0}, 1.0,
-        "Sun et al. 2020 (Circle loss): m 0.4, gamma 80 (= PML defaults)",
-        "unified pair-similarity loss with self-paced weighting",
+    "circle": _tuple_loss(
+        losses.CircleLoss, defaults={"m": 0.4, "gamma": 80.0},
+        source="Sun et al. 2020 (Circle loss): m 0.4, gamma 80 (= PML defaults)",
+        reason="unified pair-similarity loss with self-paced weighting",
     ),
 }
 
 MINERS: dict[str, MinerSpec] = {
-    NO_MINER: MinerSpec(None, {}, "every pair / triplet in the batch"),
+    NO_MINER: MinerSpec(factory=None, reason="every pair / triplet in the batch"),
     "semihard": MinerSpec(
-        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "semihard"},
-        "FaceNet: negatives farther than the positive but inside the margin",
+        factory=miners.TripletMarginMiner, defaults={"margin": 0.2, "type_of_triplets": "semihard"},
+        reason="FaceNet: negatives farther than the positive but inside the margin",
     ),
     "hard": MinerSpec(
-        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "hard"},
-        "negatives closer than the positive (can collapse early in training)",
+        factory=miners.TripletMarginMiner, defaults={"margin": 0.2, "type_of_triplets": "hard"},
+        reason="negatives closer than the positive (can collapse early in training)",
     ),
     "all": MinerSpec(
-        miners.TripletMarginMiner, {"margin": 0.2, "type_of_triplets": "all"},
-        "every triplet that violates the margin",
+        factory=miners.TripletMarginMiner, defaults={"margin": 0.2, "type_of_triplets": "all"},
+        reason="every triplet that violates the margin",
     ),
     "multi_similarity": MinerSpec(
-        miners.MultiSimilarityMiner, {"epsilon": 0.1},
-        "Wang et al. 2019: pairs that are informative relative to the hardest of the other kind",
+        factory=miners.MultiSimilarityMiner, defaults={"epsilon": 0.1},
+        reason="Wang et al. 2019: pairs that are informative relative to the hardest of the "
+        "other kind",
     ),
     "batch_hard": MinerSpec(
-        miners.BatchHardMiner, {}, "Hermans et al. 2017: hardest positive + hardest negative",
+        factory=miners.BatchHardMiner,
+        reason="Hermans et al. 2017: hardest positive + hardest negative",
     ),
 }
 

@@ -24,3 +24,40 @@ def test_help_lists_commands() -> None:
     assert out.returncode == 0
     for command in ("db", "index"):
         assert command in out.stdout
+
+
+def test_train_and_benchmark_share_the_base_options_read_from_train_config() -> None:
+    import typer.main
+
+    from cli.main import app
+    from cli.train import BASE_OPTIONS
+    from training.config import TrainConfig
+
+    group = typer.main.get_command(app)
+    base = {}
+    for name in ("train", "benchmark"):
+        params = group.commands[name].params  # type: ignore[attr-defined]
+        base[name] = [(p.name, p.opts, p.default, p.help) for p in params
+                      if getattr(p, "rich_help_panel", None)]
+    assert base["train"] == base["benchmark"]
+    assert [name for name, *_ in base["train"]] == list(BASE_OPTIONS)
+    fields = TrainConfig.__pydantic_fields__
+    for name, _flags, default, help_text in base["train"]:
+        if name in ("data", "image_size"):  # required on the CLI / defaulted by data set
+            continue
+        assert default == fields[name].default, name
+        assert help_text == fields[name].description, name
+    assert ("time_budget_s", ["--time-budget"]) in [(n, o) for n, o, *_ in base["train"]]
+
+
+def test_a_bad_option_is_one_line_without_traceback(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "train", "--data", "x",
+         "--out", str(tmp_path / "run"), "--loss", "triplet", "--epochs", "0"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "error: bad TrainConfig: epochs: Input should be greater than or equal to 1" in (
+        out.stderr)
+    assert not (tmp_path / "run").exists()
