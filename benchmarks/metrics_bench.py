@@ -34,10 +34,10 @@ import subprocess
 import sys
 import time
 
+import numba
 import numpy as np
 import torch
 
-from imgret import metrics
 from imgret.metrics import retrieval_metrics
 
 
@@ -209,8 +209,10 @@ def main() -> None:
         f"torch {torch.__version__} with {torch.get_num_threads()} threads; "
         f"load average at start {load0[0]:.2f}"
     )
-    path = "numba kernel" if metrics._numba_kernel() is not None else "NumPy (numba not installed)"
-    print(f"retrieval_metrics CPU rank path: {path}")
+    print(
+        f"retrieval_metrics rank engine: numba {numba.__version__} kernel with "
+        f"{numba.get_num_threads()} threads"
+    )
     print(
         f"\n## {args.n:,} x {args.n:,} leave-one-out, d={args.dim}, {args.classes} classes "
         f"(synthetic clustered, closed-set); best of {args.repeats}\n"

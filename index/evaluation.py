@@ -35,6 +35,7 @@ from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from imgret.metrics import ranking_metrics
+from imgret.stats import paired_bootstrap_ci
 from index import store
 from index.media import MediaStore
 from index.search import Hit, Searcher, SearchFilter
@@ -348,7 +349,8 @@ def _within(sorted_ids: np.ndarray, row: list[Hit]) -> list[Hit]:
 def compare_versions(
     a: Evaluation, b: Evaluation, *, bootstrap: int = BOOTSTRAP, seed: int = SEED,
 ) -> dict[str, Any]:
-    """B − A on the same queries, with a paired bootstrap 95% interval per metric.
+    """B − A on the same queries, with a paired bootstrap 95% interval per metric
+    (:func:`imgret.stats.paired_bootstrap_ci`).
 
     Both must come from :func:`evaluate` on the same query set: per-query values are paired
     by query index (queries evaluated in only one of them are dropped). Resampling the same
@@ -362,18 +364,16 @@ def compare_versions(
     common = sorted(set(table_a) & set(table_b))
     if not common:
         raise EvaluationError("the two versions have no evaluated query in common")
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(common), size=(bootstrap, len(common)))
+    va = {m: np.array([table_a[q][m] for q in common]) for m in _PAIRED_METRICS}
+    vb = {m: np.array([table_b[q][m] for q in common]) for m in _PAIRED_METRICS}
+    low, high = paired_bootstrap_ci(np.column_stack(list(va.values())),
+                                    np.column_stack(list(vb.values())), bootstrap, seed)
     out: dict[str, Any] = {}
-    for metric in _PAIRED_METRICS:
-        va = np.array([table_a[q][metric] for q in common])
-        vb = np.array([table_b[q][metric] for q in common])
-        diff = vb - va
-        means = diff[draws].mean(axis=1)
-        low, high = np.percentile(means, [2.5, 97.5])
+    for j, metric in enumerate(_PAIRED_METRICS):
         out[metric] = {
-            "a": float(va.mean()), "b": float(vb.mean()), "difference": float(diff.mean()),
-            "ci95": [float(low), float(high)], "num_paired": len(common),
+            "a": float(va[metric].mean()), "b": float(vb[metric].mean()),
+            "difference": float((vb[metric] - va[metric]).mean()),
+            "ci95": [float(low[j]), float(high[j])], "num_paired": len(common),
         }
     out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["ci95"][0] > 0]
     out["a_better"] = [m for m in _PAIRED_METRICS if out[m]["ci95"][1] < 0]

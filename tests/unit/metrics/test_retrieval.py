@@ -1,4 +1,5 @@
-"""imgret.metrics: hand-computed cases, agreement with AccuracyCalculator and a brute force."""
+"""imgret.metrics.retrieval_metrics and ranking_metrics: hand-computed cases, agreement with
+pytorch-metric-learning's AccuracyCalculator and with a brute-force full sort."""
 
 from __future__ import annotations
 
@@ -9,91 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from imgret import metrics as M
 from imgret.metrics import ranking_metrics, retrieval_metrics
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def scored(scores_per_query):
-    """Query/gallery embeddings whose inner products are exactly ``scores_per_query``.
-
-    Gallery item j is the unit vector e_j, so query row i . e_j = scores[i][j] (exact in
-    float32; these are not unit-norm queries, which the metrics do not need).
-    """
-    s = np.asarray(scores_per_query, np.float32)
-    return s, np.eye(s.shape[1], dtype=np.float32)
-
-
-def clustered(n, d=16, classes=10, noise=1.5, seed=0):
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((classes, d)).astype(np.float32)
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
-    labels = rng.integers(0, classes, n)
-    x = centres[labels] + noise * rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    return x.astype(np.float32), labels
-
-
-def integer_embeddings(n, d=6, classes=5, seed=0):
-    """Small-integer embeddings: every inner product is exact in float32, and ties abound."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(-2, 3, (n, d)).astype(np.float32), rng.integers(0, classes, n)
-
-
-def brute_force(q, ql, g, gl, ks, loo=False, qc=None, gc=None):
-    """Reference: full stable sort of every query's scores (float64: exact for integer data)."""
-    S = q.astype(np.float64) @ g.astype(np.float64).T
-    rows, skipped = [], 0
-    for i in range(len(q)):
-        rel = gl == ql[i]
-        removed = np.zeros(len(g), bool)
-        if qc is not None:
-            removed = rel & (gc == qc[i])
-        elif loo:
-            removed[i] = True
-        rel &= ~removed
-        R = int(rel.sum())
-        if R == 0:
-            skipped += 1
-            continue
-        keep = np.flatnonzero(~removed)
-        order = keep[np.argsort(-S[i, keep], kind="stable")]  # ties: lower index first
-        r = rel[order].astype(float)
-        hits = np.cumsum(r)
-        prec = hits / np.arange(1, len(r) + 1)
-        first = int(np.argmax(r)) + 1
-        row = {
-            "map_at_r": float((prec[:R] * r[:R]).sum() / R),
-            "r_precision": float(r[:R].sum() / R),
-            "precision_at_1": float(r[0]),
-            "mean_average_precision": float((prec * r).sum() / R),
-            "mrr": 1.0 / first,
-        }
-        for k in ks:
-            hk = r[:k].sum()
-            row[f"recall_at_k/{k}"] = float(hk > 0)
-            row[f"map_at_k/{k}"] = float((prec[:k] * r[:k]).sum() / hk) if hk else 0.0
-            dcg = (r[:k] / np.log2(np.arange(2, min(k, len(r)) + 2))).sum()
-            idcg = (1 / np.log2(np.arange(2, min(R, k) + 2))).sum()
-            row[f"ndcg_at_k/{k}"] = float(dcg / idcg)
-            row[f"recall_fraction_at_k/{k}"] = float(hk / R)
-        rows.append(row)
-    means = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
-    return means, skipped
-
-
-def flat_report(rep):
-    out = {m: rep[m] for m in ("map_at_r", "r_precision", "precision_at_1")}
-    out["mean_average_precision"] = rep["mean_average_precision"]
-    out["mrr"] = rep["mrr"]
-    for m in ("recall_at_k", "map_at_k", "ndcg_at_k", "recall_fraction_at_k"):
-        for k, v in rep[m].items():
-            out[f"{m}/{k}"] = v
-    return out
-
+from tests.unit.metrics.cases import brute_force, clustered, flat_report, integer_embeddings, scored
 
 # ---------------------------------------------------------------------------------------------
 # hand-computed cases
@@ -313,33 +231,6 @@ def test_ranking_metrics_rank_lists_with_depth():
     assert rep2["recall_fraction_at_k"][4] == pytest.approx((1 + 1 / 5) / 2)
 
 
-@pytest.mark.parametrize(
-    ("ranks", "num_relevant", "kwargs", "match"),
-    [
-        ([[1, 2]], [1], {}, "lists 2 relevant"),
-        ([[1]], [2], {}, "pass depth"),
-        ([[0]], [1], {}, ">= 1"),
-        ([[2, 2]], [2], {}, "twice"),
-        ([[1], [1]], [1], {}, "num_relevant has 1"),
-        ([[5]], [1], {"depth": 3}, "depth"),
-        ([[1]], [-1], {}, ">= 0"),
-        ([[1]], [[1]], {}, "1-D"),
-        ([[1.5]], [1], {}, "integers"),
-        ([[1]], [1], {"k": 0}, "k must be >= 1"),
-        ([[1]], [1], {"bootstrap": -1}, "bootstrap"),
-        ([[1]], [], {}, "empty"),
-        ([[]], [0], {}, "no query"),
-        (np.zeros((2, 2, 2), bool), [1, 1], {}, "relevance matrix"),
-        (np.ones((2, 2)), [2, 2], {}, "relevance matrix"),
-        (np.zeros((2, 3), bool), [1, 1], {"depth": 3}, "implied"),
-        (np.zeros((1, 3), bool), [1, 1], {}, "rows"),
-    ],
-)
-def test_ranking_metrics_bad_input(ranks, num_relevant, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ranking_metrics(ranks, num_relevant, **kwargs)
-
-
 # ---------------------------------------------------------------------------------------------
 # agreement with pytorch-metric-learning and with a brute force
 # ---------------------------------------------------------------------------------------------
@@ -411,87 +302,6 @@ def test_agrees_with_brute_force_full_sort(case, loo, cameras):
         assert got[key] == pytest.approx(value, abs=1e-12), key
 
 
-def collect_ranks(driver, q, g, plan, evaluated, chunk_size):
-    got = {}
-
-    def consume(lo, hi, ranks, offsets):
-        for i in range(hi - lo):
-            got[lo + i] = ranks[offsets[i] : offsets[i + 1]].tolist()
-
-    driver(q, g, plan, evaluated, chunk_size, consume)
-    return [got[i] for i in range(len(evaluated))]
-
-
-def test_torch_path_matches_numpy_path():
-    # The device (GPU) algorithm, run on CPU tensors, must give the very same ranks.
-    x, y = integer_embeddings(300, seed=9)
-    xt = torch.from_numpy(x)
-    cam = np.random.default_rng(1).integers(0, 2, 300)
-    for qc, loo in ((None, True), (cam, False), (None, False)):
-        plan = M._RelevancePlan(y, y, qc, qc, 300, 300, loo)
-        ev = np.flatnonzero(plan.num_relevant > 0)
-        a = collect_ranks(M._ranks_numpy, x, x, plan, ev, 64)
-        b = collect_ranks(M._ranks_torch, xt, xt, plan, ev, 64)
-        assert a == b
-        assert sum(map(len, a)) == plan.num_relevant[ev].sum()
-
-
-@pytest.mark.parametrize("noise", [0.5, 2.5])  # sparse and dense candidate sets
-@pytest.mark.parametrize("block_scores", [1, 1 << 20])  # one row per block, many rows
-def test_numpy_block_paths_match_torch_path(noise, block_scores, monkeypatch):
-    monkeypatch.setattr(M, "_BLOCK_SCORES", block_scores)
-    x, y = clustered(240, d=8, classes=6, noise=noise, seed=12)
-    xt = torch.from_numpy(x)
-    plan = M._RelevancePlan(y, y, None, None, 240, 240, True)
-    ev = np.flatnonzero(plan.num_relevant > 0)
-    a = collect_ranks(M._ranks_numpy, x, x, plan, ev, 100)
-    b = collect_ranks(M._ranks_torch, xt, xt, plan, ev, 100)
-    assert a == b
-
-
-def kernel_ranks(kernel, x, plan, ev):
-    S = (x[ev] @ x.T).astype(np.float32)
-    rel_row, rel_col, rm_row, rm_col = plan.pairs(ev)
-    S.reshape(-1)[rm_row * S.shape[1] + rm_col] = -np.inf
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(ev)))])
-    out = np.empty(len(rel_col), np.int64)
-    kernel(S, offsets, rel_col, out)
-    return S, rel_row, rel_col, rm_row, rm_col, out
-
-
-@pytest.mark.parametrize("loo", [True, False])
-def test_plain_python_kernel_matches_numpy_block(loo):
-    # The numba kernel's algorithm, run as plain Python on a tiny problem (runs without numba).
-    x, y = integer_embeddings(40, d=4, classes=3, seed=13)
-    plan = M._RelevancePlan(y, y, None, None, 40, 40, loo)
-    ev = np.flatnonzero(plan.num_relevant > 0)[:12]
-    S, rel_row, rel_col, rm_row, rm_col, out = kernel_ranks(M._rank_kernel, x, plan, ev)
-    S2 = (x[ev] @ x.T).astype(np.float32)
-    ref = M._block_ranks_numpy(S2, rel_row, rel_col, rm_row, rm_col, M._Scratch(len(ev), 40))
-    np.testing.assert_array_equal(out, ref)
-
-
-def test_numba_kernel_matches_numpy_path(monkeypatch):
-    pytest.importorskip("numba")
-    x, y = clustered(500, d=8, classes=9, noise=2.0, seed=14)
-    cam = np.random.default_rng(3).integers(0, 3, 500)
-    kwargs = {"query_cameras": cam, "gallery_cameras": cam, "k": (1, 7), "bootstrap": 50}
-    monkeypatch.setenv("IMGRET_METRICS_NUMBA", "1")
-    a = retrieval_metrics(x, y, x, y, chunk_size=64, **kwargs)
-    b = retrieval_metrics(x, y, x, y, query_in_gallery=True, chunk_size=64, **kwargs)
-    monkeypatch.setenv("IMGRET_METRICS_NUMBA", "0")
-    assert a == retrieval_metrics(x, y, x, y, chunk_size=64, **kwargs)
-    assert b == retrieval_metrics(x, y, x, y, query_in_gallery=True, chunk_size=64, **kwargs)
-    monkeypatch.setenv("IMGRET_METRICS_NUMBA", "1")
-    xi, yi = integer_embeddings(300, seed=15)  # many exact ties
-    plan = M._RelevancePlan(yi, yi, None, None, 300, 300, True)
-    ev = np.flatnonzero(plan.num_relevant > 0)
-    _, rel_row, rel_col, rm_row, rm_col, out = kernel_ranks(M._numba_kernel(), xi, plan, ev)
-    S2 = (xi[ev] @ xi.T).astype(np.float32)
-    ref = M._block_ranks_numpy(S2, rel_row, rel_col, rm_row, rm_col, M._Scratch(len(ev), 300))
-    np.testing.assert_array_equal(out, ref)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_matches_cpu():
     x, y = clustered(500, classes=9, noise=2.0, seed=8)
@@ -509,66 +319,3 @@ def test_chunk_size_does_not_change_anything():
     b = retrieval_metrics(x, y, x, y, chunk_size=1000, **kwargs)
     c = retrieval_metrics(x, y, x, y, chunk_size=1, **kwargs)
     assert a == b == c
-
-
-# ---------------------------------------------------------------------------------------------
-# bootstrap
-# ---------------------------------------------------------------------------------------------
-
-
-def test_bootstrap_is_deterministic_and_contains_the_estimate():
-    x, y = clustered(300, classes=6, noise=2.0, seed=7)
-    a = retrieval_metrics(x, y, x, y, query_in_gallery=True, bootstrap=500, seed=1)
-    b = retrieval_metrics(x, y, x, y, query_in_gallery=True, bootstrap=500, seed=1)
-    c = retrieval_metrics(x, y, x, y, query_in_gallery=True, bootstrap=500, seed=2)
-    assert a["ci95"] == b["ci95"]
-    assert a["ci95"] != c["ci95"]
-    for name in M._SCALAR_METRICS:
-        low, high = a["ci95"][name]
-        assert low <= a[name] <= high, name
-        assert low < high or a[name] in (0.0, 1.0)
-    for name in M._K_METRICS:
-        for k, (low, high) in a["ci95"][name].items():
-            assert low <= a[name][k] <= high, (name, k)
-
-
-# ---------------------------------------------------------------------------------------------
-# bad input
-# ---------------------------------------------------------------------------------------------
-
-_X, _Y = clustered(20, d=4, classes=3)
-
-
-@pytest.mark.parametrize(
-    ("args", "kwargs", "match"),
-    [
-        ((_X[:0], _Y[:0], _X, _Y), {}, "empty"),
-        ((_X, _Y, _X[:0], _Y[:0]), {}, "empty"),
-        ((_X, _Y[:5], _X, _Y), {}, "entries"),
-        ((_X, _Y, _X, _Y[:-1]), {}, "entries"),
-        ((_X, _Y, _X[:, :3], _Y), {}, "dimension mismatch"),
-        ((np.where(np.eye(20, 4, dtype=bool), np.nan, _X), _Y, _X, _Y), {}, "NaN"),
-        ((_X, _Y, np.where(np.eye(20, 4, dtype=bool), np.inf, _X), _Y), {}, "NaN or infinite"),
-        ((_X[0], _Y, _X, _Y), {}, "2-D"),
-        ((_X.astype(np.int64), _Y, _X, _Y), {}, "floating"),
-        ((_X, _Y, _X, _Y), {"k": 21}, "larger than"),
-        ((_X, _Y, _X, _Y), {"k": 0}, ">= 1"),
-        ((_X, _Y, _X, _Y), {"k": (1, -3)}, ">= 1"),
-        ((_X, _Y, _X, _Y), {"k": ()}, "non-empty"),
-        ((_X, _Y, _X, _Y), {"k": 1.5}, "positive int"),
-        ((_X, _Y[:, None], _X, _Y), {}, "1-D"),
-        ((_X, _Y, _X, np.stack([_Y, _Y], 1)), {}, "1-D"),
-        ((_X, _Y, _X, _Y), {"query_cameras": _Y}, "both"),
-        ((_X, _Y, _X, _Y), {"gallery_cameras": _Y}, "both"),
-        ((_X, _Y, _X, _Y), {"query_cameras": _Y, "gallery_cameras": _Y[:3]}, "entries"),
-        ((_X[:5], _Y[:5], _X, _Y), {"query_in_gallery": True}, "as many queries"),
-        ((_X, _Y[::-1], _X, _Y), {"query_in_gallery": True}, "label"),
-        ((_X, _Y, _X, _Y), {"chunk_size": 0}, "chunk_size"),
-        ((_X, _Y, _X, _Y), {"bootstrap": -5}, "bootstrap"),
-        ((_X, _Y, _X, _Y), {"device": "no-such-device"}, "device"),
-        ((_X, np.array([1, "a"] * 10, dtype=object), _X, _Y), {}, "one comparable type"),
-    ],
-)
-def test_bad_input_raises_value_error(args, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        retrieval_metrics(*args, **kwargs)
