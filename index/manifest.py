@@ -9,17 +9,15 @@ rebuild from SQL, with the reason logged.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import re
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from imgret.errors import IndexStale
 from imgret.files import write_atomic
@@ -31,8 +29,7 @@ MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.faiss"
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(BaseModel):
     """Facts about one saved index.
 
     Attributes:
@@ -49,6 +46,9 @@ class Manifest:
         faiss_version, created_at, format: provenance.
     """
 
+    # Unknown keys are ignored, so a manifest written by a newer imgret still reads.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
     model_version: str
     factory: str
     dim: int
@@ -56,27 +56,15 @@ class Manifest:
     change_seq: int
     ids_sha256: str
     index_sha256: str = ""
-    tombstones: list[int] = field(default_factory=list)
+    tombstones: list[int] = []
     faiss_version: str = ""
     created_at: str = ""
     format: str = FORMAT
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                   and f.default_factory is dataclasses.MISSING} - set(data)
-        if missing:
-            raise IndexStale(f"manifest lacks {sorted(missing)}")
-        return cls(**{k: v for k, v in data.items() if k in names})
-
     def write(self, folder: str | Path) -> Path:
         """Write ``manifest.json`` atomically (temp file + rename); returns its path."""
         path = Path(folder) / MANIFEST_FILE
-        write_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=True).encode())
+        write_atomic(path, json.dumps(self.model_dump(), indent=2, sort_keys=True).encode())
         return path
 
     @classmethod
@@ -84,7 +72,8 @@ class Manifest:
         """Read ``manifest.json`` from ``folder``.
 
         Raises:
-            IndexStale: missing, unreadable, or of another format (the caller rebuilds).
+            IndexStale: missing, unreadable, of another format, lacking a field or with a
+                field of the wrong type (the caller rebuilds).
         """
         path = Path(folder) / MANIFEST_FILE
         try:
@@ -95,7 +84,12 @@ class Manifest:
             raise IndexStale(f"{path}: unreadable manifest ({exc})") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise IndexStale(f"{path}: not an {FORMAT} manifest")
-        return cls.from_dict(data)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                 for e in exc.errors())
+            raise IndexStale(f"{path}: invalid manifest ({problems})") from None
 
     def mismatches(self, *, model_version: str, factory: str, dim: int) -> list[str]:
         """Why this manifest does not describe the index wanted (empty when it does)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,27 @@ def test_missing_or_bad_manifest_is_stale(tmp_path, content):
     if content is not None:
         (tmp_path / MANIFEST_FILE).write_text(content)
     with pytest.raises(IndexStale):
+        Manifest.read(tmp_path)
+
+
+def test_the_file_is_sorted_indented_json_of_every_field(tmp_path):
+    """The on-disk format: saved indexes written before must keep loading, and vice versa."""
+    manifest = _manifest(index_sha256="ab", tombstones=[5], faiss_version="1.9", created_at="t")
+    manifest.write(tmp_path)
+    assert (tmp_path / MANIFEST_FILE).read_text() == (
+        '{\n  "change_seq": 7,\n  "count": 3,\n  "created_at": "t",\n  "dim": 16,\n'
+        '  "factory": "Flat",\n  "faiss_version": "1.9",\n  "format": "imgret-index-v1",\n'
+        f'  "ids_sha256": "{ids_checksum(np.array([1, 2, 3]))}",\n  "index_sha256": "ab",\n'
+        '  "model_version": "m1",\n  "tombstones": [\n    5\n  ]\n}'
+    )
+
+
+def test_unknown_keys_are_ignored_and_wrong_types_are_stale(tmp_path):
+    data = json.loads(_manifest().model_dump_json())
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({**data, "written_by": "a newer imgret"}))
+    assert Manifest.read(tmp_path) == _manifest()
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({**data, "dim": "sixteen"}))
+    with pytest.raises(IndexStale, match="dim"):
         Manifest.read(tmp_path)
 
 
