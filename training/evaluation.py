@@ -16,7 +16,7 @@ Which images are queries and which the gallery depends on the protocol:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,8 @@ from PIL import Image
 from imgret.checkpoint import EmbeddingNet
 from imgret.embedder import Embedder
 from imgret.metrics import retrieval_metrics
-from training.data import ImageSource, iter_images
+from training.config import TrainConfig
+from training.data import DataSplit, ImageSource, iter_images, stratified_subset
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,52 @@ class EmbeddedSet:
     embeddings: np.ndarray
     labels: np.ndarray
     cameras: np.ndarray | None
+
+
+class Evaluator:
+    """The query / gallery sets of a run's protocol, built once, and the models scored on them.
+
+    Args:
+        config: the run's config (protocol, caps, seeds, image size).
+        source: the images.
+        split: the run's split.
+        device: where the exact search of the metrics runs (``cpu`` or ``cuda``: where the
+            model trains).
+    """
+
+    def __init__(self, config: TrainConfig, source: ImageSource, split: DataSplit, device: str):
+        self.config, self.source, self.split, self.device = config, source, split, device
+        self.gallery_indices: np.ndarray | None = None
+        if config.protocol == "closed-set":
+            # Queries are held-out images, the gallery the training images (capped, seeded).
+            train_idx = split.indices["train"]
+            cap = config.max_eval_images
+            if cap is not None and len(train_idx) > cap:
+                rng = np.random.default_rng([config.split_seed, 1])
+                train_idx = stratified_subset(train_idx, source.labels, cap, rng)
+            self.gallery_indices = train_idx
+
+    def validate(self, model: EmbeddingNet, *, epoch: int) -> dict[str, Any]:
+        """Validation metrics of the network at an epoch."""
+        return self._score(
+            lambda idx: embed_split(model, self.source, idx, tag=f"epoch-{epoch}"), "val"
+        )
+
+    def test(self, model: EmbeddingNet) -> dict[str, Any]:
+        """Test metrics of a network."""
+        return self._score(lambda idx: embed_split(model, self.source, idx, tag="test"), "test")
+
+    def test_pixels(self) -> dict[str, Any]:
+        """Test metrics of the raw-pixel baseline."""
+        def embed(idx: np.ndarray) -> EmbeddedSet:
+            return pixel_split(self.source, idx, side=self.config.image_size)
+
+        return self._score(embed, "test")
+
+    def _score(self, embed: Callable[[np.ndarray], EmbeddedSet], split: str) -> dict[str, Any]:
+        queries = embed(self.split.indices[split])
+        gallery = embed(self.gallery_indices) if self.gallery_indices is not None else None
+        return score_split(queries, gallery, device=self.device)
 
 
 def embed_split(

@@ -1,28 +1,28 @@
 """The training loop: ``train(config, out) -> RunResult`` (what ``imgret train`` runs).
 
-Reads top to bottom like nanoGPT's ``train.py``: data and split, model, loss (+ its own
-optimiser when it has parameters), then per epoch: learning rate, forward/backward, step,
-validation MAP@R through ``Embedder.from_model``, best checkpoint by validation only, resume
-state. At the end the best checkpoint is evaluated once on the test split, beside two
-baselines measured by the same function on the same images: raw pixels and the untrained
-network (same architecture, same seed initialisation).
+It reads top to bottom in named stages, like nanoGPT's ``train.py``:
 
-Run directory::
+1. :func:`prepare_data`: the source, its split and the training set;
+2. :func:`build_parts`: the model, the loss (+ its own optimiser when it has parameters),
+   learning-rate schedules, the seeded m-per-class batches;
+3. :func:`start_run` (validates the untrained network as epoch 0) or :func:`resume_run`
+   (from ``last.pt``);
+4. per epoch, :func:`train_one_epoch` (forward / backward / step) then
+   :func:`validate_and_checkpoint` (validation MAP@R through ``Embedder.from_model``, the best
+   checkpoint by validation only, the resume state);
+5. :func:`final_evaluation`: the best checkpoint evaluated once on the test split, beside two
+   baselines measured by the same function on the same images: raw pixels and the untrained
+   network (same architecture, same seed initialisation).
 
-    model.pt      best checkpoint by validation MAP@R (imgret.checkpoint; `extra` holds the
-                  config, split summary, per-epoch metrics, test metrics and baselines)
-    last.pt       resume state (weights, loss parameters, optimisers, schedulers, RNG, history)
-    metrics.json  config, split, per-epoch train loss / validation metrics / wall time,
-                  best epoch, test metrics, baselines
-    split.json    the exact split (members of train / val / test)
-    curves.png    loss and validation MAP@R against epoch and wall time
+Every stage calls a :class:`~training.distributed.Distributed` unconditionally: for one process
+its collectives do nothing; under ``torchrun`` it is DDP. What the run writes is described in
+:mod:`training.run_dir`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -35,76 +35,43 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from imgret.checkpoint import EmbeddingNet, load_checkpoint, save_checkpoint
-from imgret.files import write_atomic, write_atomic_with
-from imgret.settings import resolve_device
-from training.config import TrainConfig, TrainConfigError, config_diff
+from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, save_checkpoint
+from training.config import TrainConfig, TrainConfigError
 from training.data import (
-    SeededMPerClassSampler,
+    DataSplit,
+    ImageSource,
+    MPerClassSampler,
     TrainDataset,
     describe_split,
     make_split,
     model_spec_for,
     open_source,
     resolve_m_per_class,
-    stratified_subset,
     train_transform,
 )
-from training.distributed import Dist, ShardedBatchSampler, from_env, launched_by_torchrun
-from training.evaluation import (
-    EmbeddedSet,
-    embed_split,
-    format_metric,
-    pixel_split,
-    score_split,
-    to_jsonable,
-)
+from training.distributed import Distributed, ShardedBatchSampler, connect
+from training.evaluation import Evaluator, format_metric, to_jsonable
 from training.plots import plot_run_curves
-from training.registry import build_loss, resolve_miner, resolve_options
+from training.registry import LossBundle, build_loss, resolve_miner, resolve_options
+from training.run_dir import (
+    CURVES_FILE,
+    LAST_FILE,
+    METRICS_FILE,  # noqa: F401  (training.benchmark reads it from here)
+    RunResult,
+    checkpoint_extra,
+    epoch_row,
+    finished_run,
+    keep_if_best,
+    load_state,
+    read_record,
+    save_state,
+    write_record,
+    write_split,
+)
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
-LAST_FILE = "last.pt"
-SPLIT_FILE = "split.json"
-CURVES_FILE = "curves.png"
-SELECTION_METRIC = "map_at_r"
 PLOT_EVERY_S = 60.0  # curves.png is redrawn during a run at most this often (and at the end)
-
-
-@dataclass
-class RunResult:
-    """What a finished run reports (all of it is also in ``metrics.json``).
-
-    Attributes:
-        out: the run directory.
-        best_epoch: the epoch whose checkpoint is ``model.pt`` (0 = untrained).
-        val: validation metrics of the best epoch.
-        test: test metrics of the best checkpoint (the test split is evaluated once).
-        baselines: ``{"raw_pixels": metrics, "untrained": metrics}`` on the same test split.
-        split: the split summary (protocol, classes, counts, digest).
-        model_version: the version of ``model.pt``.
-    """
-
-    out: Path
-    best_epoch: int
-    val: dict[str, Any]
-    test: dict[str, Any]
-    baselines: dict[str, dict[str, Any]]
-    split: dict[str, Any]
-    model_version: str
-
-    @classmethod
-    def from_metrics(cls, out: Path, data: dict[str, Any]) -> RunResult:
-        best = data["best"]
-        return cls(out, best["epoch"], best["val"], data["test"], data["baselines"],
-                   data["split"], data["model_version"])
-
-
-def resolve_config(config: TrainConfig, num_train_classes: int) -> TrainConfig:
-    """Fill in what depends on the data (``m_per_class``) so the saved config is complete."""
-    m = resolve_m_per_class(config.batch_size, num_train_classes, config.m_per_class)
-    return dataclasses.replace(config, m_per_class=m)
 
 
 def train(
@@ -131,49 +98,132 @@ def train(
     :mod:`training.distributed`): every rank trains on its share of the batches, rank 0 alone
     validates and writes the run directory, and every rank returns the same result.
     """
-    ddp = None
-    if launched_by_torchrun():
-        try:
-            ddp = from_env(resolve_device(config.device))
-        except (RuntimeError, ValueError) as exc:
-            raise TrainConfigError(str(exc)) from None
-    try:
-        return _train(config, Path(out), resume=resume, progress=progress, ddp=ddp)
-    finally:
-        if ddp is not None:
-            ddp.close()
-
-
-def _train(
-    config: TrainConfig, out: Path, *, resume: bool, progress: bool, ddp: Dist | None
-) -> RunResult:
-    is_main = ddp is None or ddp.is_main
-    started = time.perf_counter()
+    out = Path(out)
     # Registry names and options are checked before any data is read.
     resolve_miner(config.loss.name, config.loss.miner)
     resolve_options(config.loss.name, config.loss.options)
-    state_path = out / LAST_FILE
-    if not resume and (state_path.exists() or (out / METRICS_FILE).exists()):
-        raise TrainConfigError(
-            f"{out}: already holds a run; pass --resume to continue it or choose another --out"
-        )
-    if resume and (out / METRICS_FILE).exists():
-        previous = json.loads((out / METRICS_FILE).read_text())
-        if previous.get("status") == "finished":
-            _check_same_config(previous["config"], config, out)
-            logger.info("%s: run already finished; nothing to do", out)
-            return RunResult.from_metrics(out, previous)
-    if ddp is not None:
-        ddp.barrier()  # every rank has checked the run directory before rank 0 writes to it
-        device = ddp.device
-    else:
-        try:
-            device = resolve_device(config.device)
-        except (RuntimeError, ValueError) as exc:
-            raise TrainConfigError(str(exc)) from None
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    finished = finished_run(config, out, resume=resume)
+    if finished is not None:
+        logger.info("%s: run already finished; nothing to do", out)
+        return finished
+    dist = connect(config.device)
+    try:
+        started = time.perf_counter()
+        dist.barrier()  # every rank has checked the run directory before rank 0 writes to it
+        data = prepare_data(config, out, dist)
+        parts = build_parts(data, dist)
+        if resume and (out / LAST_FILE).exists():
+            run = resume_run(data, parts, out, dist)
+        else:
+            run = start_run(data, parts, out, dist)
+        dist.barrier()  # rank 0 has validated the untrained network
+        net = dist.wrap(parts.model, parts.bundle.loss if parts.bundle.has_params else None)
+        for epoch in range(run.next_epoch, data.config.epochs + 1):
+            if run.budget_hit or over_budget(data.config, dist, run.train_time):
+                break
+            train_loss, steps = train_one_epoch(epoch, net, data, parts, run, dist, progress)
+            if dist.is_main:  # rank 0 validates and saves; the others wait
+                validate_and_checkpoint(epoch, train_loss, steps, data, parts, run, out, started)
+            dist.barrier()
+        dist.report_checksums(parts.model, parts.bundle.loss)
+        if dist.is_main:  # rank 0 evaluates the test split and writes the final record
+            final_evaluation(data, parts, run, out, dist, started)
+        dist.barrier()
+        return RunResult.from_metrics(out, read_record(out))
+    finally:
+        dist.close()
 
-    # --- data and split
+
+# ----------------------------------------------------------------------------- stages
+
+
+@dataclass
+class Data:
+    """The run's data.
+
+    Attributes:
+        config: the run's config, ``m_per_class`` resolved from the data.
+        source: the images.
+        split: its train / val / test split.
+        summary: the split's summary (protocol, classes, counts, digest).
+        spec: the model spec the source implies (greyscale normalisation).
+        train_set: the training split as a Dataset.
+    """
+
+    config: TrainConfig
+    source: ImageSource
+    split: DataSplit
+    summary: dict[str, Any]
+    spec: ModelSpec
+    train_set: TrainDataset
+
+
+@dataclass
+class Parts:
+    """What trains, and how it is judged.
+
+    Attributes:
+        model: the bare network (validation and checkpoints see this, never a DDP wrapper).
+        bundle: the loss (+ miner).
+        loss_params: the loss's own parameters (empty when it has none).
+        optimizers: the network's AdamW, then the loss's when it has parameters.
+        schedulers: one warmup + cosine schedule per optimiser.
+        sampler: the seeded m-per-class sampler.
+        loader: this process's batches of it.
+        evaluator: the validation / test sets of the protocol.
+    """
+
+    model: EmbeddingNet
+    bundle: LossBundle
+    loss_params: list[torch.nn.Parameter]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LambdaLR]
+    sampler: MPerClassSampler
+    loader: DataLoader
+    evaluator: Evaluator
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, loss parameters, optimisers and schedulers (CPU tensors), for ``last.pt``."""
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "loss": {k: v.detach().cpu() for k, v in self.bundle.loss.state_dict().items()},
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "schedulers": [sched.state_dict() for sched in self.schedulers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.model.load_state_dict(state["model"])
+        self.bundle.loss.load_state_dict(state["loss"])
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(self.schedulers, state["schedulers"], strict=True):
+            sched.load_state_dict(sched_state)
+
+
+@dataclass
+class Run:
+    """Where the run stands.
+
+    Attributes:
+        record: what ``metrics.json`` holds so far.
+        next_epoch: the first epoch still to train.
+        train_time: seconds spent training so far (the time budget counts these).
+        prior_elapsed: wall seconds of the run before this process (resumed runs).
+        budget_hit: the time budget ran out.
+        last_plot: when ``curves.png`` was last drawn (``time.perf_counter``).
+    """
+
+    record: dict[str, Any]
+    next_epoch: int
+    train_time: float = 0.0
+    prior_elapsed: float = 0.0
+    budget_hit: bool = False
+    last_plot: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
+    """Open the source, split it, build the training set; create the run directory."""
     source = open_source(config.data)
     split = make_split(source, config)
     summary = split.summary(source)
@@ -181,263 +231,232 @@ def _train(
     train_set = TrainDataset(source, split.indices["train"],
                              train_transform(spec, config.augmentation))
     config = resolve_config(config, len(train_set.class_names))
-    if is_main:
+    if dist.is_main:
         logger.info("run %s: %s", out, config.short())
         logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
+    return Data(config, source, split, summary, spec, train_set)
 
-    # --- model, loss, optimisers
+
+def resolve_config(config: TrainConfig, num_train_classes: int) -> TrainConfig:
+    """Fill in what depends on the data (``m_per_class``) so the saved config is complete."""
+    m = resolve_m_per_class(config.batch_size, num_train_classes, config.m_per_class)
+    return dataclasses.replace(config, m_per_class=m)
+
+
+def build_parts(data: Data, dist: Distributed) -> Parts:
+    """The seeded model, the loss, optimisers, schedules and this process's batches."""
+    config, train_set = data.config, data.train_set
     torch.manual_seed(config.seed)
-    model = EmbeddingNet(spec, backbone_weights=config.backbone_weights).to(device)
+    model = EmbeddingNet(data.spec, backbone_weights=config.backbone_weights).to(dist.device)
     bundle = build_loss(
         config.loss.name, num_classes=len(train_set.class_names), embedding_size=config.dim,
         miner=config.loss.miner, options=config.loss.options,
     )
-    bundle.loss.to(device)
+    bundle.loss.to(dist.device)
+    loss_params = list(bundle.loss.parameters()) if bundle.has_params else []
     optimizers = [torch.optim.AdamW(model.parameters(), lr=config.lr,
                                     weight_decay=config.weight_decay)]
-    if bundle.has_params:
+    if loss_params:
         # Proxies / class weights get their own optimiser and learning rate; no weight decay,
         # which would only shrink the scale a cosine classifier normalises away anyway.
         optimizers.append(torch.optim.AdamW(
-            bundle.loss.parameters(), lr=config.lr * bundle.param_lr_mult, weight_decay=0.0
+            loss_params, lr=config.lr * bundle.param_lr_mult, weight_decay=0.0
         ))
-    sampler = SeededMPerClassSampler(
+    sampler = MPerClassSampler(
         train_set.targets, config.m_per_class, config.batch_size, len(train_set), config.seed
     )
-    if ddp is None:
-        loader = DataLoader(
-            train_set, batch_size=config.batch_size, sampler=sampler, drop_last=True,
-            num_workers=config.num_workers, pin_memory=device_type == "cuda",
-            persistent_workers=config.num_workers > 0,
-        )
-    else:
-        # Every rank draws the same seeded batches and keeps batches rank::world_size.
-        loader = DataLoader(
-            train_set,
-            batch_sampler=ShardedBatchSampler(sampler, config.batch_size, ddp.rank,
-                                              ddp.world_size),
-            num_workers=config.num_workers, pin_memory=device_type == "cuda",
-            persistent_workers=config.num_workers > 0,
-        )
-    steps_per_epoch = len(loader)
-    total_steps = steps_per_epoch * config.epochs
-    warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
+    # Every process draws the same seeded batches and keeps its share (all of them alone).
+    on_cuda = dist.device.startswith("cuda")
+    loader = DataLoader(
+        train_set,
+        batch_sampler=ShardedBatchSampler(sampler, config.batch_size, dist.rank,
+                                          dist.world_size),
+        num_workers=config.num_workers, pin_memory=on_cuda,
+        persistent_workers=config.num_workers > 0,
+    )
+    total_steps = len(loader) * config.epochs
+    warmup_steps = int(round(config.warmup_epochs * len(loader)))
     schedulers = [
         torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(warmup_steps, total_steps))
         for opt in optimizers
     ]
-    evaluator = _Evaluator(config, source, split, device_type)
+    evaluator = Evaluator(config, data.source, data.split, "cuda" if on_cuda else "cpu")
+    return Parts(model, bundle, loss_params, optimizers, schedulers, sampler, loader, evaluator)
 
-    # --- the run's record, or the state being resumed
-    record: dict[str, Any] = {
-        "status": "running", "config": config.to_dict(), "split": summary,
-        "split_rule": split.rule, "model": spec.to_dict(),
-        "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
-                 "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None},
-        "steps_per_epoch": steps_per_epoch, "world_size": 1 if ddp is None else ddp.world_size,
-        "epochs": [], "best": None,
-    }
-    start_epoch, train_time, prior_elapsed = 1, 0.0, 0.0
-    if resume and state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-        _check_same_config(state["config"], config, out)
-        if state["split_digest"] != summary["digest"]:
-            raise TrainConfigError(f"{out}: the data no longer gives the split of this run")
-        model.load_state_dict(state["model"])
-        bundle.loss.load_state_dict(state["loss"])
-        for opt, opt_state in zip(optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
-        for sched, sched_state in zip(schedulers, state["schedulers"], strict=True):
-            sched.load_state_dict(sched_state)
-        torch.set_rng_state(state["rng"])
-        record = state["record"]
-        start_epoch = state["epoch"] + 1
-        train_time = record["epochs"][-1]["train_time_s"]
-        prior_elapsed = record["epochs"][-1]["elapsed_s"]
-        world_size = 1 if ddp is None else ddp.world_size
-        if record.get("world_size", 1) != world_size:
-            logger.warning("%s: resuming with %d processes, the run had %d (steps per epoch "
-                           "and the learning-rate schedule change)", out, world_size,
-                           record.get("world_size", 1))
-        record["world_size"] = world_size
-        if is_main:
-            logger.info("resuming %s after epoch %d", out, state["epoch"])
-    elif is_main:
-        (out / SPLIT_FILE).write_text(json.dumps(split.to_json(source), indent=1))
-        # Epoch 0: the untrained network, so every curve starts from the same point and a
-        # run that never beats its initialisation keeps the initialisation, honestly.
-        val = evaluator.validate(model, epoch=0)
-        _log_epoch(0, None, val, summary)
-        record["epochs"].append(_epoch_row(0, None, None, 0.0, 0.0, 0, val))
-        _keep_if_best(record, model, config, out, 0, val)
-        _save_state(out, model, bundle, optimizers, schedulers, config, summary, 0, record)
-        _write_record(out, record)
-    net: torch.nn.Module = model
-    if ddp is not None:
-        ddp.barrier()  # rank 0 has validated the untrained network
-        # DDP averages the network's gradients; the loss's own parameters (proxies, class
-        # weights) are kept equal by broadcasting them now and averaging their gradients.
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[ddp.local_rank] if device_type == "cuda" else None
-        )
-        if bundle.has_params:
-            ddp.broadcast_params(bundle.loss)
 
-    # --- the loop
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda"
+def start_run(data: Data, parts: Parts, out: Path, dist: Distributed) -> Run:
+    """A new record; rank 0 writes ``split.json`` and validates the untrained network as
+    epoch 0, so every curve starts from the same point and a run that never beats its
+    initialisation keeps the initialisation, honestly."""
+    record = _new_record(data, parts, dist)
+    if dist.is_main:
+        write_split(out, data.split, data.source)
+        val = parts.evaluator.validate(parts.model, epoch=0)
+        _checkpoint(epoch_row(0, None, None, 0.0, 0.0, 0, val), data, parts, record, out)
+    return Run(record, next_epoch=1)
+
+
+def resume_run(data: Data, parts: Parts, out: Path, dist: Distributed) -> Run:
+    """Every process restores ``last.pt``: weights, optimisers, schedules, RNG and record."""
+    state = load_state(out, data.config, data.summary["digest"])
+    parts.load_state_dict(state)
+    torch.set_rng_state(state["rng"])
+    record = state["record"]
+    last = record["epochs"][-1]
+    if record.get("world_size", 1) != dist.world_size:
+        logger.warning("%s: resuming with %d processes, the run had %d (steps per epoch "
+                       "and the learning-rate schedule change)", out, dist.world_size,
+                       record.get("world_size", 1))
+    record["world_size"] = dist.world_size
+    if dist.is_main:
+        logger.info("resuming %s after epoch %d", out, state["epoch"])
+    return Run(record, state["epoch"] + 1, last["train_time_s"], last["elapsed_s"])
+
+
+def over_budget(config: TrainConfig, dist: Distributed, train_time: float) -> bool:
+    """The time budget is spent (on any process)."""
+    return config.time_budget_s is not None and dist.any(train_time >= config.time_budget_s)
+
+
+def train_one_epoch(
+    epoch: int, net: torch.nn.Module, data: Data, parts: Parts, run: Run, dist: Distributed,
+    progress: bool,
+) -> tuple[float | None, int]:
+    """One pass over this process's batches (cut short by the time budget).
+
+    Returns:
+        The mean training loss over every process's batches (``None`` without a step), and
+        the number of steps.
+    """
+    config = data.config
+    parts.sampler.set_epoch(epoch)
+    dist.seed_epoch(config.seed, epoch)
+    net.train()
+    parts.bundle.loss.train()
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.startswith("cuda")
                 else contextlib.nullcontext())
-    budget_hit = False
-    last_plot = time.perf_counter()
-    for epoch in range(start_epoch, config.epochs + 1):
-        if budget_hit or (
-            config.time_budget_s is not None
-            and _any_rank(ddp, train_time >= config.time_budget_s)
-        ):
+    epoch_start = time.perf_counter()
+    losses = []
+    bar = tqdm(parts.loader, desc=f"epoch {epoch}/{config.epochs}", leave=False,
+               disable=not (progress and dist.is_main), unit="batch")
+    for images, labels in bar:
+        images = images.to(dist.device, non_blocking=True)
+        labels = labels.to(dist.device, non_blocking=True)
+        with autocast:
+            embeddings = net(images)
+        loss = parts.bundle(embeddings.float(), labels)
+        for opt in parts.optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        dist.average_grads(parts.loss_params)
+        for opt in parts.optimizers:
+            opt.step()
+        for sched in parts.schedulers:
+            sched.step()
+        value = dist.mean(float(loss.detach()))  # the loss over all processes' batches
+        if not math.isfinite(value):
+            raise TrainConfigError(
+                f"loss {config.loss.name} became {value} at epoch {epoch}; lower --lr"
+            )
+        losses.append(value)
+        bar.set_postfix(loss=f"{value:.4f}")
+        if over_budget(config, dist, run.train_time + time.perf_counter() - epoch_start):
+            run.budget_hit = True
+            if dist.is_main:
+                logger.info("time budget of %.0f s reached in epoch %d",
+                            config.time_budget_s, epoch)
             break
-        sampler.set_epoch(epoch)
-        if ddp is not None:
-            # Each rank its own augmentation stream, reproducible on resume.
-            torch.manual_seed(hash((config.seed, epoch, ddp.rank)) & 0xFFFF_FFFF)
-        net.train()
-        bundle.loss.train()
-        epoch_start = time.perf_counter()
-        losses, steps = [], 0
-        bar = tqdm(loader, desc=f"epoch {epoch}/{config.epochs}", leave=False,
-                   disable=not progress or not is_main, unit="batch")
-        for images, labels in bar:
-            images = images.to(device, non_blocking=True)
-            labels = labels.to(device, non_blocking=True)
-            with autocast:
-                embeddings = net(images)
-            loss = bundle(embeddings.float(), labels)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if ddp is not None and bundle.has_params:
-                ddp.average_grads(bundle.loss.parameters())
-            for opt in optimizers:
-                opt.step()
-            for sched in schedulers:
-                sched.step()
-            value = float(loss.detach())
-            if ddp is not None:
-                value = ddp.mean(value)  # the loss over all ranks' batches (same on each rank)
-            if not math.isfinite(value):
-                raise TrainConfigError(
-                    f"loss {config.loss.name} became {value} at epoch {epoch}; lower --lr"
-                )
-            losses.append(value)
-            steps += 1
-            bar.set_postfix(loss=f"{value:.4f}")
-            if config.time_budget_s is not None and _any_rank(ddp, (
-                train_time + time.perf_counter() - epoch_start >= config.time_budget_s
-            )):
-                budget_hit = True
-                if is_main:
-                    logger.info("time budget of %.0f s reached in epoch %d",
-                                config.time_budget_s, epoch)
-                break
-        train_time += time.perf_counter() - epoch_start
-        train_loss = float(np.mean(losses)) if losses else None
-        if not is_main:
-            ddp.barrier()  # type: ignore[union-attr]  # rank 0 validates and saves
-            continue
-        # Validation sees the bare network (not the DDP wrapper) through Embedder.from_model.
-        val = evaluator.validate(model, epoch=epoch)
-        elapsed = prior_elapsed + time.perf_counter() - started
-        _log_epoch(epoch, train_loss, val, summary)
-        record["epochs"].append(_epoch_row(epoch, train_loss, schedulers[0].get_last_lr()[0],
-                                           train_time, elapsed, steps, val))
-        _keep_if_best(record, model, config, out, epoch, val)
-        _save_state(out, model, bundle, optimizers, schedulers, config, summary, epoch, record)
-        _write_record(out, record)
-        if time.perf_counter() - last_plot > PLOT_EVERY_S:
-            # Redrawing costs about a second: worth it for long epochs, not for short ones.
-            plot_run_curves(record, out / CURVES_FILE)
-            last_plot = time.perf_counter()
-        if ddp is not None:
-            ddp.barrier()
+    run.train_time += time.perf_counter() - epoch_start
+    return (float(np.mean(losses)) if losses else None), len(losses)
 
-    if ddp is not None:
-        # Equal on every rank when DDP kept the replicas in step (the DDP test compares them).
-        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-        loss_checksum = sum(float(p.detach().double().sum()) for p in bundle.loss.parameters())
-        logger.info("DDP rank %d final parameter checksum %.12e loss %.12e", ddp.rank, checksum,
-                    loss_checksum)
-        if not is_main:
-            ddp.barrier()  # rank 0 evaluates the test split and writes the final record
-            return RunResult.from_metrics(out, json.loads((out / METRICS_FILE).read_text()))
 
-    # --- the test split, once, with the best checkpoint; the baselines on the same images
+def validate_and_checkpoint(
+    epoch: int, train_loss: float | None, steps: int, data: Data, parts: Parts, run: Run,
+    out: Path, started: float,
+) -> None:
+    """Validate the bare network, record the epoch, keep the best checkpoint, save the resume
+    state; redraw the curves now and then."""
+    val = parts.evaluator.validate(parts.model, epoch=epoch)
+    elapsed = run.prior_elapsed + time.perf_counter() - started
+    lr = parts.schedulers[0].get_last_lr()[0]
+    _checkpoint(epoch_row(epoch, train_loss, lr, run.train_time, elapsed, steps, val),
+                data, parts, run.record, out)
+    if time.perf_counter() - run.last_plot > PLOT_EVERY_S:
+        # Redrawing costs about a second: worth it for long epochs, not for short ones.
+        plot_run_curves(run.record, out / CURVES_FILE)
+        run.last_plot = time.perf_counter()
+
+
+def final_evaluation(
+    data: Data, parts: Parts, run: Run, out: Path, dist: Distributed, started: float
+) -> None:
+    """The test split, once, with the best checkpoint; the baselines on the same images.
+    Writes the final record, ``model.pt`` with the test numbers, and the curves."""
+    record = run.record
     best = load_checkpoint(out)
-    test = evaluator.test(best.model.to(device))
-    untrained = _untrained_model(config, spec, device)
+    test = parts.evaluator.test(best.model.to(dist.device))
+    untrained = _untrained_model(data.config, data.spec, dist.device)
     record["test"] = test
     record["baselines"] = {
-        "raw_pixels": evaluator.test_pixels(),
-        "untrained": evaluator.test(untrained),
+        "raw_pixels": parts.evaluator.test_pixels(),
+        "untrained": parts.evaluator.test(untrained),
     }
     record["model_version"] = best.model_version
     record["status"] = "finished"
-    record["total_time_s"] = prior_elapsed + time.perf_counter() - started
+    record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
     # Re-save the best weights with the test numbers in `extra` (same weights, same version).
-    save_checkpoint(out, best.model.cpu(), extra=_checkpoint_extra(record))
-    _write_record(out, record)
+    save_checkpoint(out, best.model.cpu(), extra=checkpoint_extra(record))
+    write_record(out, record)
     plot_run_curves(record, out / CURVES_FILE)
-    if ddp is not None:
-        ddp.barrier()
     logger.info(
         "test MAP@R (%s): trained %s | untrained %s | raw pixels %s",
-        describe_split(summary), format_metric(test),
+        describe_split(data.summary), format_metric(test),
         format_metric(record["baselines"]["untrained"]),
         format_metric(record["baselines"]["raw_pixels"]),
     )
-    return RunResult.from_metrics(out, record)
 
 
-class _Evaluator:
-    """Builds the query / gallery sets of the protocol once and scores models on them."""
-
-    def __init__(self, config: TrainConfig, source: Any, split: Any, device: str):
-        # The exact search of the metrics runs where the model does (CUDA when training there).
-        self.config, self.source, self.split, self.device = config, source, split, device
-        self.gallery_indices: np.ndarray | None = None
-        if config.protocol == "closed-set":
-            # Queries are held-out images, the gallery the training images (capped, seeded).
-            train_idx = split.indices["train"]
-            cap = config.max_eval_images
-            if cap is not None and len(train_idx) > cap:
-                rng = np.random.default_rng([config.split_seed, 1])
-                train_idx = stratified_subset(train_idx, source.labels, cap, rng)
-            self.gallery_indices = train_idx
-
-    def _score(self, embed: Any, split: str) -> dict[str, Any]:
-        queries = embed(self.split.indices[split])
-        gallery = embed(self.gallery_indices) if self.gallery_indices is not None else None
-        return score_split(queries, gallery, device=self.device)
-
-    def validate(self, model: EmbeddingNet, *, epoch: int) -> dict[str, Any]:
-        return self._score(
-            lambda idx: embed_split(model, self.source, idx, tag=f"epoch-{epoch}"), "val"
-        )
-
-    def test(self, model: EmbeddingNet) -> dict[str, Any]:
-        return self._score(lambda idx: embed_split(model, self.source, idx, tag="test"), "test")
-
-    def test_pixels(self) -> dict[str, Any]:
-        def embed(idx: np.ndarray) -> EmbeddedSet:
-            return pixel_split(self.source, idx, side=self.config.image_size)
-
-        return self._score(embed, "test")
+# ----------------------------------------------------------------------------- helpers
 
 
-def _any_rank(ddp: Dist | None, flag: bool) -> bool:
-    """``flag`` agreed by every rank (true when any rank says so); ``flag`` alone without DDP."""
-    return flag if ddp is None else ddp.any(flag)
+def _new_record(data: Data, parts: Parts, dist: Distributed) -> dict[str, Any]:
+    bundle = parts.bundle
+    return {
+        "status": "running", "config": data.config.to_dict(), "split": data.summary,
+        "split_rule": data.split.rule, "model": data.spec.to_dict(),
+        "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
+                 "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None},
+        "steps_per_epoch": len(parts.loader), "world_size": dist.world_size,
+        "epochs": [], "best": None,
+    }
 
 
-def _untrained_model(config: TrainConfig, spec: Any, device: str) -> EmbeddingNet:
+def _checkpoint(
+    row: dict[str, Any], data: Data, parts: Parts, record: dict[str, Any], out: Path
+) -> None:
+    """Log and record an epoch, keep its network if it is the best, save the resume state."""
+    epoch = row["epoch"]
+    loss_text = "-" if row["train_loss"] is None else f"{row['train_loss']:.4f}"
+    logger.info("epoch %d: train loss %s, validation MAP@R %s (%s split %s)", epoch, loss_text,
+                format_metric(row["val"]), data.summary["protocol"], data.summary["digest"])
+    record["epochs"].append(row)
+    keep_if_best(record, parts.model, out, epoch, row["val"])
+    _save_state(out, data, parts, record, epoch=epoch)
+    write_record(out, record)
+
+
+def _save_state(
+    out: Path, data: Data, parts: Parts, record: dict[str, Any], *, epoch: int
+) -> None:
+    # The record travels with the weights so that the two can never disagree on resume.
+    save_state(out, {
+        "epoch": epoch, "config": data.config.to_dict(), "split_digest": data.summary["digest"],
+        **parts.state_dict(), "rng": torch.get_rng_state(), "record": to_jsonable(record),
+    })
+
+
+def _untrained_model(config: TrainConfig, spec: ModelSpec, device: str) -> EmbeddingNet:
     # Same seed, same construction order as the trained model: the same initial weights.
     rng = torch.get_rng_state()
     torch.manual_seed(config.seed)
@@ -455,64 +474,3 @@ def _lr_lambda(warmup: int, total: int) -> Any:
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def _epoch_row(
-    epoch: int, train_loss: float | None, lr: float | None, train_time: float, elapsed: float,
-    steps: int, val: dict[str, Any],
-) -> dict[str, Any]:
-    return {"epoch": epoch, "train_loss": train_loss, "lr": lr, "steps": steps,
-            "train_time_s": train_time, "elapsed_s": elapsed, "val": val}
-
-
-def _log_epoch(epoch: int, loss: float | None, val: dict[str, Any], split: dict[str, Any]) -> None:
-    loss_text = "-" if loss is None else f"{loss:.4f}"
-    logger.info("epoch %d: train loss %s, validation MAP@R %s (%s split %s)", epoch, loss_text,
-                format_metric(val), split["protocol"], split["digest"])
-
-
-def _keep_if_best(
-    record: dict[str, Any], model: EmbeddingNet, config: TrainConfig, out: Path, epoch: int,
-    val: dict[str, Any],
-) -> None:
-    """Model selection on validation MAP@R only (ties keep the earlier epoch)."""
-    best = record["best"]
-    if best is None or val[SELECTION_METRIC] > best["val"][SELECTION_METRIC]:
-        record["best"] = {"epoch": epoch, "metric": SELECTION_METRIC, "val": val}
-        save_checkpoint(out, model, extra=_checkpoint_extra(record))
-
-
-def _checkpoint_extra(record: dict[str, Any]) -> dict[str, Any]:
-    keys = ("config", "split", "split_rule", "loss", "best", "test", "baselines", "epochs")
-    return to_jsonable({k: record[k] for k in keys if k in record})
-
-
-def _save_state(
-    out: Path, model: EmbeddingNet, bundle: Any, optimizers: list, schedulers: list,
-    config: TrainConfig, summary: dict[str, Any], epoch: int, record: dict[str, Any],
-) -> None:
-    # The record travels with the weights so that the two can never disagree on resume.
-    state = {
-        "epoch": epoch, "config": config.to_dict(), "split_digest": summary["digest"],
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "loss": {k: v.detach().cpu() for k, v in bundle.loss.state_dict().items()},
-        "optimizers": [opt.state_dict() for opt in optimizers],
-        "schedulers": [sched.state_dict() for sched in schedulers],
-        "rng": torch.get_rng_state(),
-        "record": to_jsonable(record),
-    }
-    write_atomic_with(out / LAST_FILE, lambda handle: torch.save(state, handle))
-
-
-def _write_record(out: Path, record: dict[str, Any]) -> None:
-    write_atomic(out / METRICS_FILE, json.dumps(to_jsonable(record), indent=1).encode())
-
-
-def _check_same_config(saved: dict[str, Any], config: TrainConfig, out: Path) -> None:
-    current = config.to_dict()
-    if saved.get("m_per_class") is not None and current.get("m_per_class") is None:
-        current["m_per_class"] = saved["m_per_class"]  # resolved from the data at the start
-    diff = config_diff(saved, current)
-    if diff:
-        details = "; ".join(f"{k}: run has {a!r}, now {b!r}" for k, (a, b) in diff.items())
-        raise TrainConfigError(f"{out}: cannot resume with a different config ({details})")

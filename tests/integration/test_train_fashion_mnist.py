@@ -19,7 +19,8 @@ def _fashion_mnist() -> None:
 
 def test_fashion_mnist_split_is_the_documented_one() -> None:
     from training.config import TrainConfig
-    from training.data import FASHION_SPLIT, make_split, open_source
+    from training.data import make_split, open_source
+    from training.data.splits import FASHION_SPLIT
 
     source = open_source("fashion-mnist")
     split = make_split(source, TrainConfig(data="fashion-mnist"))

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from imgret.datasets import FASHION_MNIST_CLASSES, DatasetError
 from training.config import TrainConfig, TrainConfigError
 from training.data import (
-    FASHION_SPLIT,
-    ArrayImageSource,
-    SeededMPerClassSampler,
+    MPerClassSampler,
     TrainDataset,
     make_split,
     open_source,
@@ -21,6 +20,8 @@ from training.data import (
     train_transform,
 )
 from training.data import model_spec_for as spec_for
+from training.data.sources import ArrayImageSource
+from training.data.splits import FASHION_SPLIT
 
 
 class _Labels:
@@ -140,17 +141,61 @@ def test_m_per_class_too_small_for_the_classes_is_refused() -> None:
 
 def test_sampler_is_deterministic_per_epoch() -> None:
     labels = np.repeat(np.arange(6), 10)
-    a = SeededMPerClassSampler(labels, 4, 16, 60, seed=1)
-    b = SeededMPerClassSampler(labels, 4, 16, 60, seed=1)
+    a = MPerClassSampler(labels, 4, 16, 60, seed=1)
+    b = MPerClassSampler(labels, 4, 16, 60, seed=1)
     a.set_epoch(2)
     first = list(a)
     a.set_epoch(1)
-    list(a)  # another epoch in between must not change epoch 2
+    other_epoch = list(a)  # another epoch in between must not change epoch 2
     a.set_epoch(2)
     b.set_epoch(2)
     assert list(a) == first == list(b)
-    batch = first[:16]
-    assert len(set(labels[batch].tolist())) == 4  # 4 classes x 4 images
+    assert other_epoch != first
+    b.set_epoch(1)
+    assert list(b) == other_epoch
+    c = MPerClassSampler(labels, 4, 16, 60, seed=2)
+    c.set_epoch(2)
+    assert list(c) != first
+
+
+@pytest.mark.parametrize(("per_class", "m", "batch", "length"),
+                         [(10, 4, 16, 60), (3, 4, 8, 30), (7, 2, 6, 50)])
+def test_sampler_batches_hold_m_items_of_distinct_classes(per_class, m, batch, length) -> None:
+    labels = np.repeat(np.arange(5), per_class)
+    sampler = MPerClassSampler(labels, m, batch, length, seed=0)
+    indices = np.array(list(sampler))
+    assert len(sampler) == len(indices) == length - length % batch  # whole batches only
+    for batch_indices in indices.reshape(-1, batch):
+        classes, counts = np.unique(labels[batch_indices], return_counts=True)
+        assert len(classes) == batch // m and set(counts.tolist()) == {m}
+        if per_class >= m:  # without replacement when the class has enough items
+            assert len(set(batch_indices.tolist())) == batch
+
+
+def test_sampler_leaves_global_random_state_alone() -> None:
+    from pytorch_metric_learning.utils import common_functions as pml_common
+
+    np.random.seed(123)
+    torch.manual_seed(123)
+    numpy_before, torch_before = np.random.get_state()[1].copy(), torch.get_rng_state()
+    pml_before = pml_common.NUMPY_RANDOM
+    sampler = MPerClassSampler(np.repeat(np.arange(6), 10), 4, 16, 60, seed=1)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        list(sampler)
+    assert pml_common.NUMPY_RANDOM is pml_before
+    np.testing.assert_array_equal(np.random.get_state()[1], numpy_before)
+    assert torch.equal(torch.get_rng_state(), torch_before)
+
+
+def test_sampler_refuses_what_cannot_fill_a_batch() -> None:
+    labels = np.repeat(np.arange(3), 4)
+    with pytest.raises(TrainConfigError, match="divide"):
+        MPerClassSampler(labels, 3, 8, 12, seed=0)
+    with pytest.raises(TrainConfigError, match="m x classes"):
+        MPerClassSampler(labels, 2, 8, 12, seed=0)
+    with pytest.raises(TrainConfigError, match="batch size 16"):
+        MPerClassSampler(np.repeat(np.arange(4), 3), 4, 16, 12, seed=0)
 
 
 def test_empty_folder_is_a_clear_error(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import training.loop as loop
 from cli.main import app
 from imgret.checkpoint import load_checkpoint
 from training.config import LossConfig, TrainConfig, TrainConfigError
-from training.loop import LAST_FILE, train
+from training.loop import train
+from training.run_dir import LAST_FILE
 
 REPORTED = ("map_at_r", "r_precision", "precision_at_1")
 
@@ -86,9 +87,9 @@ def test_resume_continues_where_the_run_stopped(
     # The same run, killed right after epoch 1's state is saved.
     real_save = loop._save_state
 
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        if args[7] >= 1:  # the epoch just saved
+    def save_then_crash(*args, epoch: int):
+        real_save(*args, epoch=epoch)
+        if epoch >= 1:
             raise _Crash
 
     monkeypatch.setattr(loop, "_save_state", save_then_crash)

@@ -1,0 +1,31 @@
+"""Training data: image sources, their train / val / test splits, the training dataset and
+the m-per-class sampler.
+
+- :mod:`~training.data.sources`: what ``--data`` names, as labelled images by index;
+- :mod:`~training.data.splits`: the class-disjoint / closed-set splits (seeded, documented);
+- :mod:`~training.data.datasets`: the training split as a torch ``Dataset``, its augmentation;
+- :mod:`~training.data.sampler`: batches of m images per class, from the sampler's own
+  seeded generator.
+
+Bad data is reported, not crashed on: each module says how.
+"""
+
+from training.data.datasets import TrainDataset, train_transform
+from training.data.sampler import MPerClassSampler, resolve_m_per_class
+from training.data.sources import ImageSource, iter_images, model_spec_for, open_source
+from training.data.splits import DataSplit, describe_split, make_split, stratified_subset
+
+__all__ = [
+    "DataSplit",
+    "ImageSource",
+    "MPerClassSampler",
+    "TrainDataset",
+    "describe_split",
+    "iter_images",
+    "make_split",
+    "model_spec_for",
+    "open_source",
+    "resolve_m_per_class",
+    "stratified_subset",
+    "train_transform",
+]
