@@ -28,9 +28,10 @@ from typing import Any
 from imgret.errors import ImgretError
 from imgret.stats import mean_ci
 from training.config import LossConfig, TrainConfig, base_config, config_diff
-from training.loop import METRICS_FILE, train
+from training.loop import train
 from training.plots import plot_benchmark_bars, plot_benchmark_curves
 from training.registry import LOSSES, loss_spec, resolve_miner
+from training.run_dir import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,6 @@ from training.registry import LossBundle, build_loss, resolve_miner, resolve_opt
 from training.run_dir import (
     CURVES_FILE,
     LAST_FILE,
-    METRICS_FILE,  # noqa: F401  (training.benchmark reads it from here)
     RunResult,
     checkpoint_extra,
     epoch_row,
