@@ -46,7 +46,7 @@ from training.data import (
     make_split,
     model_spec_for,
     open_source,
-    resolve_m_per_class,
+    plan_batches,
     train_transform,
 )
 from training.distributed import Distributed, ShardedBatchSampler, connect
@@ -147,6 +147,8 @@ class Data:
         summary: the split's summary (protocol, classes, counts, digest).
         spec: the model spec the source implies (greyscale normalisation).
         train_set: the training split as a Dataset.
+        requested_batch: ``batch_size`` and ``m_per_class`` as asked, before they were fitted
+            to the data (a finished run is compared on these).
     """
 
     config: TrainConfig
@@ -155,6 +157,7 @@ class Data:
     summary: dict[str, Any]
     spec: ModelSpec
     train_set: TrainDataset
+    requested_batch: dict[str, int | None]
 
 
 @dataclass
@@ -229,18 +232,28 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
     spec = model_spec_for(config, source)
     train_set = TrainDataset(source, split.indices["train"],
                              train_transform(spec, config.augmentation))
-    config = resolve_config(config, len(train_set.class_names))
+    requested_batch = {"batch_size": config.batch_size, "m_per_class": config.m_per_class}
+    config = resolve_config(config, np.bincount(train_set.targets), dist.world_size,
+                            log=dist.is_main)
     if dist.is_main:
         logger.info("run %s: %s", out, config.short())
         logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
-    return Data(config, source, split, summary, spec, train_set)
+    return Data(config, source, split, summary, spec, train_set, requested_batch)
 
 
-def resolve_config(config: TrainConfig, num_train_classes: int) -> TrainConfig:
-    """Fill in what depends on the data (``m_per_class``) so the saved config is complete."""
-    m = resolve_m_per_class(config.batch_size, num_train_classes, config.m_per_class)
-    return dataclasses.replace(config, m_per_class=m)
+def resolve_config(
+    config: TrainConfig, class_sizes: np.ndarray, world_size: int = 1, *, log: bool = True
+) -> TrainConfig:
+    """Fill in what depends on the data (the batch composition, lowered to fit a small split
+    with a warning saying why) so the saved config is complete."""
+    plan = plan_batches(config.batch_size, config.m_per_class, class_sizes,
+                        world_size=world_size)
+    if log:
+        for change in plan.changes:
+            logger.warning("%s", change)
+        logger.info("%s", plan.describe())
+    return dataclasses.replace(config, batch_size=plan.batch_size, m_per_class=plan.m_per_class)
 
 
 def build_parts(data: Data, dist: Distributed) -> Parts:
@@ -422,7 +435,8 @@ def final_evaluation(
 def _new_record(data: Data, parts: Parts, dist: Distributed) -> dict[str, Any]:
     bundle = parts.bundle
     return {
-        "status": "running", "config": data.config.to_dict(), "split": data.summary,
+        "status": "running", "config": data.config.to_dict(),
+        "requested_batch": data.requested_batch, "split": data.summary,
         "split_rule": data.split.rule, "model": data.spec.to_dict(),
         "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
                  "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None},

@@ -76,7 +76,9 @@ def finished_run(config: TrainConfig, out: Path, *, resume: bool) -> RunResult |
     if resume and (out / METRICS_FILE).exists():
         previous = read_record(out)
         if previous.get("status") == "finished":
-            check_same_config(previous["config"], config, out)
+            # The saved batch composition was fitted to the data; compare what was asked.
+            asked = previous["config"] | previous.get("requested_batch", {})
+            check_same_config(asked, config, out)
             return RunResult.from_metrics(out, previous)
     return None
 

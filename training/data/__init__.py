@@ -11,7 +11,7 @@ Bad data is reported, not crashed on: each module says how.
 """
 
 from training.data.datasets import TrainDataset, train_transform
-from training.data.sampler import MPerClassSampler, resolve_m_per_class
+from training.data.sampler import MPerClassSampler, plan_batches
 from training.data.sources import ImageSource, iter_images, model_spec_for, open_source
 from training.data.splits import DataSplit, describe_split, make_split, stratified_subset
 
@@ -25,7 +25,7 @@ __all__ = [
     "make_split",
     "model_spec_for",
     "open_source",
-    "resolve_m_per_class",
+    "plan_batches",
     "stratified_subset",
     "train_transform",
 ]

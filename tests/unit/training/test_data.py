@@ -16,7 +16,7 @@ from training.data import (
     TrainDataset,
     make_split,
     open_source,
-    resolve_m_per_class,
+    plan_batches,
     train_transform,
 )
 from training.data import model_spec_for as spec_for
@@ -131,12 +131,14 @@ def test_fashion_mnist_closed_set_tests_on_the_official_test_file() -> None:
     [(64, 100, None, 4), (64, 6, None, 16), (32, 8, None, 4), (60, 6, None, 10), (64, 6, 16, 16)],
 )
 def test_m_per_class_fits_the_sampler(batch, classes, given, expected) -> None:
-    assert resolve_m_per_class(batch, classes, given) == expected
+    plan = plan_batches(batch, given, [500] * classes)
+    assert (plan.batch_size, plan.m_per_class, plan.changes) == (batch, expected, ())
 
 
-def test_m_per_class_too_small_for_the_classes_is_refused() -> None:
-    with pytest.raises(TrainConfigError, match="m-per-class 4 x 6"):
-        resolve_m_per_class(64, 6, 4)
+def test_m_per_class_too_small_for_the_classes_is_replaced_and_said() -> None:
+    plan = plan_batches(64, 4, [500] * 6)
+    assert (plan.batch_size, plan.m_per_class) == (64, 16)
+    assert plan.changes == ("m_per_class 4 -> 16: 4 x 6 classes cannot fill a batch of 64",)
 
 
 def test_sampler_is_deterministic_per_epoch() -> None:
