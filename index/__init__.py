@@ -9,8 +9,9 @@ Modules and what the service uses from them:
 - ``index.store``: repository functions (``session`` keyword-only, never commit).
 - ``index.ingest``: ``add_items(items, *, session, media, embedder)`` for uploads and
   ``ingest_source(path, ...)`` for ``imgret ingest``.
-- ``index.faiss_index``: factory checks, index creation, GPU placement, the build from SQL.
+- ``index.faiss_index``: factory checks, index creation, GPU placement, the index file.
+- ``index.build``: ``build_from_sql(...)``, an index from the stored embeddings.
 - ``index.manifest``: what a saved index was built from, checked against SQL on load.
 - ``index.search``: ``Searcher.open(...)``, ``search``, ``add``, ``remove``,
-  ``refresh_from_changes``.
+  ``refresh_from_changes`` (a package: filters, ranking, live index, change log, lifecycle).
 """

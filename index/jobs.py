@@ -116,7 +116,7 @@ def build(
     Unlike a starting service, an explicit build refuses a factory the gallery is too small to
     train, instead of falling back to exact search.
     """
-    from index.faiss_index import build_from_sql
+    from index.build import build_from_sql
     from index.search import Searcher
 
     with open_gallery(settings) as sessions:

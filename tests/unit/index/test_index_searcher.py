@@ -30,14 +30,14 @@ def trained_index(factory: str, dim: int = 16) -> faiss.Index:
 
 
 def make_searcher(factory: str, vectors: np.ndarray, ids: np.ndarray | None = None,
-                  labels: int = 6) -> Searcher:
+                  labels: int = 6, cls: type[Searcher] = Searcher) -> Searcher:
     ids = np.arange(1, len(vectors) + 1, dtype=np.int64) if ids is None else ids
     index = trained_index(factory, vectors.shape[1])
     index.add_with_ids(vectors, ids)
     set_search_defaults(index)
     infos = {int(i): ItemInfo(f"l{int(i) % labels}", int(i) % 3, {"shop": "a" if i % 2 else "b"})
              for i in ids}
-    return Searcher(index, model_version="m", factory=factory, infos=infos, use_gpu=False)
+    return cls(index, model_version="m", factory=factory, infos=infos, use_gpu=False)
 
 
 def brute_force(queries: np.ndarray, vectors: np.ndarray, ids: np.ndarray, k: int):
@@ -279,9 +279,9 @@ def test_query_time_knobs_are_applied(vectors):
 
     index = trained_index("IVF8,Flat")
     index.add_with_ids(vectors, np.arange(1, len(vectors) + 1))
-    searcher = Searcher(index, model_version="m", factory="IVF8,Flat", use_gpu=False,
-                        infos={i: ItemInfo("") for i in range(1, len(vectors) + 1)}, nprobe=3)
-    assert unwrap(searcher._index).nprobe == 3
+    Searcher(index, model_version="m", factory="IVF8,Flat", use_gpu=False,
+             infos={i: ItemInfo("") for i in range(1, len(vectors) + 1)}, nprobe=3)
+    assert unwrap(index).nprobe == 3
     hnsw = trained_index("HNSW16")
     Searcher(hnsw, model_version="m", factory="HNSW16", use_gpu=False, ef_search=200)
     assert unwrap(hnsw).hnsw.efSearch == 200
@@ -301,9 +301,7 @@ def test_an_evaluation_ranks_the_gallery_it_counted_while_items_are_added(vector
             return snapshot
 
     base = make_searcher("Flat", vectors)
-    searcher = AddsDuringEvaluation(base._index, model_version="m", factory="Flat",
-                                    infos={int(i): base.info(i) for i in base.ids()},
-                                    use_gpu=False)
+    searcher = make_searcher("Flat", vectors, cls=AddsDuringEvaluation)
     queries = QueryBatch(vectors[:4], [base.info(i).label for i in base.ids()[:4]], None)
     report = evaluate(searcher, queries).report
     assert report["num_queries"] == 4

@@ -1,0 +1,25 @@
+"""Search a gallery: one model version's FAISS index, with filters and live updates.
+
+:class:`Searcher` (in :mod:`index.search.searcher`) composes parts with one job each and
+holds the locks that make them safe together:
+
+- :mod:`index.search.filters`: :class:`SearchFilter`, and the catalog of live ids (label,
+  camera, metadata) that turns a filter into an allowed-id mask;
+- :mod:`index.search.ranking`: :class:`Hit`, and the ladder that gives a filtered search
+  ``min(k, matching)`` hits on any index type (id selector or over-fetch, exhaustive retry,
+  exact re-rank);
+- :mod:`index.search.live`: the index being served (CPU master, GPU mirror), tombstones, and
+  the memory of deleted ids, changed by adds, removes and rebuild swaps;
+- :mod:`index.search.changes`: what other processes committed (the deletes to catch up on
+  before each search, the change log to replay);
+- :mod:`index.search.lifecycle`: open (load and check against SQL, or rebuild), save,
+  background rebuilds;
+- :mod:`index.search.lock`: the reader/writer lock.
+"""
+
+from index.search.filters import SearchFilter
+from index.search.lock import ReadWriteLock
+from index.search.ranking import Hit
+from index.search.searcher import Searcher
+
+__all__ = ["Hit", "ReadWriteLock", "SearchFilter", "Searcher"]
