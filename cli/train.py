@@ -1,6 +1,7 @@
-"""CLI commands: train (one run) and benchmark (losses x seeds on one base config).
+"""CLI commands: train (one run), benchmark (losses x seeds on one base config) and tune
+(equal-budget tuning of every loss, then the benchmark of the best configurations).
 
-Both commands take the same base-config options: one per TrainConfig field, its type, default
+The commands take the same base-config options: one per TrainConfig field, its type, default
 and help read from the field (:func:`with_config_options`), so no option is written twice.
 torch and the rest of the training package are imported inside the commands so that
 `imgret --help` stays fast.
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal, get_origin
 
 import typer
 
-from training.config import LossConfig, TrainConfig, default_image_size
+from training.config import DEFAULT_LOSSES, LossConfig, TrainConfig, default_image_size
 
 _BASE = "Base config (shared by every loss in a benchmark)"
 # The base-config options of both commands, in the order --help lists them.
@@ -42,6 +43,8 @@ FROM_CONFIG: Any = object()
 
 OutOpt = Annotated[Path, typer.Option("--out", help="run (or benchmark) directory")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars")]
+LossesOpt = Annotated[str, typer.Option(
+    "--losses", help="comma-separated loss[:miner], e.g. triplet,triplet:hard,arcface")]
 
 
 def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
@@ -81,6 +84,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     """Add this area's commands to the CLI."""
     app.command("train")(train_command)
     app.command("benchmark")(benchmark_command)
+    app.command("tune")(tune_command)
 
 
 @with_config_options
@@ -134,8 +138,7 @@ def echo_run(result: Any) -> None:
 @with_config_options
 def benchmark_command(
     out: OutOpt,
-    losses: Annotated[str, typer.Option(
-        "--losses", help="comma-separated loss[:miner], e.g. triplet,triplet:hard,arcface")],
+    losses: LossesOpt = ",".join(DEFAULT_LOSSES),
     seeds: Annotated[int, typer.Option("--seeds", help="seeds 0..N-1 per loss", min=1)] = 3,
     progress: ProgressOpt = True,
     **base: Any,
@@ -152,6 +155,65 @@ def benchmark_command(
     command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results = run_benchmark(config, blocks, list(range(seeds)), out, command=command,
                             progress=progress)
+    echo_results(results, out)
+
+
+@with_config_options
+def tune_command(
+    ctx: typer.Context,
+    out: OutOpt,
+    losses: LossesOpt = ",".join(DEFAULT_LOSSES),
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="quick (2 CPU cores, about 30 min) or full (a GPU): preset base "
+        "options, trials and seeds; options given explicitly override it")] = None,
+    trials: Annotated[int | None, typer.Option(
+        "--trials", help="finished trials per loss, the same for every loss (default: the "
+        "budget's, else 10)", min=1)] = None,
+    seeds: Annotated[int | None, typer.Option(
+        "--seeds", help="retraining seeds 0..N-1 per loss (default: the budget's, else 5)",
+        min=1)] = None,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="seeds the TPE sampler and the trials' training")] = 0,
+    progress: ProgressOpt = True,
+    **base: Any,
+) -> None:
+    """Tune every loss with the same budget on validation MAP@R (Optuna TPE, seeded), then
+    retrain each best configuration with several seeds and test it once per seed.
+
+    Every loss gets the same number of trials, each trial the base config's epochs (or
+    time budget); no pruning. Resumable: finished trials and runs are kept (studies in
+    OUT/tune/study.db, trial runs in OUT/tune/, retrained cells in OUT/runs/). Writes
+    OUT/results.md and results.json with the search spaces and the trial budget.
+    """
+    from training.benchmark import parse_losses
+    from training.tune import BUDGETS, run_tuned_benchmark
+
+    preset = None
+    if budget is not None:
+        if budget not in BUDGETS:
+            raise typer.BadParameter(f"choose from {', '.join(BUDGETS)}", param_hint="--budget")
+        preset = BUDGETS[budget]
+        for name, value in preset.options.items():  # an option given on the command line wins
+            if ctx.get_parameter_source(name).name == "DEFAULT":  # (Typer vendors click)
+                base[name] = value
+    blocks = parse_losses(losses)
+    config = _config(base, seed=0, loss=blocks[0])
+    command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_tuned_benchmark(
+        config, blocks, trials or (preset.trials if preset else 10),
+        list(range(seeds or (preset.seeds if preset else 5))), out, seed=seed,
+        command=command, progress=progress,
+    )
+    tuning = results["tuning"]
+    typer.echo(f"tuned {len(tuning['best'])} losses with {tuning['trials']} trials each "
+               f"({tuning['per_trial']['epochs']} epochs per trial); best on validation:")
+    for name, best in tuning["best"].items():
+        typer.echo(f"  {name:<22} MAP@R {best['val_map_at_r']:.3f} (trial {best['trial']})")
+    echo_results(results, out)
+
+
+def echo_results(results: dict[str, Any], out: Path) -> None:
+    """Print a benchmark's table: test MAP@R, R-Precision and P@1, mean ± 95% CI."""
     split = results["split"]
     typer.echo(f"test split: {split['protocol']} {split['digest']} of {split['source']}")
     typer.echo(f"{'method':<24} {'MAP@R':>15} {'R-Precision':>15} {'P@1':>15}")

@@ -9,7 +9,9 @@ runner is resumable: a finished cell is not run again, an interrupted one contin
 aggregated and written by :mod:`training.report`.
 
 Comparing runs whose base configs differ is refused (:class:`BenchmarkMismatch`): in an
-existing benchmark directory, and among the cells found there.
+existing benchmark directory, and among the cells found there. Tuned hyper-parameters
+(``training.tune``: learning rate, loss options, proxy rate, miner settings) travel in each
+loss's block, so a tuned benchmark still shares one identical base.
 """
 
 from __future__ import annotations
@@ -90,16 +92,18 @@ def plan_cells(
 
 def run_benchmark(
     base: TrainConfig, losses: Sequence[LossConfig], seeds: Sequence[int], out: str | Path,
-    *, command: str = "", progress: bool = True,
+    *, command: str = "", progress: bool = True, tuning: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) every cell, then aggregate and write the report.
 
     Args:
         base: the shared config (its ``loss`` and ``seed`` are ignored).
-        losses: the loss blocks to compare.
+        losses: the loss blocks to compare (tuned ones carry their tuned values).
         seeds: the training seeds (the split does not depend on them).
         out: the benchmark directory.
         command: the command line, recorded in the report for reproduction.
+        tuning: how the loss blocks were tuned (``training.tune``), kept in the results
+            under ``"tuning"``.
 
     Returns:
         The aggregated results (also written to ``results.json``).
@@ -119,16 +123,20 @@ def run_benchmark(
                 f"{out}: holds a benchmark with a different base config; the runs would not be "
                 f"comparable ({describe_diff(diff)}). Use another --out or the same options."
             )
-    manifest = {"base": shared, "command": command,
-                "cells": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     cells = plan_cells(base, losses, seeds, out)
-    manifest["cells"] = [{"loss": c.name, "seed": c.config.seed, "dir": str(c.out.relative_to(out))}
-                         for c in cells]
+    manifest = {
+        "base": shared, "command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "losses": {cell_name(loss): dataclasses.asdict(loss) for loss in losses},
+        "cells": [{"loss": c.name, "seed": c.config.seed, "dir": str(c.out.relative_to(out))}
+                  for c in cells],
+    }
     manifest_path.write_text(json.dumps(manifest, indent=1))
     for i, cell in enumerate(cells, start=1):
         logger.info("benchmark cell %d/%d: %s seed %d", i, len(cells), cell.name, cell.config.seed)
         train(cell.config, cell.out, resume=True, progress=progress)
     results = aggregate(out, cells)
     results["command"] = command
+    if tuning is not None:
+        results["tuning"] = tuning
     write_report(results, out)
     return results

@@ -26,6 +26,13 @@ from imgret.validation import raising
 FASHION_MNIST = "fashion-mnist"
 # Fields that may differ between the runs of one benchmark.
 PER_RUN_FIELDS = ("loss", "seed")
+# The loss block's fields that equal-budget tuning sets per loss (unset: the base's values).
+TUNING_FIELDS = ("lr", "param_lr_mult", "miner_options")
+# The losses `imgret benchmark` and `imgret tune` compare by default: ten of the Reality
+# Check's families (pairs, triplets with FaceNet's semi-hard mining, proxies, classifiers,
+# supervised contrastive); names of training.registry.LOSSES.
+DEFAULT_LOSSES = ("contrastive", "triplet", "multi_similarity", "proxy_anchor", "proxy_nca",
+                  "normalized_softmax", "cross_entropy", "cosface", "arcface", "supcon")
 
 
 class TrainConfigError(ImgretError, ValueError):
@@ -37,15 +44,26 @@ class TrainConfigError(ImgretError, ValueError):
 class LossConfig:
     """The loss block: the only part a benchmark varies between losses.
 
+    Equal-budget tuning (``training.tune``) gives each loss its own learning rate, proxy
+    learning-rate multiplier and miner settings; they live here, in the loss block, so that the
+    shared base config stays identical for every loss (and :func:`base_config` still proves it).
+
     Attributes:
         name: a key of ``training.registry.LOSSES``.
         miner: a key of ``training.registry.MINERS``; ``None`` = the loss's default.
         options: overrides of the loss's documented defaults (e.g. ``{"margin": 0.1}``).
+        lr: the network's learning rate for this loss; ``None`` = the base ``lr``.
+        param_lr_mult: learning rate of the loss's own parameters relative to the network's;
+            ``None`` = the registry's.
+        miner_options: overrides of the miner's defaults (e.g. ``{"epsilon": 0.05}``).
     """
 
     name: str = "multi_similarity"
     miner: str | None = None
     options: dict[str, Any] = Field(default_factory=dict)
+    lr: float | None = Field(None, gt=0)
+    param_lr_mult: float | None = Field(None, gt=0)
+    miner_options: dict[str, Any] = Field(default_factory=dict)
 
 
 @raising(TrainConfigError)
@@ -121,6 +139,11 @@ class TrainConfig:
             raise ValueError("m_per_class must divide batch_size")
         return self
 
+    @property
+    def network_lr(self) -> float:
+        """The network's learning rate: the loss block's (tuned) one, else the base ``lr``."""
+        return self.loss.lr if self.loss.lr is not None else self.lr
+
     def short(self) -> str:
         """A one-line summary for logs: loss, backbone, data, protocol, seed."""
         miner = f"/{self.loss.miner}" if self.loss.miner else ""
@@ -130,8 +153,13 @@ class TrainConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (nested loss block), in field order."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (nested loss block), in field order. The loss block's tuning
+        fields are saved only when set, so an untuned run saves the keys it always did (and a
+        run saved before tuning existed still resumes)."""
+        data = dataclasses.asdict(self)
+        data["loss"] = {k: v for k, v in data["loss"].items()
+                        if k not in TUNING_FIELDS or v not in (None, {})}
+        return data
 
 
 def default_image_size(data: str) -> int:

@@ -52,7 +52,13 @@ from training.data import (
 from training.distributed import Distributed, ShardedBatchSampler, connect
 from training.evaluation import Evaluator, format_metric, to_jsonable
 from training.plots import plot_run_curves
-from training.registry import LossBundle, build_loss, resolve_miner, resolve_options
+from training.registry import (
+    LossBundle,
+    build_loss,
+    resolve_miner,
+    resolve_miner_options,
+    resolve_options,
+)
 from training.run_dir import (
     CURVES_FILE,
     LAST_FILE,
@@ -73,8 +79,13 @@ logger = logging.getLogger(__name__)
 PLOT_EVERY_S = 60.0  # curves.png is redrawn during a run at most this often (and at the end)
 
 
+class LossDiverged(TrainConfigError):
+    """The training loss became NaN or infinite (usually: the learning rate is too high)."""
+
+
 def train(
-    config: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True
+    config: TrainConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
+    test: bool = True,
 ) -> RunResult:
     """Train one model and evaluate it (the Reality-Check protocol).
 
@@ -84,6 +95,9 @@ def train(
         resume: continue from ``out/last.pt``; the config must be the same. A finished run is
             not trained again (its result is returned).
         progress: show tqdm bars.
+        test: evaluate the test split and the baselines at the end. A tuning trial passes
+            ``False``: it is judged on validation only and never sees the test split (its
+            result's ``test`` and ``baselines`` are ``None``).
 
     Returns:
         The :class:`RunResult` (also written to ``out/metrics.json``).
@@ -101,6 +115,8 @@ def train(
     # Registry names and options are checked before any data is read.
     resolve_miner(config.loss.name, config.loss.miner)
     resolve_options(config.loss.name, config.loss.options)
+    resolve_miner_options(resolve_miner(config.loss.name, config.loss.miner),
+                          config.loss.miner_options)
     finished = finished_run(config, out, resume=resume)
     if finished is not None:
         logger.info("%s: run already finished; nothing to do", out)
@@ -126,7 +142,7 @@ def train(
             dist.barrier()
         dist.report_checksums(parts.model, parts.bundle.loss)
         if dist.is_main:  # rank 0 evaluates the test split and writes the final record
-            final_evaluation(data, parts, run, out, dist, started)
+            final_evaluation(data, parts, run, out, dist, started, test=test)
         dist.barrier()
         return RunResult.from_metrics(out, read_record(out))
     finally:
@@ -264,16 +280,17 @@ def build_parts(data: Data, dist: Distributed) -> Parts:
     bundle = build_loss(
         config.loss.name, num_classes=len(train_set.class_names), embedding_size=config.dim,
         miner=config.loss.miner, options=config.loss.options,
+        miner_options=config.loss.miner_options, param_lr_mult=config.loss.param_lr_mult,
     )
     bundle.loss.to(dist.device)
     loss_params = list(bundle.loss.parameters()) if bundle.has_params else []
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=config.lr,
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=config.network_lr,
                                     weight_decay=config.weight_decay)]
     if loss_params:
         # Proxies / class weights get their own optimiser and learning rate; no weight decay,
         # which would only shrink the scale a cosine classifier normalises away anyway.
         optimizers.append(torch.optim.AdamW(
-            loss_params, lr=config.lr * bundle.param_lr_mult, weight_decay=0.0
+            loss_params, lr=config.network_lr * bundle.param_lr_mult, weight_decay=0.0
         ))
     sampler = MPerClassSampler(
         train_set.targets, config.m_per_class, config.batch_size, len(train_set), config.seed
@@ -368,7 +385,7 @@ def train_one_epoch(
             sched.step()
         value = dist.mean(float(loss.detach()))  # the loss over all processes' batches
         if not math.isfinite(value):
-            raise TrainConfigError(
+            raise LossDiverged(
                 f"loss {config.loss.name} became {value} at epoch {epoch}; lower --lr"
             )
         losses.append(value)
@@ -401,19 +418,22 @@ def validate_and_checkpoint(
 
 
 def final_evaluation(
-    data: Data, parts: Parts, run: Run, out: Path, dist: Distributed, started: float
+    data: Data, parts: Parts, run: Run, out: Path, dist: Distributed, started: float,
+    *, test: bool = True,
 ) -> None:
     """The test split, once, with the best checkpoint; the baselines on the same images.
-    Writes the final record, ``model.pt`` with the test numbers, and the curves."""
+    Writes the final record, ``model.pt`` with the test numbers, and the curves. Without
+    ``test`` (a tuning trial) the record ends at validation and the test split stays unseen."""
     record = run.record
     best = load_checkpoint(out)
-    test = parts.evaluator.test(best.model.to(dist.device))
-    untrained = _untrained_model(data.config, data.spec, dist.device)
-    record["test"] = test
-    record["baselines"] = {
-        "raw_pixels": parts.evaluator.test_pixels(),
-        "untrained": parts.evaluator.test(untrained),
-    }
+    record["test"] = record["baselines"] = None
+    if test:
+        untrained = _untrained_model(data.config, data.spec, dist.device)
+        record["test"] = parts.evaluator.test(best.model.to(dist.device))
+        record["baselines"] = {
+            "raw_pixels": parts.evaluator.test_pixels(),
+            "untrained": parts.evaluator.test(untrained),
+        }
     record["model_version"] = best.model_version
     record["status"] = "finished"
     record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
@@ -421,12 +441,13 @@ def final_evaluation(
     save_checkpoint(out, best.model.cpu(), extra=checkpoint_extra(record))
     write_record(out, record)
     plot_run_curves(record, out / CURVES_FILE)
-    logger.info(
-        "test MAP@R (%s): trained %s | untrained %s | raw pixels %s",
-        describe_split(data.summary), format_metric(test),
-        format_metric(record["baselines"]["untrained"]),
-        format_metric(record["baselines"]["raw_pixels"]),
-    )
+    if test:
+        logger.info(
+            "test MAP@R (%s): trained %s | untrained %s | raw pixels %s",
+            describe_split(data.summary), format_metric(record["test"]),
+            format_metric(record["baselines"]["untrained"]),
+            format_metric(record["baselines"]["raw_pixels"]),
+        )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -439,7 +460,10 @@ def _new_record(data: Data, parts: Parts, dist: Distributed) -> dict[str, Any]:
         "requested_batch": data.requested_batch, "split": data.summary,
         "split_rule": data.split.rule, "model": data.spec.to_dict(),
         "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
-                 "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None},
+                 "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None,
+                 "lr": data.config.network_lr,
+                 "miner_options": resolve_miner_options(bundle.miner_name,
+                                                        data.config.loss.miner_options)},
         "steps_per_epoch": len(parts.loader), "world_size": dist.world_size,
         "epochs": [], "best": None,
     }

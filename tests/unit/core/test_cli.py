@@ -26,7 +26,7 @@ def test_help_lists_commands() -> None:
         assert command in out.stdout
 
 
-def test_train_and_benchmark_share_the_base_options_read_from_train_config() -> None:
+def test_train_benchmark_and_tune_share_the_base_options_read_from_train_config() -> None:
     import typer.main
 
     from cli.main import app
@@ -35,11 +35,11 @@ def test_train_and_benchmark_share_the_base_options_read_from_train_config() -> 
 
     group = typer.main.get_command(app)
     base = {}
-    for name in ("train", "benchmark"):
+    for name in ("train", "benchmark", "tune"):
         params = group.commands[name].params  # type: ignore[attr-defined]
         base[name] = [(p.name, p.opts, p.default, p.help) for p in params
                       if getattr(p, "rich_help_panel", None)]
-    assert base["train"] == base["benchmark"]
+    assert base["train"] == base["benchmark"] == base["tune"]
     assert [name for name, *_ in base["train"]] == list(BASE_OPTIONS)
     fields = TrainConfig.__pydantic_fields__
     for name, _flags, default, help_text in base["train"]:
