@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from PIL import Image
 
 from imgret.errors import ImageDecodeError, ImageTooLarge
 from imgret.images import decode_image, load_image_file
+from tests.support.hostile_images import png_header_only
 from tests.support.images import class_image, image_bytes
 
 
@@ -81,21 +80,9 @@ def test_truncated_file_is_refused(fmt: str) -> None:
         decode_image(data[: len(data) // 2])
 
 
-def _png_header_only(width: int, height: int) -> bytes:
-    """A PNG that claims a huge size: the bomb is in the header, no pixel data needed."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(
-            ">I", zlib.crc32(kind + body) & 0xFFFFFFFF
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) \
-        + chunk(b"IEND", b"")
-
-
 def test_decompression_bomb_refused_before_decoding() -> None:
     with pytest.raises(ImageTooLarge, match="over the limit"):
-        decode_image(_png_header_only(100_000, 100_000), max_pixels=10_000_000)
+        decode_image(png_header_only(100_000, 100_000), max_pixels=10_000_000)
 
 
 def test_pixel_limit_is_per_call() -> None:
