@@ -33,6 +33,11 @@ TUNING_FIELDS = ("lr", "param_lr_mult", "miner_options")
 # supervised contrastive); names of training.registry.LOSSES.
 DEFAULT_LOSSES = ("contrastive", "triplet", "multi_similarity", "proxy_anchor", "proxy_nca",
                   "normalized_softmax", "cross_entropy", "cosface", "arcface", "supcon")
+# (validation, test) shares when --val-fraction / --test-fraction are not given. Class-disjoint
+# follows the Reality Check: half of the classes for test, 2 of the other 5 for validation
+# (Fashion-MNIST's fixed split has these proportions); closed-set holds out a quarter of each
+# class's images for each.
+SPLIT_FRACTIONS = {"class-disjoint": (0.2, 0.5), "closed-set": (0.25, 0.25)}
 
 
 class TrainConfigError(ImgretError, ValueError):
@@ -75,7 +80,8 @@ class TrainConfig:
         data: ``fashion-mnist`` reads Debian's raw idx files.
         split_seed: the same value gives the same split, whatever the training ``seed``.
         val_fraction, test_fraction: shares of classes (class-disjoint) or of each class's
-            images (closed-set); together less than 1.
+            images (closed-set); together less than 1; ``None`` = the protocol's default
+            (:attr:`split_fractions`).
         image_size: ``imgret train`` defaults it by data set (:func:`default_image_size`).
         epochs: one epoch = as many samples as the training split holds.
         time_budget_s: the run stops after the step that exceeds it, validates, and tests.
@@ -96,10 +102,12 @@ class TrainConfig:
         "Reality Check) or closed-set (same classes, held-out images; product search)")
     split_seed: int = Field(
         0, description="seeds the class shuffle / hold-out (not the training)")
-    val_fraction: float = Field(
-        0.25, gt=0, lt=1, description="share of classes (or images) for validation")
-    test_fraction: float = Field(
-        0.25, gt=0, lt=1, description="share of classes (or images) for test")
+    val_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of classes (or images) for validation; default "
+        "0.2 of the classes (class-disjoint) or 0.25 of each class's images (closed-set)")
+    test_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of classes (or images) for test; default 0.5 of "
+        "the classes (class-disjoint) or 0.25 of each class's images (closed-set)")
     backbone: str = Field(
         "resnet18",
         description="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16")
@@ -133,11 +141,18 @@ class TrainConfig:
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        if self.val_fraction + self.test_fraction >= 1:
+        if sum(self.split_fractions) >= 1:
             raise ValueError("val_fraction + test_fraction must be less than 1")
         if self.m_per_class is not None and self.batch_size % self.m_per_class:
             raise ValueError("m_per_class must divide batch_size")
         return self
+
+    @property
+    def split_fractions(self) -> tuple[float, float]:
+        """``(val, test)`` shares: the options, else the protocol's :data:`SPLIT_FRACTIONS`."""
+        val, test = SPLIT_FRACTIONS[self.protocol]
+        return (val if self.val_fraction is None else self.val_fraction,
+                test if self.test_fraction is None else self.test_fraction)
 
     @property
     def network_lr(self) -> float:

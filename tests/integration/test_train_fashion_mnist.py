@@ -44,7 +44,8 @@ def test_train_on_fashion_mnist_reports_model_and_baselines(tmp_path: Path) -> N
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["split"]["splits"]["test"]["classes"] == ["Sandal", "Shirt"]
+    assert metrics["split"]["splits"]["test"]["classes"] == [
+        "Ankle boot", "Bag", "Sandal", "Shirt", "Sneaker"]
     assert metrics["model"]["grayscale"] is True
     for block in (metrics["test"], metrics["baselines"]["raw_pixels"],
                   metrics["baselines"]["untrained"]):

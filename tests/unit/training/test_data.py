@@ -49,7 +49,8 @@ def test_class_disjoint_split_is_disjoint_and_covers_everything(split_seed: int)
     train, val, test = (_classes(split, source, s) for s in ("train", "val", "test"))
     assert not (train & val) and not (train & test) and not (val & test)
     assert train | val | test == set(source.labels.tolist())
-    assert (len(train), len(val), len(test)) == (6, 3, 3)
+    # Issue 12: half of the classes for test, a fifth for validation (was 6 / 3 / 3).
+    assert (len(train), len(val), len(test)) == (4, 2, 6)
     all_idx = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
     assert sorted(all_idx.tolist()) == list(range(len(source.labels)))
 
@@ -93,7 +94,9 @@ def test_too_few_classes_for_class_disjoint_says_what_to_do() -> None:
 
 def test_caps_are_stratified_and_seeded() -> None:
     source = _Labels({f"c{i:02d}": 40 for i in range(8)})
-    config = TrainConfig(data="x", max_train_images=40, max_eval_images=20)
+    # Quarter shares keep 4 training classes (the defaults would leave 2 of 8).
+    config = TrainConfig(data="x", max_train_images=40, max_eval_images=20,
+                         val_fraction=0.25, test_fraction=0.25)
     split = make_split(source, config)
     assert len(split.indices["train"]) == 40
     counts = np.unique(source.labels[split.indices["train"]], return_counts=True)[1]
@@ -115,7 +118,9 @@ def test_fashion_mnist_class_split_is_the_documented_one() -> None:
     split = make_split(source, TrainConfig(data="fashion-mnist", split_seed=5))
     for name, ids in FASHION_SPLIT.items():
         assert _classes(split, source, name) == {FASHION_MNIST_CLASSES[i] for i in ids}
-    assert split.summary(source)["splits"]["test"]["classes"] == ["Sandal", "Shirt"]
+    # Issue 12: the Reality Check's halves (classes 0-4 train + validation, 5-9 test).
+    assert split.summary(source)["splits"]["test"]["classes"] == [
+        "Ankle boot", "Bag", "Sandal", "Shirt", "Sneaker"]
 
 
 def test_fashion_mnist_closed_set_tests_on_the_official_test_file() -> None:
