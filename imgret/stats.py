@@ -2,6 +2,9 @@
 
 * :func:`mean_ci`: Student-t interval of a mean over seeds (scipy's t quantile). The benchmark
   runner and its plots report it (Reality Check: mean ± 95% CI over several seeds).
+* :func:`paired_mean_ci`: Student-t interval of the mean paired difference ``a_k - b_k`` (seed
+  ``k`` of one method against seed ``k`` of another); the benchmark's pairwise verdicts
+  (``training.analysis``) use it.
 * :func:`bootstrap_ci`: percentile bootstrap interval of the column means of per-query values.
   Every metric report (``imgret.metrics``, hence training and ``/evaluate``) carries it as
   ``ci95``.
@@ -38,6 +41,22 @@ def mean_ci(values: Sequence[float] | np.ndarray,
     t = float(stats.t.ppf((1 + confidence) / 2, df=len(x) - 1))
     half = t * float(x.std(ddof=1)) / math.sqrt(len(x))
     return mean, [mean - half, mean + half]
+
+
+def paired_mean_ci(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray,
+                   confidence: float = 0.95) -> tuple[float, list[float]]:
+    """Mean of the paired differences ``a - b`` and its Student-t interval (:func:`mean_ci`).
+
+    Pairing (the same seed on both sides) removes the variance the two share, so the interval
+    is narrower than the overlap of two unpaired ones when the seeds move both alike.
+
+    Raises:
+        ValueError: ``a`` and ``b`` differ in length.
+    """
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape:
+        raise ValueError(f"paired values must match: {x.shape} vs {y.shape}")
+    return mean_ci(x - y, confidence)
 
 
 def bootstrap_ci(values: np.ndarray, resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

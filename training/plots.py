@@ -77,13 +77,16 @@ def plot_benchmark_bars(
 
 
 def plot_benchmark_curves(
-    curves: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, *, title: str
+    curves: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, *, title: str,
+    convergence: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Validation MAP@R against epoch and against training time, mean over seeds with a 95%
-    t-interval band, one line per loss.
+    t-interval band, one line per loss; with ``convergence``, each loss's time to each share
+    of its final MAP@R is marked (mean, with its 95% interval as a horizontal bar).
 
     Args:
         curves: loss name -> one ``metrics.json`` ``epochs`` list per seed.
+        convergence: :func:`training.analysis.convergence` of ``curves``.
     """
     from imgret.stats import mean_ci
 
@@ -109,6 +112,10 @@ def plot_benchmark_curves(
         axes[1].plot(grid, [s[0] for s in stats_t], "-", color=line.get_color(), label=name)
         axes[1].fill_between(grid, [s[1][0] for s in stats_t], [s[1][1] for s in stats_t],
                              alpha=0.2, color=line.get_color())
+        if convergence and name in convergence:
+            _mark_convergence(axes, convergence[name], line.get_color())
+    if convergence:
+        axes[0].plot([], [], "kv", ms=6, mfc="none", label="90% / 95% of final (▽ / ▼)")
     axes[0].set(xlabel="epoch (0 = untrained)", ylabel="validation MAP@R")
     axes[1].set(xlabel="training time (s)", ylabel="validation MAP@R")
     for ax in axes:
@@ -117,6 +124,21 @@ def plot_benchmark_curves(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     _save(fig, path)
+
+
+def _mark_convergence(axes: Sequence[Any], entry: Mapping[str, Any], color: str) -> None:
+    """Triangles at (mean time to a share, share × mean final MAP@R): hollow for the first
+    share (90%), filled for the next (95%); the horizontal bar is the time's 95% interval."""
+    final = entry["final"]["mean"]
+    shares = sorted((k for k in entry if k.endswith("%")), key=lambda k: float(k[:-1]))
+    for i, key in enumerate(shares):
+        y = float(key[:-1]) / 100 * final
+        for ax, unit in ((axes[0], "epochs"), (axes[1], "seconds")):
+            stat = entry[key][unit]
+            lo, hi = stat["ci"]
+            ax.errorbar([stat["mean"]], [y], xerr=[[stat["mean"] - lo], [hi - stat["mean"]]],
+                        fmt="v", ms=7, color=color, mfc="none" if i == 0 else color,
+                        capsize=2, lw=1)
 
 
 def _save(fig: Any, path: Path) -> None:
