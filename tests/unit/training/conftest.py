@@ -11,7 +11,8 @@ from training.config import LossConfig, TrainConfig
 
 @pytest.fixture(scope="session")
 def eight_classes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """8 classes x 6 generated 16 px images: enough for a class-disjoint 4/2/2 split."""
+    """8 classes x 6 generated 16 px images: enough for a class-disjoint split (2 train / 2 val /
+    4 test classes by default)."""
     from tests.support.images import write_image_folder
 
     return write_image_folder(tmp_path_factory.mktemp("data") / "images", classes=8,
