@@ -1,9 +1,9 @@
 """The import graph of imgret's packages, read from the source (ast), every import counted
 (function-local ones included).
 
-    python tools/import_graph.py                 # package -> packages it imports, and module cycles
-    python tools/import_graph.py --root OTHER    # the same for another checkout (e.g. an old commit's
-                                                 # `git worktree`), to compare before and after
+    python tools/import_graph.py               # package -> packages it imports, module cycles
+    python tools/import_graph.py --root OTHER  # the same for another checkout (e.g. an old
+                                               # commit's `git worktree`): before and after
 
 ``tests/unit/test_layering.py`` enforces the same graph.
 """
@@ -96,7 +96,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=ROOT, help="checkout to read (default: this one)")
+    parser.add_argument("--root", type=Path, default=ROOT,
+                        help="checkout to read (default: this one)")
     found = modules(parser.parse_args(argv).root)
     for package, deps in package_graph(found).items():
         print(f"{package:<9} -> {', '.join(sorted(deps)) or '(nothing of ours)'}")
