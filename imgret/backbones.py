@@ -11,9 +11,8 @@ from torch import nn
 from imgret.errors import CheckpointError, UnknownName
 
 
-def _tiny_cnn(image_size: int) -> tuple[nn.Module, int]:
-    # A few thousand parameters: fast enough for tests and CI on a 2-core CPU.
-    trunk = nn.Sequential(
+def _two_convs() -> list[nn.Module]:
+    return [
         nn.Conv2d(3, 16, 3, padding=1),
         nn.BatchNorm2d(16),
         nn.ReLU(inplace=True),
@@ -21,27 +20,19 @@ def _tiny_cnn(image_size: int) -> tuple[nn.Module, int]:
         nn.Conv2d(16, 32, 3, padding=1),
         nn.BatchNorm2d(32),
         nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-    )
-    return trunk, 32
+    ]
+
+
+def _tiny_cnn(image_size: int) -> tuple[nn.Module, int]:
+    # A few thousand parameters: fast enough for tests and CI on a 2-core CPU.
+    return nn.Sequential(*_two_convs(), nn.AdaptiveAvgPool2d(1), nn.Flatten()), 32
 
 
 def _small_cnn(image_size: int) -> tuple[nn.Module, int]:
     # tiny_cnn's two convolutions, but the feature map is flattened instead of averaged: where
     # a stroke is matters for small centred images (Fashion-MNIST), and averaging loses it
     # (the demo's lesson). 32 x (S/4)^2 features: meant for inputs of a few dozen pixels.
-    trunk = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-    )
+    trunk = nn.Sequential(*_two_convs(), nn.MaxPool2d(2), nn.Flatten())
     return trunk, 32 * (image_size // 4) ** 2
 
 

@@ -17,7 +17,7 @@ configuration is retrained with several seeds and tested once per seed.
 2. the best loss blocks go to :func:`training.benchmark.run_benchmark` (cells
    ``out/runs/<loss>/seed<k>/``, resumable, one shared base config), whose results carry
    ``"tuning"``: the trial budget, the search spaces and each loss's best configuration
-   (:func:`tuning_markdown` renders it).
+   (:func:`training.report.tuning_markdown` renders it).
 
 Budgets (:data:`BUDGETS`) are named presets of base options, trials and seeds.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,32 +309,3 @@ def _requeue_interrupted(study: optuna.Study) -> None:
                         study.study_name, trial.number)
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
             study.enqueue_trial(trial.params)
-
-
-def tuning_markdown(tuning: Mapping[str, Any]) -> list[str]:
-    """Markdown lines for the report: the trial budget, each loss's space and its best."""
-    per_trial = tuning["per_trial"]
-    budget = (f"{per_trial['epochs']} epochs" if per_trial["time_budget_s"] is None
-              else f"{per_trial['epochs']} epochs or {per_trial['time_budget_s']:g} s")
-    lines = [
-        "## Equal-budget tuning", "",
-        f"Every loss: **{tuning['trials']} trials** of {budget} each on the same training "
-        f"data, judged on {tuning['objective']}; sampler {tuning['sampler']} "
-        f"({tuning['startup_trials']} random start-up trials); pruning: {tuning['pruning']}. "
-        "The best configuration was then retrained with every seed and tested once per seed.",
-        "", "| loss | search space | best (validation MAP@R, trial) | diverged trials |",
-        "|---|---|---|---|",
-    ]
-    for name, space in tuning["spaces"].items():
-        best = tuning["best"][name]
-        ranges = "; ".join(
-            f"{key} ∈ [{p['low']:g}, {p['high']:g}]{' log' if p['log'] else ''}" for key, p in
-            space.items())
-        chosen = ", ".join(f"{key}={_short(v)}" for key, v in best["params"].items())
-        lines.append(f"| {name} | {ranges} | {chosen} ({best[f'val_{SELECTION_METRIC}']:.3f}, "
-                     f"#{best['trial']}) | {tuning['diverged'].get(name, 0)} |")
-    return lines + [""]
-
-
-def _short(value: float) -> str:
-    return f"{value:.3g}" if math.isfinite(value) else str(value)

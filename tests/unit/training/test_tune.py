@@ -12,13 +12,13 @@ import torch
 
 from training.config import DEFAULT_LOSSES, LossConfig, TrainConfig
 from training.registry import LOSSES, LR, PARAM_LR_MULT, build_loss
+from training.report import tuning_markdown
 from training.tune import (
     BUDGETS,
     apply_params,
     default_params,
     describe_space,
     search_space,
-    tuning_markdown,
 )
 
 CLASSES, DIM = 4, 8
