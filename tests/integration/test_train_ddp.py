@@ -23,7 +23,7 @@ CHECKSUM = re.compile(r"DDP rank (\d) final parameter checksum (\S+) loss (\S+)"
 def test_two_process_ddp_run_on_cpu(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    data = write_image_folder(tmp_path / "data", classes=8, per_class=8)
+    data = write_image_folder(tmp_path / "data", classes=12, per_class=8)
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -42,6 +42,7 @@ def test_two_process_ddp_run_on_cpu(tmp_path: Path) -> None:
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "finished"
     assert metrics["world_size"] == 2
+    # 12 classes split 4 train / 2 validation / 6 test (the class-disjoint proportions):
     # 4 training classes x 8 images = 4 batches of 8, shared by 2 ranks: 2 steps each.
     assert metrics["steps_per_epoch"] == 2
     last = metrics["epochs"][-1]
