@@ -20,11 +20,17 @@ def _fashion_mnist() -> None:
     require(FASHION_MNIST_DIR.is_dir(), "Fashion-MNIST (apt-get install dataset-fashion-mnist)")
 
 
-def test_demo_runs_every_stage_and_reuses_its_work(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.slow
+def test_the_demo_runs_every_stage_beats_both_baselines_and_reuses_its_work(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """At the demo's own settings (what `make demo` shows a newcomer): every stage runs, the
+    trained model's 95% interval lies above both baselines' on MAP@R, R-Precision and P@1, and
+    a second run reuses the trained model and the export. One full-size run serves every
+    check: it is the slowest test of the suite."""
     monkeypatch.delenv("IMGRET_DATABASE_URL", raising=False)
     monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "elsewhere"))  # --data-dir wins
-    args = ["demo", "--data-dir", str(tmp_path), "--gallery-per-class", "8",
-            "--queries-per-class", "3", "--epochs", "1", "--train-images", "300", "--no-serve"]
+    args = ["demo", "--data-dir", str(tmp_path), "--no-serve"]
     try:
         first = CliRunner().invoke(app, args, catch_exceptions=False)
         assert first.exit_code == 0, first.output
@@ -33,39 +39,18 @@ def test_demo_runs_every_stage_and_reuses_its_work(tmp_path: Path, monkeypatch) 
         assert "closed-set retrieval" in first.output
         report = json.loads((tmp_path / "demo_report.json").read_text())
         assert set(report) == {"trained (served index)", "untrained network", "raw pixels"}
-        for row in report.values():
-            assert 0.0 <= row["map_at_r"] <= 1.0
-        # Even one short epoch must have learnt something the random network has not.
-        assert report["trained (served index)"]["map_at_r"] > \
-            report["untrained network"]["map_at_r"]
         assert not (tmp_path / "elsewhere").exists()
+        trained = report["trained (served index)"]
+        for name in ("untrained network", "raw pixels"):
+            for metric in METRICS:
+                assert trained["ci95"][metric][0] > report[name]["ci95"][metric][1], (
+                    name, metric, trained["ci95"][metric], report[name]["ci95"][metric])
+            assert f"trained vs {name}: better on every metric" in first.output
 
         second = CliRunner().invoke(app, args, catch_exceptions=False)
         assert second.exit_code == 0, second.output
         assert "trained already" in second.output
         assert "exported already" in second.output
         assert json.loads((tmp_path / "demo_report.json").read_text()) == report
-    finally:
-        get_settings.cache_clear()
-
-
-@pytest.mark.slow
-def test_the_demo_model_beats_both_baselines_on_every_printed_metric(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """At the demo's own settings (what `make demo` shows a newcomer), the trained model's 95%
-    interval lies above both baselines' on MAP@R, R-Precision and P@1."""
-    monkeypatch.delenv("IMGRET_DATABASE_URL", raising=False)
-    try:
-        result = CliRunner().invoke(app, ["demo", "--data-dir", str(tmp_path), "--no-serve"],
-                                    catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-        report = json.loads((tmp_path / "demo_report.json").read_text())
-        trained = report.pop("trained (served index)")
-        for name, baseline in report.items():
-            for metric in METRICS:
-                assert trained["ci95"][metric][0] > baseline["ci95"][metric][1], (
-                    name, metric, trained["ci95"][metric], baseline["ci95"][metric])
-            assert f"trained vs {name}: better on every metric" in result.output
     finally:
         get_settings.cache_clear()
