@@ -234,12 +234,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += ["", "Shared base config (every loss; only the loss block and the seed vary):", "",
               "| key | value |", "|---|---|"]
     lines += [f"| {k} | `{v}` |" for k, v in base.items()]
-    lines += ["", "Loss defaults (training.registry):", ""]
+    lines += ["", "Loss options used, beside the documented defaults (training.registry):", ""]
     for row in results["rows"]:
         if row["kind"] == "loss":
             name = row["name"].split("-")[0]
             spec = LOSSES[name]
-            lines.append(f"- `{row['name']}`: {row['options']}; {spec.source}")
+            lines.append(f"- `{row['name']}`: used {row['options']}; defaults "
+                         f"{dict(spec.defaults)}: {spec.source}")
     env = results["environment"]
     lines += ["", f"Environment: {env}", ""]
     if results.get("command"):
