@@ -162,10 +162,15 @@ def make_split(source: ImageSource, config: TrainConfig) -> DataSplit:
     for name in SPLITS:
         n_classes = len(split.classes(name, source))
         if n_classes < 2:
+            # The fix depends on the protocol: class-disjoint can fall back to closed-set;
+            # closed-set can only be fixed by more images per class (or more classes).
+            fix = ("class-disjoint needs >= 6 classes with >= 2 images each; use --protocol "
+                   "closed-set for fewer classes" if config.protocol == "class-disjoint" else
+                   "closed-set needs >= 2 classes with enough images per class to hold some "
+                   "out; add images or lower --max-eval-images caps")
             raise TrainConfigError(
                 f"{source.name}: the {name} split has {n_classes} class(es); retrieval needs "
-                f"at least 2 (protocol {config.protocol}: class-disjoint needs >= 6 classes "
-                "with >= 2 images each; use --protocol closed-set for fewer classes)"
+                f"at least 2 (protocol {config.protocol}: {fix})"
             )
     return split
 
