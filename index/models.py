@@ -11,7 +11,8 @@ Design decisions (the contract is silent on these):
   was deleted can be added again as a new item.
 - Embeddings are keyed by ``(model_version_id, item_id)``: the primary key doubles as the
   index that the index build streams through, in id order, for one model version.
-- ``model_versions.is_active`` is true for at most one row (a partial unique index).
+- ``model_versions.is_active`` is true for at most one row (a partial unique index); every
+  switch is recorded in ``model_activations`` (rollback walks it back).
 - ``gallery_changes.seq`` increases with commit order: writers take a lock first
   (:func:`index.store.lock_gallery_writes`), so a replica polling ``seq > last_seen`` can
   never skip a row that commits late.
@@ -92,6 +93,40 @@ class ModelVersion(Base):
     dim: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     is_active: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The checkpoint kept under the data dir (``models/<version>/model.pt``), so every process
+    # on the database can load the version it is told to serve; NULL: not stored (a version
+    # registered from an in-memory model, or before migration 0002).
+    checkpoint_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The background re-embedding job (index.versions): its state and heartbeat, shared by
+    # every process (a "running" job whose heartbeat is old was interrupted).
+    embed_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    embed_heartbeat_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    embed_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # A summary of the last evaluation of a named query set with this version.
+    last_evaluation: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+
+
+class ModelActivation(Base):
+    """One switch of the served version (activate or rollback), in order: the history that
+    ``POST /models/rollback`` walks back."""
+
+    __tablename__ = "model_activations"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE")
+    )
+    previous_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="SET NULL"), nullable=True
+    )
+    reason: Mapped[str] = mapped_column(String(16))
+    # The paired verdict that allowed a gated switch (None: not gated).
+    gate: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

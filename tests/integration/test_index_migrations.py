@@ -13,8 +13,8 @@ from sqlalchemy import inspect
 from index.db import current_revision, downgrade, make_engine, migrations_dir, upgrade_to_head
 from index.models import Base
 
-TABLES = {"model_versions", "gallery_items", "embeddings", "gallery_changes", "query_sets",
-          "query_items", "query_embeddings"}
+TABLES = {"model_versions", "model_activations", "gallery_items", "embeddings",
+          "gallery_changes", "query_sets", "query_items", "query_embeddings"}
 REPO = Path(__file__).resolve().parents[2]
 
 
