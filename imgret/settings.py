@@ -84,6 +84,12 @@ class Settings(BaseSettings):
         description="search images waiting for the batcher (8 full batches); when full, "
                     "searches get 503 with Retry-After instead of queueing without bound",
     )
+    # Background re-embedding of a new model version (index.versions): the share of wall
+    # time it may compute; it also waits while searches are queued.
+    embed_duty: float = Field(
+        0.5, gt=0, le=1,
+        description="fraction of time a background re-embedding may compute (1: no pause)",
+    )
 
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:

@@ -200,7 +200,7 @@ class _Timer:
 
 def add_items(
     items: Sequence[NewItem], *, session_factory: sessionmaker[Session], media: MediaStore,
-    embedder: Embedder, limits: DecodeLimits | None = None,
+    embedder: Embedder, limits: DecodeLimits | None = None, require_active: bool = False,
 ) -> AddedItems:
     """Add uploaded images to the gallery in one transaction (all or nothing).
 
@@ -222,6 +222,9 @@ def add_items(
             becomes active).
         limits: the decoding limits (``DecodeLimits.from_settings``; default the built-in
             ones).
+        require_active: refuse (``store.ModelSwitched``) unless the embedder's version is
+            the active one when the write commits (the service: an item acknowledged after a
+            switch must have the new version's vector).
 
     Returns:
         The ids (input order) and the new vectors; see :class:`AddedItems`.
@@ -252,6 +255,9 @@ def add_items(
                                     names=[f"images[{c.position}]" for c in todo])
             vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
         with session_factory.begin() as session:
+            if require_active:
+                store.lock_gallery_writes(session=session)
+                store.check_active(session=session, version=model_version)
             plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
                                               media=media, model_version=model_version,
                                               query_set=None)

@@ -186,6 +186,31 @@ def activate_model_version(*, session: Session, version: str) -> ModelVersion:
     return row
 
 
+class ModelSwitched(GalleryError):
+    """The served model version changed while a write was being embedded (retry with the
+    new one). Attributes: ``active``: the version now active."""
+
+    def __init__(self, written: str, active: str | None):
+        self.active = active
+        super().__init__(f"the served model version changed from {written} to {active} while "
+                         "this upload was embedded; send it again")
+
+
+def check_active(*, session: Session, version: ModelVersion) -> None:
+    """Refuse a gallery write embedded with a version that is no longer the active one.
+
+    Call it under :func:`lock_gallery_writes`: an activation flips the flag under the same
+    lock, so a write that passes this check commits before the switch (and the switch embeds
+    it for the new version) or not at all.
+
+    Raises:
+        ModelSwitched: another version is active.
+    """
+    active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+    if active is not None and active.id != version.id:
+        raise ModelSwitched(version.version, active.version)
+
+
 def list_model_versions(*, session: Session) -> list[ModelVersion]:
     return list(session.scalars(select(ModelVersion).order_by(ModelVersion.id)))
 
@@ -231,6 +256,11 @@ class _Tables:
 
 _GALLERY = _Tables(GalleryItem, Embedding, "item_id")
 _QUERIES = _Tables(QueryItem, QueryEmbedding, "query_item_id")
+
+
+# Stands for "the query-set tables" in the calls that only pick tables by their query set
+# (re-embedding the items of every query set at once, by item id).
+ANY_QUERY_SET: Any = type("AnyQuerySet", (), {"id": None})()
 
 
 def _tables(query_set: QuerySet | None) -> _Tables:

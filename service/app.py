@@ -27,8 +27,8 @@ from service.auth import (
 )
 from service.errors import install_error_handlers
 from service.limits import UploadLimitMiddleware
-from service.resources import follow_changes, load_resources
-from service.routers import evaluate, gallery, health, metrics, search, ui
+from service.resources import follow_changes, load_resources, resume_interrupted_jobs
+from service.routers import evaluate, gallery, health, metrics, models, query_sets, search, ui
 from service.telemetry import AccessLogMiddleware, ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = service_metrics
     install_error_handlers(app)
-    for module in (health, search, gallery, evaluate, metrics, ui):
+    for module in (health, search, gallery, evaluate, models, query_sets, metrics, ui):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -94,6 +94,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     resources = await anyio.to_thread.run_sync(load_resources, settings, app.state.metrics)
     app.state.resources = resources
     await resources.batcher.start()
+    # A re-embedding whose process died resumes here (it is chunked; nothing is redone).
+    await anyio.to_thread.run_sync(resume_interrupted_jobs, resources)
     # Other API processes on the same database add and delete items too: follow them.
     follower = asyncio.create_task(follow_changes(resources), name="follow-gallery-changes")
     try:
@@ -103,7 +105,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await follower
         await resources.batcher.stop()
-        resources.close()
+        await anyio.to_thread.run_sync(resources.close)
 
 
 def _operation_id(route: APIRoute) -> str:

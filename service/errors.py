@@ -21,6 +21,7 @@ from sqlalchemy import exc as sa_exc
 
 from imgret import errors
 from index.evaluation import EvaluationError
+from index.versions import VersionNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 # A name that has no match here falls through to the ImgretError row.
 _STATUS: list[tuple[type[Exception], int]] = [
     (EvaluationError, 422),
+    (VersionNotFound, 404),
     (errors.ImageTooLarge, 413),
     (errors.ImageDecodeError, 422),
     (errors.UnknownName, 404),
@@ -53,7 +55,9 @@ async def _imgret_error(request: Request, exc: Exception) -> JSONResponse:
     # 5xx-like states (a stale index) deserve a warning; bad input is routine.
     log = logger.warning if status >= 500 else logger.info
     log("%s %s -> %d: %s", request.method, request.url.path, status, exc)
-    return JSONResponse({"detail": str(exc)}, status_code=status)
+    # Some refusals carry what they were decided on (a refused activation: the comparison).
+    extra = getattr(exc, "details", None) or {}
+    return JSONResponse(jsonable_encoder({"detail": str(exc), **extra}), status_code=status)
 
 
 # Database errors, most specific first. The driver's exception (psycopg, sqlite3) is wrapped by

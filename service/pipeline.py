@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,29 @@ from service.batching import Deferred, DynamicBatcher
 from service.telemetry import ServiceMetrics
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The served model version: its model and its index, always used together.
+
+    A switch (``POST /models/{v}/activate``, or the follower seeing another process's switch)
+    replaces the whole object, and each batch reads it once, so no query is ever embedded by
+    one version and searched in another's index.
+    """
+
+    version: str
+    embedder: Embedder
+    searcher: Searcher
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The hits of one query (best first) and the :class:`Serving` that produced them (its
+    version goes into the response; its searcher resolves the hits' labels)."""
+
+    hits: list[Hit]
+    serving: Serving
 
 
 @dataclass(frozen=True)
@@ -60,8 +83,7 @@ class SearchPipeline:
     batch is always taken (it may be as large as the per-image limit allows).
 
     Args:
-        embedder: the one embedding path.
-        searcher: the served index.
+        serving: returns the served :class:`Serving` (read once per batch), or a fixed one.
         max_pixels: decompression-bomb limit per image (``IMGRET_MAX_IMAGE_PIXELS``).
         metrics: where decode, embed and search times go.
         batch_max_pixels: the batch's decoded-pixel budget (``IMGRET_BATCH_MAX_PIXELS``).
@@ -69,26 +91,36 @@ class SearchPipeline:
     """
 
     def __init__(
-        self, embedder: Embedder, searcher: Searcher, *, max_pixels: int,
+        self, serving: Serving | Callable[[], Serving], *, max_pixels: int,
         metrics: ServiceMetrics, batch_max_pixels: int = DEFAULT_BATCH_PIXELS,
         gate: DecodeGate | None = None,
     ):
-        self.embedder = embedder
-        self.searcher = searcher
+        self.serving: Callable[[], Serving] = (
+            (lambda: serving) if isinstance(serving, Serving) else serving
+        )
+        self.running = 0  # batches in progress (a background job yields to them)
         self.max_pixels = max_pixels
         self.metrics = metrics
         self.batch_max_pixels = batch_max_pixels
         self.gate = gate
 
-    def __call__(self, queries: Sequence[ImageQuery]) -> list[list[Hit] | BaseException]:
+    def __call__(self, queries: Sequence[ImageQuery]) -> list[Answer | BaseException]:
         """Run a batch.
 
         Returns:
-            Per query, in order: its hits (best first, at most ``k``), the exception that
-            failed it (``ImageDecodeError`` for a bad upload), or ``Deferred`` (no room left
-            in this batch's budget).
+            Per query, in order: its :class:`Answer` (hits best first, at most ``k``), the
+            exception that failed it (``ImageDecodeError`` for a bad upload), or ``Deferred``
+            (no room left in this batch's budget).
         """
-        results: list[list[Hit] | BaseException] = [[] for _ in queries]
+        self.running += 1
+        try:
+            return self._run(queries, self.serving())
+        finally:
+            self.running -= 1
+
+    def _run(self, queries: Sequence[ImageQuery],
+             serving: Serving) -> list[Answer | BaseException]:
+        results: list[Answer | BaseException] = [Answer([], serving) for _ in queries]
         budget = PixelBudget(self.batch_max_pixels, setting="IMGRET_BATCH_MAX_PIXELS",
                              scope="batch")
         inputs: list[torch.Tensor] = []
@@ -96,7 +128,7 @@ class SearchPipeline:
         with self.metrics.timed(self.metrics.decode_seconds):
             for position, query in enumerate(queries):
                 try:
-                    prepared = self.prepare(query, budget)
+                    prepared = self.prepare(query, budget, serving.embedder)
                 except ImageDecodeError as exc:
                     results[position] = exc
                     continue
@@ -115,18 +147,19 @@ class SearchPipeline:
         if not good:
             return results
         with self.metrics.timed(self.metrics.embed_seconds):
-            vectors = self.embedder.embed_tensors(torch.cat(inputs))
+            vectors = serving.embedder.embed_tensors(torch.cat(inputs))
         del inputs
         # One index call for the whole batch: per-query filters, the largest k, then each
         # query's list is cut to its own k.
         k = max(queries[position].k for position in good)
         with self.metrics.timed(self.metrics.search_seconds):
-            hits = self.searcher.search(vectors, k, [queries[p].filters for p in good])
+            hits = serving.searcher.search(vectors, k, [queries[p].filters for p in good])
         for position, row_hits in zip(good, hits, strict=True):
-            results[position] = row_hits[: queries[position].k]
+            results[position] = Answer(row_hits[: queries[position].k], serving)
         return results
 
-    def prepare(self, query: ImageQuery, budget: PixelBudget) -> torch.Tensor | None:
+    def prepare(self, query: ImageQuery, budget: PixelBudget,
+                embedder: Embedder) -> torch.Tensor | None:
         """The query's ``(1, 3, S, S)`` model input, or ``None`` when the batch has no room.
 
         The header is read first: the budget is charged before decoding, and an image that
@@ -135,27 +168,34 @@ class SearchPipeline:
         Raises:
             ImageDecodeError: the upload is bad (ImageTooLarge: over the per-image limit).
         """
-        probe = probe_image(query.data, size=self.embedder.spec.image_size,
+        probe = probe_image(query.data, size=embedder.spec.image_size,
                             max_pixels=self.max_pixels)
         if budget.used and not budget.fits(probe.decode_pixels):
             return None
         budget.force(probe.decode_pixels)
-        return preprocess_encoded(query.data, embedder=self.embedder,
+        return preprocess_encoded(query.data, embedder=embedder,
                                   max_pixels=self.max_pixels, gate=self.gate)
 
 
 def build_search_batcher(
-    settings: Settings, *, embedder: Embedder, searcher: Searcher, metrics: ServiceMetrics,
-) -> DynamicBatcher[ImageQuery, list[Hit]]:
+    settings: Settings, *, metrics: ServiceMetrics,
+    serving: Serving | Callable[[], Serving] | None = None,
+    embedder: Embedder | None = None, searcher: Searcher | None = None,
+) -> DynamicBatcher[ImageQuery, Answer]:
     """The app's dynamic batcher in front of a :class:`SearchPipeline`, from the settings.
 
     One place turns the batching and decoding settings into objects (``IMGRET_BATCH_*``,
     ``IMGRET_MAX_IMAGE_PIXELS``, ``IMGRET_DECODE_MEMORY_MB``), so the service and the
-    benchmarks build the same thing.
+    benchmarks build the same thing. ``serving`` (the service: follows switches) or a fixed
+    ``embedder`` + ``searcher`` (benchmarks).
     """
+    if serving is None:
+        if embedder is None or searcher is None:
+            raise ValueError("give serving, or embedder and searcher")
+        serving = Serving(embedder.model_version, embedder, searcher)
     limits = DecodeLimits.from_settings(settings)
     pipeline = SearchPipeline(
-        embedder, searcher, max_pixels=settings.max_image_pixels, metrics=metrics,
+        serving, max_pixels=settings.max_image_pixels, metrics=metrics,
         batch_max_pixels=settings.batch_max_pixels, gate=limits.gate,
     )
     return DynamicBatcher(

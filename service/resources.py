@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -12,16 +13,16 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
-from imgret.errors import CheckpointError
+from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
 from imgret.settings import Settings
-from index import store
+from index import store, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
 from index.media import MediaStore
-from index.search import Hit, Searcher
+from index.search import Searcher
 from service.batching import DynamicBatcher
-from service.pipeline import ImageQuery, build_search_batcher
+from service.pipeline import Answer, ImageQuery, Serving, build_search_batcher
 from service.telemetry import ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -64,33 +65,189 @@ class Resources:
         settings: the settings the app was built with.
         engine, sessions: the database (one session per request, from ``sessions``).
         media: the image store under the data dir.
-        embedder: the one embedding path (``IMGRET_MODEL``).
-        searcher: the index of the embedder's model version.
+        serving: the served version (model + index, swapped together by :meth:`serve`).
         batcher: the dynamic batcher in front of :class:`SearchPipeline`.
         metrics: the app's Prometheus metrics.
-        extra_searchers: indexes of other model versions opened by ``/evaluate``.
+        embedders, searchers: every version's model and index this process has opened
+            (the served one included), for ``/evaluate``, comparisons and switches.
     """
 
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
     media: MediaStore
-    embedder: Embedder
-    searcher: Searcher
-    batcher: DynamicBatcher[ImageQuery, list[Hit]]
+    serving: Serving
+    batcher: DynamicBatcher[ImageQuery, Answer]
     metrics: ServiceMetrics
-    extra_searchers: dict[str, Searcher] = field(default_factory=dict)
+    embedders: dict[str, Embedder] = field(default_factory=dict)
+    searchers: dict[str, Searcher] = field(default_factory=dict)
     follower: FollowerState = field(default_factory=FollowerState)
+    jobs: EmbedJobs | None = None
+    _open_lock: threading.RLock = field(default_factory=threading.RLock)
+    _switch_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def embedder(self) -> Embedder:
+        """The served model (read :attr:`serving` once where the index is needed too)."""
+        return self.serving.embedder
+
+    @property
+    def searcher(self) -> Searcher:
+        """The served index (read :attr:`serving` once where the model is needed too)."""
+        return self.serving.searcher
+
+    def search_busy(self) -> bool:
+        """Searches are queued or being processed (a background job yields to them)."""
+        pipeline = self.batcher.process
+        return self.batcher.waiting > 0 or getattr(pipeline, "running", 0) > 0
+
+    def embedder_for(self, version: str) -> Embedder:
+        """A version's model: loaded once from its stored checkpoint, then kept."""
+        with self._open_lock:
+            embedder = self.embedders.get(version)
+            if embedder is None:
+                embedder = versions.load_embedder(
+                    version, session_factory=self.sessions, data_dir=self.settings.data_dir,
+                    device=self.settings.device,
+                )
+                self.embedders[version] = embedder
+            return embedder
+
+    def searcher_for(self, version: str) -> Searcher:
+        """A version's index, opened once (loaded or rebuilt from SQL), then caught up with
+        the change log on every call (only the served one is followed continuously).
+
+        Raises:
+            GalleryError: a version that was never registered.
+        """
+        with self._open_lock:
+            searcher = self.searchers.get(version)
+            if searcher is None:
+                searcher = Searcher.from_settings(self.sessions, self.settings, version)
+                self.searchers[version] = searcher
+        if searcher is not self.serving.searcher:
+            searcher.refresh_from_changes()
+        return searcher
+
+    def serve(self, version: str) -> Serving:
+        """Switch this process to ``version``: load its model and index first, then replace
+        :attr:`serving` in one assignment (a batch in flight finishes with the old pair)."""
+        with self._switch_lock:
+            if self.serving.version != version:
+                embedder = self.embedder_for(version)
+                searcher = self.searcher_for(version)
+                self.serving = Serving(version, embedder, searcher)
+                logger.info("now serving model version %s (%d vectors)", version,
+                            searcher.size)
+            return self.serving
+
+    def follow_active(self) -> bool:
+        """Serve the database's active version if another process switched it.
+
+        Returns:
+            Whether this process switched.
+        """
+        active = versions.active_version(session_factory=self.sessions)
+        if active is None or active == self.serving.version:
+            return False
+        self.serve(active)
+        return True
+
+    def index_sizes(self) -> dict[str, tuple[int, str]]:
+        """Size and factory of every index this process has open (for ``GET /models``)."""
+        with self._open_lock:
+            return {v: (s.size, s.factory) for v, s in self.searchers.items()}
 
     def close(self) -> None:
-        """Release the database connections (the index lives in memory only)."""
+        """Stop background jobs and release the database (the indexes live in memory)."""
+        if self.jobs is not None:
+            self.jobs.stop()
         self.engine.dispose()
 
 
-def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
-    """Upgrade the schema, load the model, open the database and load or rebuild the index.
+class EmbedJobs:
+    """This process's background re-embedding threads (one per version at most).
 
-    Runs in a worker thread during the lifespan start-up.
+    The state that other processes see lives in SQL (:func:`index.versions.claim_job`); a
+    job stopped by a shutdown is left "running" with an old heartbeat, which any process's
+    next start or ``POST /models/{v}/embed`` resumes.
+    """
+
+    def __init__(self, resources: Resources):
+        self.resources = resources
+        self._threads: dict[str, threading.Thread] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self, version: str) -> bool:
+        """Start re-embedding ``version`` here unless it runs (here or elsewhere).
+
+        Returns:
+            Whether this call started it.
+
+        Raises:
+            VersionNotFound, GalleryError: unknown version, or no stored checkpoint.
+        """
+        resources = self.resources
+        resources.embedder_for(version)  # refuse a version that cannot be loaded, now
+        with self._lock:
+            running = self._threads.get(version)
+            if running is not None and running.is_alive():
+                return False
+            if not versions.claim_job(version, session_factory=resources.sessions):
+                return False
+            thread = threading.Thread(target=self._run, args=(version,), daemon=True,
+                                      name=f"embed-{version}")
+            self._threads[version] = thread
+            thread.start()
+            return True
+
+    def _run(self, version: str) -> None:
+        resources = self.resources
+        throttle = versions.Throttle(duty=resources.settings.embed_duty,
+                                     busy=resources.search_busy)
+        try:
+            report = versions.run_embed_job(
+                version, session_factory=resources.sessions, media=resources.media,
+                embedder=resources.embedder_for(version), throttle=throttle,
+                max_pixels=resources.settings.max_image_pixels, stop=self._stop, claimed=True,
+            )
+            if self._stop.is_set():
+                return
+            # Build (or catch up) and save the version's index, so activation is quick and
+            # GET /models shows it built.
+            resources.searcher_for(version).save()
+            logger.info("re-embedded %d gallery and %d query items for %s in %.1f s "
+                        "(%.1f/s)", report.gallery_embedded, report.queries_embedded, version,
+                        report.seconds, report.rate)
+        except Exception:  # noqa: BLE001 - recorded as "failed" in SQL by run_embed_job
+            logger.exception("re-embedding %s failed", version)
+
+    def running(self, version: str) -> bool:
+        thread = self._threads.get(version)
+        return thread is not None and thread.is_alive()
+
+    def wait(self, version: str, timeout: float | None = None) -> None:
+        thread = self._threads.get(version)
+        if thread is not None:
+            thread.join(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        for thread in list(self._threads.values()):
+            thread.join(timeout)
+
+
+def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
+    """Upgrade the schema, register the model, open the database and load or rebuild the
+    index of the active version.
+
+    Runs in a worker thread during the lifespan start-up. ``IMGRET_MODEL`` is registered (its
+    checkpoint kept under the data dir); on a fresh database it becomes the active version.
+    The version served is the database's active one, so a switch made through ``/models``
+    survives restarts and every process agrees; ``IMGRET_MODEL`` is served instead only when
+    the active version's checkpoint was never stored (a gallery from before model versions),
+    and then it becomes the active one (logged).
 
     Raises:
         CheckpointError: no ``IMGRET_MODEL`` or an unusable checkpoint.
@@ -105,17 +262,29 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     # `uvicorn --factory` (or a test) work on a fresh database too. It is a no-op at head and
     # serialised by an advisory lock on PostgreSQL.
     upgrade_to_head(settings.db_url)
-    embedder = Embedder.from_checkpoint(settings.model, device=settings.device)
-    logger.info("model %s loaded on %s", embedder.model_version, embedder.device)
     engine = make_engine(settings.db_url)
     sessions = make_sessionmaker(engine)
-    with sessions.begin() as session:
-        # A fresh database starts with an empty gallery served by this model: register it
-        # (the first version registered becomes the active one).
-        store.register_model_version(
-            session=session, version=embedder.model_version, dim=embedder.dim,
-            config=embedder.spec.to_dict(),
-        )
+    # A fresh database starts with an empty gallery served by this model: register it (the
+    # first version registered becomes the active one).
+    configured = versions.register_checkpoint(settings.model, session_factory=sessions,
+                                              data_dir=settings.data_dir)["version"]
+    embedders = {configured: Embedder.from_checkpoint(settings.model, device=settings.device)}
+    active = versions.active_version(session_factory=sessions) or configured
+    if active != configured:
+        try:
+            embedders[active] = versions.load_embedder(
+                active, session_factory=sessions, data_dir=settings.data_dir,
+                device=settings.device)
+            logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
+                        configured, active)
+        except (GalleryError, CheckpointError) as exc:
+            logger.warning("the active version cannot be loaded (%s); activating IMGRET_MODEL "
+                           "%s", exc, configured)
+            with sessions.begin() as session:
+                store.activate_model_version(session=session, version=configured)
+            active = configured
+    embedder = embedders[active]
+    logger.info("model %s loaded on %s", embedder.model_version, embedder.device)
     media = MediaStore.in_data_dir(settings.data_dir)
     # Finish what a crash interrupted: bytes of deleted items, files of uploads that never
     # committed, temporary files.
@@ -123,19 +292,37 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     remove_stale_temps(settings.data_dir / "indexes")
     searcher = Searcher.from_settings(sessions, settings, embedder.model_version)
     logger.info("index of %s ready: %d vectors", searcher.model_version, searcher.size)
-    metrics.track_index_size(lambda: searcher.size)
-    batcher = build_search_batcher(settings, embedder=embedder, searcher=searcher,
+    holder: list[Resources] = []
+    batcher = build_search_batcher(settings, serving=lambda: holder[0].serving,
                                    metrics=metrics)
-    return Resources(
+    resources = Resources(
         settings=settings,
         engine=engine,
         sessions=sessions,
         media=media,
-        embedder=embedder,
-        searcher=searcher,
+        serving=Serving(active, embedder, searcher),
         batcher=batcher,
         metrics=metrics,
+        embedders=embedders,
+        searchers={active: searcher},
     )
+    holder.append(resources)
+    resources.jobs = EmbedJobs(resources)
+    metrics.track_index_size(lambda: resources.searcher.size)
+    return resources
+
+
+def resume_interrupted_jobs(resources: Resources) -> list[str]:
+    """Start the re-embedding jobs whose process died (stale heartbeat) again, here."""
+    started = []
+    for version in versions.stale_jobs(session_factory=resources.sessions):
+        try:
+            if resources.jobs is not None and resources.jobs.start(version):
+                started.append(version)
+                logger.info("resuming the interrupted re-embedding of %s", version)
+        except Exception:  # noqa: BLE001 - a version that cannot be loaded stays interrupted
+            logger.exception("cannot resume the re-embedding of %s", version)
+    return started
 
 
 async def follow_changes(
@@ -144,18 +331,26 @@ async def follow_changes(
     """Apply other processes' gallery writes to this process's index, every ``interval_s``.
 
     API replicas share the database, the source of truth; each keeps its own in-memory
-    index and replays the gallery change log. Errors are logged and retried at the next
-    tick (a database restart must not stop the follower for good); ``resources.follower``
-    keeps the lag, which /health and /metrics report.
+    index and replays the gallery change log, and serves the version the database says is
+    active (a switch made by another process is followed within the same interval). Errors
+    are logged and retried at the next tick (a database restart must not stop the follower
+    for good); ``resources.follower`` keeps the lag, which /health and /metrics report.
     """
     state = resources.follower
     resources.metrics.track_follower(
         lambda: state.lag_seconds(), lambda: resources.searcher.change_seq
     )
+
+    def catch_up() -> int:
+        # A switch made by another process first (loads that version's model and index),
+        # then the served index's changes.
+        resources.follow_active()
+        return resources.searcher.refresh_from_changes()
+
     while True:
         await asyncio.sleep(interval_s)
         try:
-            applied = await anyio.to_thread.run_sync(resources.searcher.refresh_from_changes)
+            applied = await anyio.to_thread.run_sync(catch_up)
         except Exception as exc:  # noqa: BLE001 - keep following; the next tick retries
             state.failures += 1
             state.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +12,8 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import GalleryError
-from imgret.images import DecodeLimits
-from index import evaluation, store
-from index.search import Searcher
+from index import store
+from service import evaluations
 from service.deps import ResourcesDep, require_api_key
 from service.resources import Resources
 from service.schemas import (
@@ -28,8 +26,6 @@ from service.schemas import (
 from service.validation import CAMERA_MAX, check_label
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
-
-_OPEN_LOCK = threading.Lock()
 
 _MULTIPART_SCHEMA = {
     "type": "object",
@@ -183,42 +179,33 @@ async def _parse_upload(form: FormData) -> _Upload:
 
 
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
-    queries = evaluation.embed_queries(
-        upload.images, upload.labels, embedder=resources.embedder, cameras=upload.cameras,
-        limits=DecodeLimits.from_settings(resources.settings),
-    )
-    return evaluation.evaluate(
-        resources.searcher, queries, k=upload.ks,
+    return evaluations.evaluate_upload(
+        resources, upload.images, upload.labels, cameras=upload.cameras, k=upload.ks,
         exclude_same_camera=upload.exclude_same_camera, worst=upload.worst,
     ).report
 
 
 def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str, Any]:
-    version_a = options.model_version or resources.searcher.model_version
-    _require_known(resources, options.query_set, [version_a, options.compare_to])
-    result_a = _evaluate_version(resources, options, version_a)
-    if options.compare_to is None:
-        return result_a.report
-    result_b = _evaluate_version(resources, options, options.compare_to)
-    comparison = evaluation.compare_versions(result_a, result_b)
-    return {
-        "a": result_a.report,
-        "b": result_b.report,
-        "difference": {m: v for m, v in comparison.items() if m not in ("b_better", "a_better")},
-        "b_better": comparison["b_better"],
-        "a_better": comparison["a_better"],
-    }
+    pair = _pair(resources, options)
+    _require_known(resources, options.query_set, list(pair or [options.model_version]))
+    common = dict(k=options.k, exclude_same_camera=options.exclude_same_camera,
+                  worst=options.worst)
+    if pair is None:
+        version = options.model_version or resources.serving.version
+        return evaluations.evaluate_version(resources, options.query_set, version,
+                                            **common).report
+    return evaluations.compare_named(resources, *pair, options.query_set, **common)
 
 
-def _evaluate_version(
-    resources: Resources, options: EvaluateRequest, version: str
-) -> evaluation.Evaluation:
-    return evaluation.evaluate_query_set(
-        _searcher_for(resources, version), options.query_set,
-        session_factory=resources.sessions, embedder=resources.embedder, media=resources.media,
-        max_pixels=resources.settings.max_image_pixels, k=options.k,
-        exclude_same_camera=options.exclude_same_camera, worst=options.worst,
-    )
+def _pair(resources: Resources, options: EvaluateRequest) -> tuple[str, str] | None:
+    """The two versions to compare: ``compare: [a, b]``, or ``compare_to`` (b) against
+    ``model_version`` (default the served one); ``None``: evaluate one version."""
+    compare = getattr(options, "compare", None)
+    if compare:
+        return compare[0], compare[1]
+    if options.compare_to is not None:
+        return options.model_version or resources.serving.version, options.compare_to
+    return None
 
 
 def _require_known(resources: Resources, query_set: str, versions: list[str | None]) -> None:
@@ -234,20 +221,6 @@ def _require_known(resources: Resources, query_set: str, versions: list[str | No
             store.load_query_set(query_set, session=session)
         except GalleryError as exc:
             raise HTTPException(404, str(exc)) from None
-
-
-def _searcher_for(resources: Resources, version: str) -> Searcher:
-    """The served index, or (opened once, then kept up to date) another version's index."""
-    if version == resources.searcher.model_version:
-        return resources.searcher
-    with _OPEN_LOCK:
-        searcher = resources.extra_searchers.get(version)
-        if searcher is None:
-            # Raises GalleryError (-> 4xx) for a version that was never stored.
-            searcher = Searcher.from_settings(resources.sessions, resources.settings, version)
-            resources.extra_searchers[version] = searcher
-    searcher.refresh_from_changes()
-    return searcher
 
 
 def _int(value: Any, name: str) -> int:

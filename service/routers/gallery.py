@@ -98,17 +98,26 @@ def add_gallery_items(
     # (a ratio bomb costs a 413, not gigabytes); then each image is decoded under the
     # process's decode gate and shrunk towards the model's input size at once (add_items).
     limits = DecodeLimits.from_settings(resources.settings)
-    size = resources.embedder.spec.image_size
+    serving = resources.serving  # model and index of one version, read once
+    size = serving.embedder.spec.image_size
     check_request_pixels([item.data for item in items], size=size, limits=limits)
-    added = add_items(items, session_factory=resources.sessions, media=resources.media,
-                      embedder=resources.embedder, limits=limits)
+    try:
+        added = add_items(items, session_factory=resources.sessions, media=resources.media,
+                          embedder=serving.embedder, limits=limits, require_active=True)
+    except store.ModelSwitched:
+        # Another version became active while this upload was embedded (by any process): an
+        # acknowledged item must have its vector, so follow the switch and embed again.
+        resources.follow_active()
+        serving = resources.serving
+        added = add_items(items, session_factory=resources.sessions, media=resources.media,
+                          embedder=serving.embedder, limits=limits, require_active=True)
     # Committed: now the index. An id deleted meanwhile (by any process) is not added back:
     # the Searcher remembers deletions, and every search first applies the newest ones.
     try:
-        resources.searcher.add(added.vector_ids, added.vectors, added.infos)
+        serving.searcher.add(added.vector_ids, added.vectors, added.infos)
     except Exception:  # noqa: BLE001 - the write is durable; make it searchable another way
         logger.exception("index update after a committed add failed; replaying from SQL")
-        resources.searcher.refresh_from_changes()
+        serving.searcher.refresh_from_changes()
     resources.metrics.gallery_writes.labels("add").inc(sum(added.created))
     return GalleryItemsCreated(ids=added.ids, created=added.created,
                                items=_outcomes(added, items))

@@ -21,12 +21,13 @@ def read_health(resources: ResourcesDep) -> HealthStatus:
     reads them first, and fails with 503 when it cannot).
     """
     follower = resources.follower
+    serving = resources.serving  # read once: model and index of the same version
     return HealthStatus(
         status="degraded" if follower.stale() else "ok",
-        model_version=resources.searcher.model_version,
-        index_size=resources.searcher.size,
-        device=resources.embedder.device,
-        change_seq=resources.searcher.change_seq,
+        model_version=serving.version,
+        index_size=serving.searcher.size,
+        device=serving.embedder.device,
+        change_seq=serving.searcher.change_seq,
         follower_lag_s=round(follower.lag_seconds(), 3),
         follower_error=follower.last_error,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -11,9 +12,11 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Reques
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
-from index.search import Hit, Searcher, SearchFilter
+from index import store
+from index.search import SearchFilter
 from service.deps import ResourcesDep
-from service.pipeline import ImageQuery
+from service.pipeline import Answer, ImageQuery
+from service.resources import Resources
 from service.routers.gallery import image_uri
 from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
 from service.validation import LABEL_MAX, Camera, SafeText, form_fields, parse_json_object
@@ -22,7 +25,7 @@ router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
 SEARCH_OPTIONS = ("k", "label", "camera", "metadata")
-SEARCH_FIELDS = ("image", "images", *SEARCH_OPTIONS)
+SEARCH_FIELDS = ("image", "images", "id", *SEARCH_OPTIONS)
 
 _ERRORS = {
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
@@ -72,29 +75,66 @@ def search_options(
 SearchOptionsDep = Annotated[SearchOptions, Depends(search_options)]
 
 
-@router.post("", responses=_ERRORS)
+@router.post("", responses={**_ERRORS, 404: {"description": "no live item with that id"}})
 async def search_images(
     request: Request,
     resources: ResourcesDep,
-    image: Annotated[UploadFile, File(description="the query image")],
     options: SearchOptionsDep,
+    image: Annotated[
+        UploadFile | None, File(description="the query image (or send `id` instead)")
+    ] = None,
+    item_id: Annotated[
+        int | None,
+        Form(alias="id", ge=1, le=2**63 - 1,
+             description="search with this gallery item's stored embedding instead of an "
+                         "image (the item itself is left out of the results)"),
+    ] = None,
 ) -> SearchResponse:
     """The ``k`` gallery items most similar to one image, best first.
 
-    Concurrent requests are decoded and embedded together (dynamic batching), off the event
-    loop. ``score`` is the cosine similarity of unit embeddings: higher is better.
+    Send an ``image`` file, or the ``id`` of a gallery item: its stored embedding for the
+    served version is the query (no upload, no decoding; the web page uses it when a
+    neighbour is clicked). Concurrent image requests are decoded and embedded together
+    (dynamic batching), off the event loop. ``score`` is the cosine similarity of unit
+    embeddings: higher is better. ``model_version`` names the version whose model embedded
+    the query and whose index ranked it (always the same one).
     """
     start = time.perf_counter()
     form = await request.form()  # already parsed by FastAPI; this returns the same object
-    if len(form.getlist("image")) != 1:
-        raise HTTPException(422, "send exactly one `image` file (use /search/batch for more)")
-    data = await image.read()
-    hits = await resources.batcher.submit(ImageQuery(data, options.k, options.filters))
+    images = form.getlist("image")
+    if (item_id is None) == (len(images) == 0):
+        raise HTTPException(422, "send exactly one of `image` (a file) or `id` (a gallery item)")
+    if item_id is not None:
+        answer = await anyio.to_thread.run_sync(_search_by_item, resources, item_id, options)
+    else:
+        if len(images) != 1 or image is None:
+            raise HTTPException(422, "send exactly one `image` file (use /search/batch for more)")
+        data = await image.read()
+        answer = await resources.batcher.submit(ImageQuery(data, options.k, options.filters))
     return SearchResponse(
-        results=_public_hits(resources.searcher, hits),
+        results=_public_hits(answer),
         took_ms=round((time.perf_counter() - start) * 1000, 3),
-        model_version=resources.searcher.model_version,
+        model_version=answer.serving.version,
     )
+
+
+def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) -> Answer:
+    """Search with a stored item's vector of the served version, leaving the item out."""
+    serving = resources.serving  # read once: the vector and the index of one version
+    with resources.sessions() as session:
+        version = store.get_model_version(session=session, version=serving.version)
+        if store.get_item(item_id, session=session) is None:
+            raise HTTPException(404, f"gallery item {item_id} does not exist or was deleted")
+        page = store.fetch_vectors([item_id], session=session, model_version=version)
+    if len(page.ids) == 0:
+        raise HTTPException(
+            409, f"gallery item {item_id} has no embedding for model version {serving.version} "
+                 "yet; retry shortly"
+        )
+    base = options.filters or SearchFilter()
+    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
+    hits = serving.searcher.search(page.vectors[:1], options.k, flt)[0]
+    return Answer(hits, serving)
 
 
 @router.post("/batch", responses=_ERRORS)
@@ -129,24 +169,35 @@ async def search_images_batch(
     )
     queries = [ImageQuery(data, options.k, options.filters) for data in blobs]
     results = await resources.batcher.submit_many(queries, return_exceptions=True)
+    answers: list[Answer] = []
     for position, result in enumerate(results):
         if isinstance(result, ImageDecodeError):
             # Same type (same status), with the position of the bad image in the message.
             raise type(result)(f"images[{position}]: {result}") from None
         if isinstance(result, BaseException):
             raise result
+        answers.append(result)
+    versions = {answer.serving.version for answer in answers}
+    if len(versions) > 1:
+        # The request's images were split over batches and a switch came in between: one
+        # response names one version, so the request is answered by none.
+        raise HTTPException(
+            503, "the served model version changed during this request; send it again",
+            headers={"Retry-After": "1"},
+        )
     return SearchBatchResponse(
-        results=[_public_hits(resources.searcher, hits) for hits in results],
+        results=[_public_hits(answer) for answer in answers],
         took_ms=round((time.perf_counter() - start) * 1000, 3),
-        model_version=resources.searcher.model_version,
+        model_version=versions.pop() if versions else resources.serving.version,
     )
 
 
-def _public_hits(searcher: Searcher, hits: list[Hit]) -> list[SearchHit]:
-    """Hits with their label, camera and metadata from the index's own map (no SQL)."""
+def _public_hits(answer: Answer) -> list[SearchHit]:
+    """Hits with their label, camera and metadata from the answering index's own map (no
+    SQL)."""
     public = []
-    for hit in hits:
-        info = searcher.info(hit.id)
+    for hit in answer.hits:
+        info = answer.serving.searcher.info(hit.id)
         if info is None:
             continue  # deleted while this request was in flight
         public.append(

@@ -102,7 +102,7 @@ def test_a_crafted_image_fails_only_its_own_query_in_a_shared_batch(make_client)
         results = client.portal.call(functools.partial(
             resources.batcher.submit_many, queries, return_exceptions=True
         ))
-        assert [[hit.id for hit in results[i]] for i in (0, 2)] == expected
+        assert [[hit.id for hit in results[i].hits] for i in (0, 2)] == expected
         for bad in (results[1], results[3]):
             assert isinstance(bad, ImageDecodeError) and "cannot decode" in str(bad)
 
@@ -123,14 +123,14 @@ class FailingPipeline(SearchPipeline):
     MARK = b"\x89PNG-but-this-one-explodes"
 
     def __init__(self, pipeline: SearchPipeline):
-        super().__init__(pipeline.embedder, pipeline.searcher, max_pixels=pipeline.max_pixels,
+        super().__init__(pipeline.serving, max_pixels=pipeline.max_pixels,
                          metrics=pipeline.metrics, batch_max_pixels=pipeline.batch_max_pixels,
                          gate=pipeline.gate)
 
-    def prepare(self, query, budget):
+    def prepare(self, query, budget, embedder):
         if query.data == self.MARK:
             raise MemoryError("cannot allocate the decoded image")
-        return super().prepare(query, budget)
+        return super().prepare(query, budget, embedder)
 
 
 def test_any_exception_while_preparing_one_query_fails_only_that_query(make_local_client) -> None:
@@ -143,7 +143,7 @@ def test_any_exception_while_preparing_one_query_fails_only_that_query(make_loca
         results = client.portal.call(functools.partial(
             resources.batcher.submit_many, queries, return_exceptions=True
         ))
-        assert len(results[0]) == 3 and len(results[2]) == 3
+        assert len(results[0].hits) == 3 and len(results[2].hits) == 3
         assert isinstance(results[1], ImageDecodeError)
         assert "MemoryError" in str(results[1])
         response = search(client, FailingPipeline.MARK)

@@ -31,7 +31,7 @@ class BlockingPipeline(SearchPipeline):
     """The app's real pipeline, holding each batch until ``release`` is set."""
 
     def __init__(self, pipeline: SearchPipeline):
-        super().__init__(pipeline.embedder, pipeline.searcher, max_pixels=pipeline.max_pixels,
+        super().__init__(pipeline.serving, max_pixels=pipeline.max_pixels,
                          metrics=pipeline.metrics, batch_max_pixels=pipeline.batch_max_pixels,
                          gate=pipeline.gate)
         self.started = threading.Event()

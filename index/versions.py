@@ -1,0 +1,709 @@
+"""Model versions in production: register a checkpoint, re-embed the stored gallery in the
+background, compare two versions, switch the served one atomically (gated on a paired
+verdict), roll back. One code path for ``/models`` and ``imgret models``.
+
+Decisions (the contract is silent on these):
+
+- **Checkpoints live under the data dir** (``models/<version>/model.pt``, written
+  atomically, its SHA-256 in ``model_versions.checkpoint_sha256``), beside the media store
+  that every process already shares, so any process told to serve a version can load it.
+  A checkpoint is read with ``torch.load(weights_only=True)`` and its version is recomputed
+  from the weights: a file that names another version than its weights is refused.
+- **Re-embedding reads the media store**, never a source folder. It is stateless: each chunk
+  takes the next live items (in id order) that lack an embedding of the version, so a crash
+  loses at most one chunk and a new run resumes where the last commit left off. Items added
+  while it runs have larger ids and are picked up by the same scan; an item deleted while it
+  runs is skipped at the write (``store.add_embeddings`` re-checks liveness under the gallery
+  write lock), so a delete never comes back. Query-set items are embedded after the gallery.
+  The job's state and heartbeat are columns of ``model_versions``, so every process sees
+  progress; a ``running`` job whose heartbeat is older than :data:`HEARTBEAT_STALE_S` was
+  interrupted and may be claimed again.
+- **Throttle**: the job computes at most ``duty`` of the wall time (it sleeps in between) and
+  waits while the caller says searches are queued, so ``/search`` on the active version keeps
+  its latency (measured in ``benchmarks/reembed_bench.py``).
+- **Activation** needs a stored checkpoint and full coverage. Items added after the
+  re-embedding finished (at most :data:`STRAGGLER_LIMIT`) are embedded during the
+  activation; the last of them inside the transaction that holds the gallery write lock and
+  flips ``is_active``, so no item committed before the switch lacks the new version's vector
+  and no write commits after it with the old one (``index.ingest.add_items`` checks the
+  active version under the same lock). More missing items than that: 409, run embed first.
+- **Gate**: ``require=better`` needs the paired verdict on MAP@R to be "better" and no
+  metric "worse"; ``not_worse`` needs no metric "worse" (``index.evaluation.gate``).
+- **Rollback** activates the version that the current one replaced (the last
+  ``model_activations`` row), with the same coverage rule: items added meanwhile are embedded
+  for it first. A second rollback goes forward again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from imgret.checkpoint import load_checkpoint, model_version_of, resolve_checkpoint_path
+from imgret.embedder import Embedder
+from imgret.errors import CheckpointError, GalleryError, ImageDecodeError, IndexStale
+from imgret.files import file_sha256, write_atomic_with
+from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
+from index import store
+from index.manifest import Manifest, index_dir
+from index.media import MediaStore
+from index.models import (
+    Embedding,
+    GalleryItem,
+    ModelActivation,
+    ModelVersion,
+    QueryEmbedding,
+    QueryItem,
+    utcnow,
+)
+
+logger = logging.getLogger(__name__)
+
+MODELS_DIR = "models"
+# Items still missing a vector that an activation embeds itself (more: 409, embed first).
+STRAGGLER_LIMIT = 1000
+# A running job whose heartbeat is older than this was interrupted (crash, kill).
+HEARTBEAT_STALE_S = 30.0
+EMBED_CHUNK = 64
+DEFAULT_DUTY = 0.5
+
+STATE_RUNNING, STATE_DONE, STATE_FAILED = "running", "done", "failed"
+
+
+class VersionNotFound(GalleryError, LookupError):
+    """No model version by that name (404)."""
+
+
+class ActivationRefused(GalleryError):
+    """A switch that the state or the verdict does not allow (409); ``details`` goes into the
+    response body beside ``detail`` (the comparison behind a refused gate)."""
+
+    def __init__(self, message: str, comparison: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = {"comparison": comparison}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_file(data_dir: str | Path, version: str) -> Path:
+    """Where a version's checkpoint is kept under the data dir."""
+    return Path(data_dir) / MODELS_DIR / version / "model.pt"
+
+
+def register_checkpoint(
+    path: str | Path, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+) -> dict[str, Any]:
+    """Register a checkpoint (run directory or ``model.pt``) and keep a copy under the data
+    dir; idempotent (the same weights give the same version).
+
+    Returns:
+        The version as :func:`describe_one` shows it.
+
+    Raises:
+        CheckpointError: unreadable, not an imgret checkpoint, or a version that does not
+            match its weights.
+        GalleryError: the version is registered with another dimension.
+    """
+    source = resolve_checkpoint_path(path)
+    loaded = load_checkpoint(source)
+    version = model_version_of(loaded.model, loaded.spec)
+    if version != loaded.model_version:
+        raise CheckpointError(
+            f"{source}: the checkpoint says version {loaded.model_version} but its weights "
+            f"hash to {version}; save it again with imgret.checkpoint.save_checkpoint"
+        )
+    dest = checkpoint_file(data_dir, version)
+    if not dest.is_file() or file_sha256(dest) != file_sha256(source):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with source.open("rb") as reader:
+            write_atomic_with(dest, lambda handle: shutil.copyfileobj(reader, handle))
+    digest = file_sha256(dest)
+    with session_factory.begin() as session:
+        row = store.register_model_version(
+            session=session, version=version, dim=loaded.spec.dim, config=loaded.spec.to_dict()
+        )
+        row.checkpoint_sha256 = digest
+    return describe_one(version, session_factory=session_factory, data_dir=data_dir)
+
+
+def register_upload(
+    data: bytes, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+) -> dict[str, Any]:
+    """:func:`register_checkpoint` for uploaded bytes (written to a temporary file under the
+    data dir first, removed afterwards)."""
+    incoming = Path(data_dir) / MODELS_DIR / ".incoming"
+    incoming.mkdir(parents=True, exist_ok=True)
+    temp = incoming / f"upload-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}.pt"
+    try:
+        write_atomic_with(temp, lambda handle: handle.write(data))
+        return register_checkpoint(temp, session_factory=session_factory, data_dir=data_dir)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def load_embedder(
+    version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    device: str = "auto",
+) -> Embedder:
+    """The Embedder of a registered version, from its stored checkpoint.
+
+    Raises:
+        VersionNotFound: unknown version.
+        GalleryError: its checkpoint is not stored (register it with ``POST /models``).
+    """
+    with session_factory() as session:
+        row = _get(session, version)
+        digest = row.checkpoint_sha256
+    path = checkpoint_file(data_dir, version)
+    if digest is None or not path.is_file():
+        raise GalleryError(
+            f"model version {version} has no stored checkpoint; register it with "
+            f"`imgret models register RUN_DIR` or POST /models"
+        )
+    embedder = Embedder.from_checkpoint(path, device=device)
+    if embedder.model_version != version:
+        raise CheckpointError(f"{path}: holds version {embedder.model_version}, not {version}")
+    return embedder
+
+
+# --------------------------------------------------------------------------- describing
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Live gallery items with a vector of the version, and all live items."""
+
+    embedded: int
+    live: int
+
+    @property
+    def missing(self) -> int:
+        return self.live - self.embedded
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"embedded": self.embedded, "live": self.live,
+                "fraction": self.embedded / self.live if self.live else 1.0,
+                "complete": self.embedded >= self.live}
+
+
+def coverage(session: Session, model_version_id: int) -> Coverage:
+    """How much of the live gallery has a vector of the version (two counts)."""
+    live = session.scalar(
+        select(func.count()).select_from(GalleryItem).where(GalleryItem.deleted_at.is_(None))
+    ) or 0
+    embedded = session.scalar(
+        select(func.count()).select_from(Embedding)
+        .join(GalleryItem, GalleryItem.id == Embedding.item_id)
+        .where(Embedding.model_version_id == model_version_id, GalleryItem.deleted_at.is_(None))
+    ) or 0
+    return Coverage(int(embedded), int(live))
+
+
+def describe(
+    *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    index_sizes: dict[str, tuple[int, str]] | None = None,
+) -> list[dict[str, Any]]:
+    """Every version as ``GET /models`` shows it (see :func:`describe_one`)."""
+    with session_factory() as session:
+        rows = store.list_model_versions(session=session)
+        return [_describe(session, row, data_dir, index_sizes or {}) for row in rows]
+
+
+def describe_one(
+    version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    index_sizes: dict[str, tuple[int, str]] | None = None,
+) -> dict[str, Any]:
+    """One version: config, created, coverage, index state, job state, active flag, last
+    evaluation. ``index_sizes`` (version -> (size, factory)) are the indexes this process has
+    open; otherwise the saved manifest says whether an index is built.
+
+    Raises:
+        VersionNotFound: unknown version.
+    """
+    with session_factory() as session:
+        return _describe(session, _get(session, version), data_dir, index_sizes or {})
+
+
+def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
+              index_sizes: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    total_queries = session.scalar(select(func.count()).select_from(QueryItem)) or 0
+    embedded_queries = session.scalar(
+        select(func.count()).select_from(QueryEmbedding)
+        .where(QueryEmbedding.model_version_id == row.id)
+    ) or 0
+    if row.version in index_sizes:
+        size, factory = index_sizes[row.version]
+        index = {"state": "built", "size": size, "factory": factory}
+    else:
+        index = _saved_index(data_dir, row.version)
+    return {
+        "version": row.version,
+        "dim": row.dim,
+        "config": dict(row.config or {}),
+        "created_at": row.created_at,
+        "active": bool(row.is_active),
+        "activated_at": row.activated_at,
+        "coverage": coverage(session, row.id).to_dict(),
+        "query_items": {"embedded": int(embedded_queries), "total": int(total_queries)},
+        "index": index,
+        "embedding": _job_state(row),
+        "checkpoint_stored": row.checkpoint_sha256 is not None
+        and checkpoint_file(data_dir, row.version).is_file(),
+        "last_evaluation": row.last_evaluation,
+    }
+
+
+def _saved_index(data_dir: str | Path, version: str) -> dict[str, Any]:
+    try:
+        manifest = Manifest.read(index_dir(data_dir, version))
+    except IndexStale:  # missing or unreadable: not built (a process builds it on demand)
+        return {"state": "missing", "size": None, "factory": None}
+    return {"state": "built", "size": manifest.count, "factory": manifest.factory}
+
+
+def _job_state(row: ModelVersion) -> dict[str, Any]:
+    state = row.embed_state or "idle"
+    if state == STATE_RUNNING and _stale(row.embed_heartbeat_at):
+        state = "interrupted"
+    return {"state": state, "error": row.embed_error, "updated_at": row.embed_heartbeat_at}
+
+
+def _stale(heartbeat: datetime | None) -> bool:
+    if heartbeat is None:
+        return True
+    if heartbeat.tzinfo is None:  # SQLite gives naive datetimes back
+        heartbeat = heartbeat.replace(tzinfo=UTC)
+    return utcnow() - heartbeat > timedelta(seconds=HEARTBEAT_STALE_S)
+
+
+def _get(session: Session, version: str) -> ModelVersion:
+    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+    if row is None:
+        known = session.scalars(select(ModelVersion.version).order_by(ModelVersion.id)).all()
+        raise VersionNotFound(
+            f"unknown model version {version!r}; registered: {', '.join(known) or 'none'}"
+        )
+    return row
+
+
+def record_evaluation(
+    version: str, report: dict[str, Any], *, session_factory: sessionmaker[Session],
+) -> None:
+    """Keep a summary of a named query set's evaluation as the version's last one."""
+    if not report.get("query_set"):
+        return
+    summary = {
+        "query_set": report["query_set"], "at": utcnow().isoformat(),
+        "num_queries": report.get("num_queries"),
+        **{m: report.get(m) for m in ("map_at_r", "r_precision", "precision_at_1")},
+    }
+    with session_factory.begin() as session:
+        session.execute(update(ModelVersion).where(ModelVersion.version == version)
+                        .values(last_evaluation=summary))
+
+
+# --------------------------------------------------------------------------- re-embedding
+
+
+@dataclass
+class Throttle:
+    """Keeps a background job from starving searches.
+
+    Attributes:
+        duty: the largest fraction of wall time the job computes (it sleeps the rest).
+        busy: says whether searches are waiting; the job waits (up to ``max_wait_s`` per
+            chunk) while it does.
+    """
+
+    duty: float = DEFAULT_DUTY
+    busy: Callable[[], bool] | None = None
+    max_wait_s: float = 2.0
+
+    def pause(self, worked_s: float) -> None:
+        if 0 < self.duty < 1:
+            time.sleep(worked_s * (1 - self.duty) / self.duty)
+        if self.busy is not None:
+            deadline = time.monotonic() + self.max_wait_s
+            while self.busy() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+@dataclass
+class EmbedReport:
+    """What a re-embedding run did."""
+
+    version: str
+    gallery_embedded: int = 0
+    queries_embedded: int = 0
+    skipped_deleted: int = 0
+    failed: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.gallery_embedded + self.queries_embedded) / max(self.seconds, 1e-9)
+
+
+def claim_job(version: str, *, session_factory: sessionmaker[Session]) -> bool:
+    """Mark the version's job running, unless a live job (fresh heartbeat) already runs.
+
+    One conditional UPDATE: of several processes asked at once, one wins.
+    """
+    stale_before = utcnow() - timedelta(seconds=HEARTBEAT_STALE_S)
+    with session_factory.begin() as session:
+        row = _get(session, version)
+        result = session.execute(
+            update(ModelVersion)
+            .where(ModelVersion.id == row.id)
+            .where(
+                (ModelVersion.embed_state.is_(None))
+                | (ModelVersion.embed_state != STATE_RUNNING)
+                | (ModelVersion.embed_heartbeat_at.is_(None))
+                | (ModelVersion.embed_heartbeat_at < stale_before)
+            )
+            .values(embed_state=STATE_RUNNING, embed_heartbeat_at=utcnow(), embed_error=None)
+        )
+        return result.rowcount == 1
+
+
+def _finish_job(version: str, session_factory: sessionmaker[Session], state: str,
+                error: str | None) -> None:
+    with session_factory.begin() as session:
+        session.execute(update(ModelVersion).where(ModelVersion.version == version).values(
+            embed_state=state, embed_heartbeat_at=utcnow(), embed_error=error))
+
+
+def run_embed_job(
+    version: str, *, session_factory: sessionmaker[Session], media: MediaStore,
+    embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
+    max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None, claimed: bool = False,
+) -> EmbedReport:
+    """Claimed job around :func:`embed_missing`: state ``done`` or ``failed`` at the end.
+
+    Args:
+        claimed: the caller already won :func:`claim_job`.
+
+    Raises:
+        GalleryError: a live job of this version runs elsewhere.
+    """
+    if not claimed and not claim_job(version, session_factory=session_factory):
+        raise GalleryError(f"the re-embedding of {version} is already running")
+    try:
+        report = embed_missing(
+            version, session_factory=session_factory, media=media, embedder=embedder,
+            throttle=throttle, chunk_size=chunk_size, max_pixels=max_pixels, progress=progress,
+            stop=stop, heartbeat=True,
+        )
+    except BaseException as exc:
+        _finish_job(version, session_factory, STATE_FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        raise
+    error = (f"{len(report.failed)} stored images could not be decoded (ids "
+             f"{report.failed[:10]})" if report.failed else None)
+    if stop is not None and stop.is_set():
+        # Stopped by a shutdown: "running" without a heartbeat reads as interrupted, and the
+        # next start of any process (or a POST) resumes it at once.
+        with session_factory.begin() as session:
+            session.execute(update(ModelVersion).where(ModelVersion.version == version)
+                            .values(embed_heartbeat_at=None))
+    else:
+        _finish_job(version, session_factory, STATE_DONE, error)
+    return report
+
+
+def embed_missing(
+    version: str, *, session_factory: sessionmaker[Session], media: MediaStore,
+    embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
+    max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None, heartbeat: bool = False,
+    include_queries: bool = True,
+) -> EmbedReport:
+    """Embed every live gallery item (then every query item) that lacks a vector of
+    ``version``, from the stored images, one committed chunk at a time (see the module
+    docstring for why this covers concurrent adds and deletes).
+
+    Args:
+        progress: called with (embedded so far, live items) after each chunk.
+        stop: set it to stop after the current chunk.
+        heartbeat: update the job's heartbeat with each chunk.
+    """
+    if embedder.model_version != version:
+        raise GalleryError(f"the embedder is {embedder.model_version}, not {version}")
+    report = EmbedReport(version)
+    start = time.perf_counter()
+    limits = DecodeLimits(image_pixels=max_pixels, request_pixels=2**62)
+    failed: set[int] = set()
+    for queries in ((False, True) if include_queries else (False,)):
+        after = 0
+        while stop is None or not stop.is_set():
+            with session_factory() as session:
+                row = _get(session, version)
+                batch = _missing(session, row.id, after, chunk_size, queries=queries)
+            if not batch:
+                break
+            after = batch[-1][0]
+            t0 = time.perf_counter()
+            ids, vectors, broken = _embed_stored(batch, media, embedder, limits)
+            failed.update(broken)
+            with session_factory.begin() as session:
+                row = _get(session, version)
+                if queries:
+                    written = _add_query_embeddings(session, row, ids, vectors)
+                    report.queries_embedded += written
+                else:
+                    written = len(store.add_embeddings(ids, vectors, session=session,
+                                                       model_version=row))
+                    report.gallery_embedded += written
+                    report.skipped_deleted += len(ids) - written
+                if heartbeat:
+                    row.embed_heartbeat_at = utcnow()
+                cov = coverage(session, row.id) if progress is not None else None
+            if progress is not None and cov is not None:
+                progress(cov.embedded, cov.live)
+            if throttle is not None:
+                throttle.pause(time.perf_counter() - t0)
+    report.failed = sorted(failed)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _missing(session: Session, version_id: int, after: int, limit: int, *,
+             queries: bool) -> list[tuple[int, str]]:
+    """The next ``limit`` items (id > ``after``, id order) with no vector of the version:
+    live gallery items, or query items."""
+    if queries:
+        item, vec, key, scope = QueryItem, QueryEmbedding, QueryEmbedding.query_item_id, True
+    else:
+        item, vec, key = GalleryItem, Embedding, Embedding.item_id
+        scope = GalleryItem.deleted_at.is_(None)
+    has = exists().where(and_(key == item.id, vec.model_version_id == version_id))
+    rows = session.execute(
+        select(item.id, item.media_path).where(item.id > after, scope, ~has)
+        .order_by(item.id).limit(limit)
+    )
+    return [(int(i), path) for i, path in rows]
+
+
+def _embed_stored(batch: list[tuple[int, str]], media: MediaStore, embedder: Embedder,
+                  limits: DecodeLimits) -> tuple[list[int], np.ndarray, list[int]]:
+    """Vectors of stored images; an unreadable one is left out (its id in the third list)."""
+    ids, blobs, broken = [], [], []
+    for item_id, path in batch:
+        try:
+            blobs.append(media.read(path))
+            ids.append(item_id)
+        except OSError:
+            # Bytes gone: the item was deleted (its media purged) after the scan read it.
+            broken.append(item_id)
+    if not blobs:
+        return [], np.zeros((0, embedder.dim), np.float32), broken
+    try:
+        vectors = embed_encoded(blobs, embedder=embedder, limits=limits,
+                                names=[f"item {i}" for i in ids])
+        return ids, vectors, broken
+    except ImageDecodeError:
+        pass
+    # One bad image: embed one at a time so the others still get their vectors.
+    good, vectors = [], []
+    for item_id, data in zip(ids, blobs, strict=True):
+        try:
+            vectors.append(embed_encoded([data], embedder=embedder, limits=limits,
+                                         names=[f"item {item_id}"])[0])
+            good.append(item_id)
+        except ImageDecodeError as exc:
+            logger.warning("cannot re-embed %s", exc)
+            broken.append(item_id)
+    stacked = np.stack(vectors) if vectors else np.zeros((0, embedder.dim), np.float32)
+    return good, stacked, broken
+
+
+def _add_query_embeddings(session: Session, row: ModelVersion, ids: list[int],
+                          vectors: np.ndarray) -> int:
+    if not ids:
+        return 0
+    # An ingest of the same query set may have stored some meanwhile: skip those.
+    have = store.ids_with_embedding(ids, session=session, model_version_id=row.id,
+                                    query_set=store.ANY_QUERY_SET)
+    keep = [j for j, item_id in enumerate(ids) if item_id not in have]
+    if keep:
+        store.add_embeddings([ids[j] for j in keep], vectors[keep], session=session,
+                             model_version=row, query_set=store.ANY_QUERY_SET)
+    return len(keep)
+
+
+# --------------------------------------------------------------------------- switching
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A switch that happened (or, with ``changed`` false, was already in force)."""
+
+    active: str
+    previous: str | None
+    comparison: dict[str, Any] | None
+    changed: bool
+    stragglers: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"active": self.active, "previous": self.previous,
+                "comparison": self.comparison, "changed": self.changed,
+                "stragglers_embedded": self.stragglers}
+
+
+Compare = Callable[[str, str, str], dict[str, Any]]
+
+
+def activate(
+    version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    media: MediaStore, embedder: Embedder, require: str | None = None,
+    query_set: str | None = None, compare: Compare | None = None,
+    prepare_index: Callable[[str], Any] | None = None, reason: str = "activate",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> Activation:
+    """Make ``version`` the served one (see the module docstring for the rules).
+
+    Args:
+        embedder: the version's model (for the items added since its re-embedding).
+        require: ``"better"`` or ``"not_worse"`` (needs ``query_set`` and ``compare``).
+        compare: ``compare(active, candidate, query_set)`` -> the paired comparison
+            (``index.evaluation.compare_versions`` of both evaluations, with verdicts).
+        prepare_index: opens (loads or builds) the version's index before the switch.
+        reason: ``"activate"`` or ``"rollback"`` (recorded).
+
+    Raises:
+        VersionNotFound: unknown version.
+        ActivationRefused: no stored checkpoint, coverage far from complete, or the verdict
+            does not satisfy ``require``.
+    """
+    from index.evaluation import gate
+
+    if require not in (None, "better", "not_worse"):
+        raise ActivationRefused(f"require must be better or not_worse, not {require!r}")
+    with session_factory() as session:
+        row = _get(session, version)
+        active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        active_name = active.version if active is not None else None
+        if row.checkpoint_sha256 is None:
+            raise ActivationRefused(
+                f"model version {version} has no stored checkpoint, so other processes could "
+                "not load it; register it first (imgret models register / POST /models)"
+            )
+        cov = coverage(session, row.id)
+    if active_name == version:
+        return Activation(version, None, None, changed=False)
+    if cov.missing > STRAGGLER_LIMIT:
+        raise ActivationRefused(
+            f"model version {version} covers {cov.embedded} of {cov.live} live items; "
+            f"re-embed first (POST /models/{version}/embed or imgret models embed {version})"
+        )
+    comparison = None
+    if require is not None:
+        if not query_set or compare is None or active_name is None:
+            raise ActivationRefused("require needs query_set (and an active version to beat)")
+        comparison = compare(active_name, version, query_set)
+        allowed, why = gate(comparison, require)
+        if not allowed:
+            raise ActivationRefused(f"activation refused (require={require}): {why}",
+                                    comparison)
+    # Stragglers (items added since the re-embedding), outside any lock first...
+    caught_up = embed_missing(version, session_factory=session_factory, media=media,
+                              embedder=embedder, max_pixels=max_pixels,
+                              include_queries=False).gallery_embedded
+    if prepare_index is not None:
+        prepare_index(version)
+    limits = DecodeLimits(image_pixels=max_pixels, request_pixels=2**62)
+    with session_factory.begin() as session:
+        # ... then the last ones under the gallery write lock: nothing commits in between.
+        store.lock_gallery_writes(session=session)
+        row = _get(session, version)
+        while batch := _missing(session, row.id, 0, EMBED_CHUNK, queries=False):
+            ids, vectors, broken = _embed_stored(batch, media, embedder, limits)
+            if broken:
+                raise ActivationRefused(
+                    f"stored images of items {broken[:10]} cannot be decoded with {version}"
+                )
+            caught_up += len(store.add_embeddings(ids, vectors, session=session,
+                                                  model_version=row))
+        previous = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        store.activate_model_version(session=session, version=version)
+        row.activated_at = utcnow()
+        session.add(ModelActivation(
+            model_version_id=row.id, previous_version_id=previous.id if previous else None,
+            reason=reason, gate=_gate_summary(comparison, require, query_set),
+        ))
+    logger.info("%s: %s is active (was %s; %d items embedded during the switch)", reason,
+                version, active_name, caught_up)
+    return Activation(version, active_name, comparison, changed=True, stragglers=caught_up)
+
+
+def previous_version(*, session_factory: sessionmaker[Session]) -> str:
+    """The version the active one replaced (what a rollback activates).
+
+    Raises:
+        ActivationRefused: no switch on record.
+    """
+    with session_factory() as session:
+        active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        last = session.scalar(
+            select(ModelActivation)
+            .where(ModelActivation.model_version_id == (active.id if active else -1))
+            .order_by(ModelActivation.id.desc()).limit(1)
+        )
+        if last is None or last.previous_version_id is None:
+            raise ActivationRefused("no previous version to roll back to: the active version "
+                                    "was never switched to from another one")
+        row = session.get(ModelVersion, last.previous_version_id)
+        return row.version
+
+
+def active_version(*, session_factory: sessionmaker[Session]) -> str | None:
+    """The name of the active version (``None`` on an empty database)."""
+    with session_factory() as session:
+        return session.scalar(select(ModelVersion.version).where(ModelVersion.is_active))
+
+
+def history(*, session_factory: sessionmaker[Session], limit: int = 20) -> list[dict[str, Any]]:
+    """The last switches, newest first."""
+    with session_factory() as session:
+        names = dict(session.execute(select(ModelVersion.id, ModelVersion.version)).all())
+        rows = session.scalars(
+            select(ModelActivation).order_by(ModelActivation.id.desc()).limit(limit)
+        )
+        return [{"version": names.get(r.model_version_id),
+                 "previous": names.get(r.previous_version_id), "reason": r.reason,
+                 "at": r.created_at, "gate": r.gate} for r in rows]
+
+
+def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
+                  query_set: str | None) -> dict[str, Any] | None:
+    if comparison is None:
+        return None
+    return {"require": require, "query_set": query_set, "verdict": comparison.get("verdict")}
+
+
+def owner() -> str:
+    """This process, for logs: host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def stale_jobs(*, session_factory: sessionmaker[Session]) -> list[str]:
+    """Versions whose job was running when its process died (heartbeat gone stale)."""
+    with session_factory() as session:
+        rows = session.scalars(select(ModelVersion).where(ModelVersion.embed_state
+                                                          == STATE_RUNNING))
+        return [row.version for row in rows if _stale(row.embed_heartbeat_at)]
+

@@ -1,0 +1,280 @@
+"""/models: register versions, re-embed the stored gallery for one in the background, switch
+the served version (gated on a paired verdict), roll back. Same code as `imgret models`
+(:mod:`index.versions`)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from index import versions
+from service.deps import ResourcesDep, require_api_key
+from service.evaluations import compare_named
+from service.resources import Resources
+from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
+
+router = APIRouter(prefix="/models", tags=["models"])
+
+VersionPath = Annotated[str, Path(min_length=1, max_length=MODEL_VERSION_MAX,
+                                  pattern=r"^[A-Za-z0-9_.\-]+$", description="model version")]
+_KEYED = {401: {"description": "missing or wrong X-API-Key"}}
+_NOT_FOUND = {404: {"description": "no such model version"}}
+# One switch at a time in this process (the database serialises processes: the switch
+# transaction holds the gallery write lock).
+_SWITCH = threading.Lock()
+
+
+class Coverage(BaseModel):
+    embedded: int = Field(description="live gallery items with a vector of this version")
+    live: int = Field(description="live gallery items")
+    fraction: float
+    complete: bool
+
+
+class IndexState(BaseModel):
+    state: Literal["built", "missing"]
+    size: int | None = None
+    factory: str | None = None
+
+
+class EmbeddingJob(BaseModel):
+    state: Literal["idle", "running", "done", "failed", "interrupted"]
+    error: str | None = None
+    updated_at: datetime | None = None
+
+
+class QueryCoverage(BaseModel):
+    embedded: int
+    total: int
+
+
+class ModelInfo(BaseModel):
+    """One model version: what it is, how much of the gallery it covers, whether it serves."""
+
+    version: str
+    dim: int
+    config: dict[str, Any]
+    created_at: datetime
+    active: bool
+    activated_at: datetime | None = None
+    coverage: Coverage
+    query_items: QueryCoverage
+    index: IndexState
+    embedding: EmbeddingJob
+    checkpoint_stored: bool
+    last_evaluation: dict[str, Any] | None = None
+
+
+class ModelList(BaseModel):
+    active: str | None
+    models: list[ModelInfo]
+    history: list[dict[str, Any]] = Field(description="the last switches, newest first")
+
+
+class ActivateRequest(BaseModel):
+    """Optional gate of a switch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    require: Literal["better", "not_worse"] | None = Field(
+        None, description="refuse (409) unless the paired verdict against the active version "
+                          "on query_set says so")
+    query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
+
+
+class Switch(BaseModel):
+    """The served version after a switch."""
+
+    active: str
+    previous: str | None
+    changed: bool = Field(description="false: the version was already active")
+    stragglers_embedded: int = Field(
+        0, description="items added since the re-embedding, embedded during the switch")
+    comparison: dict[str, Any] | None = None
+
+
+def _describe(resources: Resources, version: str) -> dict[str, Any]:
+    return versions.describe_one(version, session_factory=resources.sessions,
+                                 data_dir=resources.settings.data_dir,
+                                 index_sizes=resources.index_sizes())
+
+
+@router.get("")
+def list_models(resources: ResourcesDep) -> ModelList:
+    """Every registered version with coverage, index and job state; the active one; the
+    recent switches."""
+    return ModelList(
+        active=versions.active_version(session_factory=resources.sessions),
+        models=versions.describe(session_factory=resources.sessions,
+                                 data_dir=resources.settings.data_dir,
+                                 index_sizes=resources.index_sizes()),
+        history=versions.history(session_factory=resources.sessions),
+    )
+
+
+@router.get("/{version}", responses=_NOT_FOUND)
+def read_model(version: VersionPath, resources: ResourcesDep) -> ModelInfo:
+    """One version: config, created, coverage, index state, job progress, active flag, last
+    evaluation."""
+    return ModelInfo.model_validate(_describe(resources, version))
+
+
+@router.post(
+    "", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_api_key)],
+    openapi_extra={"requestBody": {"content": {
+        "multipart/form-data": {"schema": {
+            "type": "object",
+            "properties": {"checkpoint": {"type": "string", "format": "binary"},
+                           "path": {"type": "string"}},
+        }},
+        "application/json": {"schema": {
+            "type": "object", "required": ["path"], "additionalProperties": False,
+            "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 4096}},
+        }},
+    }}},
+    responses={**_KEYED, 413: {"description": "checkpoint over IMGRET_MAX_UPLOAD_BYTES: pass "
+                                              "a path the server can read instead"},
+               415: {"description": "neither JSON nor multipart"},
+               422: {"description": "not an imgret checkpoint, or its version does not "
+                                    "match its weights"}},
+)
+async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo:
+    """Register a checkpoint: an upload (multipart ``checkpoint``) or a ``path`` the server
+    can read (a run directory or its ``model.pt``; JSON or form).
+
+    It is read with ``torch.load(weights_only=True)`` (no code runs), rebuilt, and its version
+    recomputed from the weights; a copy is kept under the data dir so every process can load
+    it. Registering the same weights again is harmless (same version, 201).
+    """
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    kwargs = dict(session_factory=resources.sessions, data_dir=resources.settings.data_dir)
+    if content_type == "application/json":
+        path = _json_path(await request.body())
+        info = await anyio.to_thread.run_sync(
+            lambda: versions.register_checkpoint(path, **kwargs))
+    elif content_type == "multipart/form-data":
+        form = await request.form(max_files=1, max_fields=4)
+        try:
+            unknown = set(form.keys()) - {"checkpoint", "path"}
+            upload, path = form.get("checkpoint"), form.get("path")
+            if unknown or (upload is None) == (path is None):
+                raise HTTPException(422, "send one of `checkpoint` (a file) or `path`")
+            if path is not None:
+                info = await anyio.to_thread.run_sync(
+                    lambda: versions.register_checkpoint(_checked_path(str(path)), **kwargs))
+            else:
+                if isinstance(upload, str):
+                    raise HTTPException(422, "`checkpoint` must be a file")
+                data = await upload.read()
+                info = await anyio.to_thread.run_sync(
+                    lambda: versions.register_upload(data, **kwargs))
+        finally:
+            await form.close()
+    else:
+        raise HTTPException(415, 'send JSON {"path": ...} or a multipart `checkpoint` file')
+    return ModelInfo.model_validate(_describe(resources, info["version"]))
+
+
+def _json_path(body: bytes) -> str:
+    class _Body(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        path: SafeText = Field(min_length=1, max_length=4096)
+
+    try:
+        return _checked_path(_Body.model_validate_json(body).path)
+    except ValidationError as exc:
+        raise HTTPException(422, f"body: {exc.errors(include_url=False)[0]['msg']}") from None
+
+
+def _checked_path(path: str) -> str:
+    if not path.strip() or "\x00" in path or len(path) > 4096:
+        raise HTTPException(422, "path: give the run directory or model.pt of a checkpoint")
+    return path
+
+
+@router.post("/rollback", dependencies=[Depends(require_api_key)],
+             responses={**_KEYED, 409: {"description": "no previous version, or its coverage "
+                                                       "cannot be completed"}})
+async def rollback(resources: ResourcesDep) -> Switch:
+    """Serve the version that the active one replaced again (items added meanwhile are
+    embedded for it first). A second rollback goes forward again."""
+    return await anyio.to_thread.run_sync(_switch, resources, None, None, None, "rollback")
+
+
+@router.post("/{version}/embed", status_code=status.HTTP_202_ACCEPTED,
+             dependencies=[Depends(require_api_key)],
+             responses={**_KEYED, **_NOT_FOUND,
+                        409: {"description": "the version's checkpoint is not stored"}})
+async def embed_model(version: VersionPath, resources: ResourcesDep) -> ModelInfo:
+    """Re-embed the stored gallery and query sets for ``version`` in the background.
+
+    Chunked, resumable (each chunk commits; a new call, or the next start of any process,
+    resumes an interrupted job), throttled so searches keep their latency
+    (``IMGRET_EMBED_DUTY``). Progress: ``coverage`` and ``embedding`` of ``GET
+    /models/{version}``. Calling it while the job runs (in any process) changes nothing.
+    """
+    def start() -> dict[str, Any]:
+        assert resources.jobs is not None
+        resources.jobs.start(version)
+        return _describe(resources, version)
+
+    return ModelInfo.model_validate(await anyio.to_thread.run_sync(start))
+
+
+@router.post(
+    "/{version}/activate", dependencies=[Depends(require_api_key)],
+    responses={**_KEYED, **_NOT_FOUND,
+               409: {"description": "coverage incomplete, checkpoint not stored, or the "
+                                    "paired verdict does not satisfy `require` (the body has "
+                                    "the comparison)"}},
+)
+async def activate_model(
+    version: VersionPath, request: Request, resources: ResourcesDep,
+    require: Annotated[Literal["better", "not_worse"] | None, Query()] = None,
+    query_set: Annotated[SafeText | None, Query(min_length=1, max_length=NAME_MAX)] = None,
+) -> Switch:
+    """Serve ``version``: atomically, once its index is built and its coverage complete.
+
+    Every search response names the version that produced it, and a search never mixes a
+    query embedded by one version with another's index. ``require=better|not_worse`` with
+    ``query_set=NAME`` (query string or JSON body) compares the active version and this one
+    on that set first (paired bootstrap) and refuses with 409 and the comparison unless the
+    verdict says so. Other processes on the database follow within the follower interval.
+    """
+    body = await request.body()
+    if body.strip():
+        try:
+            options = ActivateRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise HTTPException(422, f"body: {exc.errors(include_url=False)[0]['msg']}") from None
+        if (require or query_set) and (options.require or options.query_set):
+            raise HTTPException(422, "give require/query_set in the query string or the body, "
+                                     "not both")
+        require, query_set = options.require or require, options.query_set or query_set
+    if require is not None and query_set is None:
+        raise HTTPException(422, "require needs query_set (a stored query set to compare on)")
+    return await anyio.to_thread.run_sync(_switch, resources, version, require, query_set,
+                                          "activate")
+
+
+def _switch(resources: Resources, version: str | None, require: str | None,
+            query_set: str | None, reason: str) -> Switch:
+    with _SWITCH:
+        if version is None:
+            version = versions.previous_version(session_factory=resources.sessions)
+        result = versions.activate(
+            version, session_factory=resources.sessions, data_dir=resources.settings.data_dir,
+            media=resources.media, embedder=resources.embedder_for(version), require=require,
+            query_set=query_set,
+            compare=lambda a, b, name: compare_named(resources, a, b, name),
+            prepare_index=resources.searcher_for, reason=reason,
+            max_pixels=resources.settings.max_image_pixels,
+        )
+        # This process switches now; the others follow the database within their interval.
+        resources.serve(version)
+        return Switch.model_validate(result.to_dict())

@@ -1,0 +1,61 @@
+"""/query-sets: the stored labelled query sets (for the web page's Evaluate view) and their
+images (the worst queries are shown as pictures)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+from sqlalchemy import func, select
+
+from index.models import QueryItem, QuerySet
+from service.deps import ResourcesDep, SessionDep
+from service.validation import NAME_MAX
+
+router = APIRouter(prefix="/query-sets", tags=["query-sets"])
+
+
+class QuerySetInfo(BaseModel):
+    name: str
+    size: int
+
+
+class QuerySetList(BaseModel):
+    query_sets: list[QuerySetInfo]
+
+
+@router.get("")
+def list_query_sets(session: SessionDep) -> QuerySetList:
+    """Every stored query set (``imgret ingest --query-set NAME``) with its size."""
+    rows = session.execute(
+        select(QuerySet.name, func.count(QueryItem.id))
+        .outerjoin(QueryItem, QueryItem.query_set_id == QuerySet.id)
+        .group_by(QuerySet.id, QuerySet.name).order_by(QuerySet.name)
+    )
+    return QuerySetList(query_sets=[QuerySetInfo(name=n, size=int(c)) for n, c in rows])
+
+
+@router.get(
+    "/{name}/items/{item_id}/image", response_class=FileResponse,
+    responses={200: {"content": {"image/*": {}}}, 404: {"description": "no such query item"}},
+)
+def read_query_image(
+    name: Annotated[str, Path(min_length=1, max_length=NAME_MAX)],
+    item_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+    session: SessionDep, resources: ResourcesDep,
+):
+    """The stored image of one query of a set."""
+    item = session.scalar(
+        select(QueryItem).join(QuerySet, QuerySet.id == QueryItem.query_set_id)
+        .where(QuerySet.name == name, QueryItem.id == item_id)
+    )
+    if item is None:
+        raise HTTPException(404, f"query set {name!r} has no item {item_id}")
+    path = resources.media.resolve(item.media_path)
+    if not path.is_file():
+        raise HTTPException(404, f"the image file of query item {item_id} is missing")
+    return FileResponse(path, media_type=item.content_type,
+                        headers={"Cache-Control": "private, no-store",
+                                 "X-Content-Type-Options": "nosniff"})
