@@ -77,6 +77,7 @@ def ingest(
         GalleryError: an empty query-set name.
     """
     from imgret.embedder import Embedder
+    from index import versions
     from index.ingest import ingest_source
     from index.media import MediaStore
 
@@ -89,6 +90,10 @@ def ingest(
     embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
                                         batch_size=batch_size)
     with open_gallery(settings) as sessions:
+        # Keep the checkpoint under the data dir: any server can then load this version
+        # (compare it, switch to it) without the run directory.
+        versions.register_checkpoint(checkpoint, session_factory=sessions,
+                                     data_dir=settings.data_dir)
         return ingest_source(
             path, session_factory=sessions, media=MediaStore.in_data_dir(settings.data_dir),
             embedder=embedder, query_set=query_set, chunk_size=chunk_size,

@@ -106,6 +106,10 @@ class ModelVersion(Base):
         DateTime(timezone=True), nullable=True
     )
     embed_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Every live gallery item up to this id had a vector of this version when it was last
+    # complete (a finished re-embedding, or the moment it stopped being the active one): an
+    # activation embeds the items above it itself, and refuses if any below it lack one.
+    covered_through: Mapped[int | None] = mapped_column(IdType, nullable=True)
     # A summary of the last evaluation of a named query set with this version.
     last_evaluation: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
 

@@ -21,12 +21,14 @@ Decisions (the contract is silent on these):
 - **Throttle**: the job computes at most ``duty`` of the wall time (it sleeps in between) and
   waits while the caller says searches are queued, so ``/search`` on the active version keeps
   its latency (measured in ``benchmarks/reembed_bench.py``).
-- **Activation** needs a stored checkpoint and full coverage. Items added after the
-  re-embedding finished (at most :data:`STRAGGLER_LIMIT`) are embedded during the
-  activation; the last of them inside the transaction that holds the gallery write lock and
-  flips ``is_active``, so no item committed before the switch lacks the new version's vector
-  and no write commits after it with the old one (``index.ingest.add_items`` checks the
-  active version under the same lock). More missing items than that: 409, run embed first.
+- **Activation** needs a stored checkpoint and full coverage: every live item up to
+  ``covered_through`` (the newest id when the version was last complete: its re-embedding
+  finished, or it stopped being the active one) must have a vector. Items added after that
+  (at most :data:`STRAGGLER_LIMIT`) are embedded during the activation; the last of them
+  inside the transaction that holds the gallery write lock and flips ``is_active``, so no
+  item committed before the switch lacks the new version's vector and no write commits after
+  it with the old one (``index.ingest.add_items`` checks the active version under the same
+  lock). More missing items than that: 409, run embed first.
 - **Gate**: ``require=better`` needs the paired verdict on MAP@R to be "better" and no
   metric "worse"; ``not_worse`` needs no metric "worse" (``index.evaluation.gate``).
 - **Rollback** activates the version that the current one replaced (the last
@@ -316,6 +318,24 @@ def record_evaluation(
                         .values(last_evaluation=summary))
 
 
+def comparison_report(a: Any, b: Any) -> dict[str, Any]:
+    """Two :class:`index.evaluation.Evaluation` of one query set as ``/evaluate`` reports a
+    comparison: ``{"a", "b", "difference", "verdict", "b_better", "a_better"}``, per metric
+    B − A with its paired 95% interval and verdict (``index.evaluation.compare_versions``)."""
+    from index.evaluation import compare_versions
+
+    comparison = compare_versions(a, b)
+    return {
+        "a": a.report,
+        "b": b.report,
+        "difference": {m: v for m, v in comparison.items()
+                       if isinstance(v, dict) and "ci95" in v},
+        "verdict": comparison.get("verdict", {}),
+        "b_better": comparison["b_better"],
+        "a_better": comparison["a_better"],
+    }
+
+
 # --------------------------------------------------------------------------- re-embedding
 
 
@@ -381,10 +401,14 @@ def claim_job(version: str, *, session_factory: sessionmaker[Session]) -> bool:
 
 
 def _finish_job(version: str, session_factory: sessionmaker[Session], state: str,
-                error: str | None) -> None:
+                error: str | None, covered_through: int | None = None) -> None:
+    values: dict[str, Any] = dict(embed_state=state, embed_heartbeat_at=utcnow(),
+                                  embed_error=error)
+    if covered_through is not None:
+        values["covered_through"] = covered_through
     with session_factory.begin() as session:
-        session.execute(update(ModelVersion).where(ModelVersion.version == version).values(
-            embed_state=state, embed_heartbeat_at=utcnow(), embed_error=error))
+        session.execute(update(ModelVersion).where(ModelVersion.version == version)
+                        .values(**values))
 
 
 def run_embed_job(
@@ -403,6 +427,10 @@ def run_embed_job(
     """
     if not claimed and not claim_job(version, session_factory=session_factory):
         raise GalleryError(f"the re-embedding of {version} is already running")
+    with session_factory() as session:
+        # Every item up to here is covered once the scan ends (items added later may be too,
+        # but an activation checks those itself).
+        through = session.scalar(select(func.max(GalleryItem.id)))
     try:
         report = embed_missing(
             version, session_factory=session_factory, media=media, embedder=embedder,
@@ -421,7 +449,7 @@ def run_embed_job(
             session.execute(update(ModelVersion).where(ModelVersion.version == version)
                             .values(embed_heartbeat_at=None))
     else:
-        _finish_job(version, session_factory, STATE_DONE, error)
+        _finish_job(version, session_factory, STATE_DONE, error, covered_through=through)
     return report
 
 
@@ -479,6 +507,18 @@ def embed_missing(
     report.failed = sorted(failed)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _count_missing(session: Session, version_id: int, *, through: int | None) -> int:
+    """Live gallery items up to id ``through`` (all, for ``None``) without a vector of the
+    version."""
+    has = exists().where(and_(Embedding.item_id == GalleryItem.id,
+                              Embedding.model_version_id == version_id))
+    query = select(func.count()).select_from(GalleryItem).where(
+        GalleryItem.deleted_at.is_(None), ~has)
+    if through is not None:
+        query = query.where(GalleryItem.id <= through)
+    return int(session.scalar(query) or 0)
 
 
 def _missing(session: Session, version_id: int, after: int, limit: int, *,
@@ -603,9 +643,11 @@ def activate(
                 "not load it; register it first (imgret models register / POST /models)"
             )
         cov = coverage(session, row.id)
+        old_gaps = _count_missing(session, row.id, through=row.covered_through)
+        new_gaps = cov.missing - old_gaps
     if active_name == version:
         return Activation(version, None, None, changed=False)
-    if cov.missing > STRAGGLER_LIMIT:
+    if old_gaps or new_gaps > STRAGGLER_LIMIT:
         raise ActivationRefused(
             f"model version {version} covers {cov.embedded} of {cov.live} live items; "
             f"re-embed first (POST /models/{version}/embed or imgret models embed {version})"
@@ -639,8 +681,13 @@ def activate(
             caught_up += len(store.add_embeddings(ids, vectors, session=session,
                                                   model_version=row))
         previous = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        newest = session.scalar(select(func.max(GalleryItem.id)))
+        if previous is not None:
+            # It served until now, so every item so far has its vector (writes check it).
+            previous.covered_through = newest
         store.activate_model_version(session=session, version=version)
         row.activated_at = utcnow()
+        row.covered_through = newest
         session.add(ModelActivation(
             model_version_id=row.id, previous_version_id=previous.id if previous else None,
             reason=reason, gate=_gate_summary(comparison, require, query_set),

@@ -41,28 +41,14 @@ def evaluate_version(
     return result
 
 
-def comparison_body(a: evaluation.Evaluation, b: evaluation.Evaluation) -> dict[str, Any]:
-    """``{"a", "b", "difference", "verdict", "b_better", "a_better"}``: both reports and,
-    per metric, B − A on the same queries with its paired 95% interval and verdict."""
-    comparison = evaluation.compare_versions(a, b)
-    return {
-        "a": a.report,
-        "b": b.report,
-        "difference": {m: v for m, v in comparison.items()
-                       if isinstance(v, dict) and "ci95" in v},
-        "verdict": comparison.get("verdict", {}),
-        "b_better": comparison["b_better"],
-        "a_better": comparison["a_better"],
-    }
-
-
 def compare_named(
     resources: Resources, a: str, b: str, query_set: str, *,
     k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
 ) -> dict[str, Any]:
-    """Versions ``a`` and ``b`` on one named query set, paired (see :func:`comparison_body`)."""
+    """Versions ``a`` and ``b`` on one named query set, paired
+    (:func:`index.versions.comparison_report`)."""
     options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst)
-    return comparison_body(evaluate_version(resources, query_set, a, **options),
+    return versions.comparison_report(evaluate_version(resources, query_set, a, **options),
                            evaluate_version(resources, query_set, b, **options))
 
 

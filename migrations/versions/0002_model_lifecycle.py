@@ -28,6 +28,7 @@ _COLUMNS = (
     ("embed_state", sa.String(length=16)),
     ("embed_heartbeat_at", sa.DateTime(timezone=True)),
     ("embed_error", sa.Text()),
+    ("covered_through", sa.BigInteger().with_variant(sa.Integer(), "sqlite")),
     ("last_evaluation", JSON),
 )
 

@@ -1,0 +1,200 @@
+"""/models: register, re-embed from the media store, activate, roll back, search by item id, on
+SQLite and PostgreSQL (the app in-process; real database, real FAISS, real tiny models)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from imgret.embedder import Embedder
+from tests.api.conftest import add_gallery, png, search
+
+
+def _checkpoint(folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    save_checkpoint(folder, EmbeddingNet(ModelSpec(backbone="tiny_cnn", dim=16, image_size=32)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second version: the tiny CNN with other random weights."""
+    return _checkpoint(tmp_path_factory.mktemp("other_run"), seed=1)
+
+
+def _register(client, run: Path) -> dict:
+    response = client.post("/models", json={"path": str(run)})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def _embed_and_wait(client, version: str) -> dict:
+    assert client.post(f"/models/{version}/embed").status_code == 202
+    client.app.state.resources.jobs.wait(version, timeout=60)
+    info = client.get(f"/models/{version}").json()
+    assert info["embedding"]["state"] == "done", info
+    return info
+
+
+def test_register_embed_activate_and_roll_back(make_client, other_checkpoint: Path) -> None:
+    with make_client(embed_duty=1.0) as client:
+        ids = add_gallery(client, classes=3, per_class=4)
+        a = client.get("/health").json()["model_version"]
+        b = _register(client, other_checkpoint)
+        assert b["version"] != a and not b["active"] and b["checkpoint_stored"]
+        assert b["coverage"] == {"embedded": 0, "live": 12, "fraction": 0.0, "complete": False}
+        assert _register(client, other_checkpoint)["version"] == b["version"]  # idempotent
+        version_b = b["version"]
+
+        # Not embedded: the switch is refused and nothing changes.
+        refused = client.post(f"/models/{version_b}/activate")
+        assert refused.status_code == 409 and "0 of 12" in refused.json()["detail"]
+        assert client.get("/health").json()["model_version"] == a
+
+        # Deleted before the job runs: never embedded, never back.
+        gone = next(iter(ids))
+        assert client.delete(f"/gallery/{gone}").status_code == 204
+        info = _embed_and_wait(client, version_b)
+        assert info["coverage"]["complete"] and info["coverage"]["live"] == 11
+        assert info["index"]["state"] == "built" and info["index"]["size"] == 11
+
+        switched = client.post(f"/models/{version_b}/activate")
+        assert switched.status_code == 200, switched.text
+        assert switched.json()["active"] == version_b and switched.json()["previous"] == a
+        response = search(client, png(1, 99), k="5").json()
+        assert response["model_version"] == version_b
+        assert gone not in [hit["id"] for hit in response["results"]]
+        # The query was embedded by B and ranked in B's index: the score is B's inner product.
+        embedder_b = Embedder.from_checkpoint(other_checkpoint, device="cpu")
+        top = response["results"][0]
+        stored = client.get(f"/gallery/{top['id']}/image").content
+        vectors = embedder_b.embed([_image(png(1, 99)), _image(stored)])
+        assert abs(top["score"] - float(vectors[0] @ vectors[1])) < 1e-4
+        listing = client.get("/models").json()
+        assert listing["active"] == version_b
+        assert [m["active"] for m in listing["models"]] == [False, True]
+        assert listing["history"][0]["version"] == version_b
+
+        # A write after the switch is embedded by B and searchable at once.
+        new = client.post("/gallery", files=[("images", ("n.png", png(2, 50), "image/png"))],
+                          data={"labels": ["2"]}).json()["ids"][0]
+        assert search(client, png(2, 50), k="1").json()["results"][0]["id"] == new
+
+        back = client.post("/models/rollback")
+        assert back.status_code == 200, back.text
+        assert back.json()["active"] == a and back.json()["previous"] == version_b
+        # The item added under B got A's vector during the rollback (no gap).
+        assert back.json()["stragglers_embedded"] == 1
+        response = search(client, png(2, 50), k="1").json()
+        assert response["model_version"] == a and response["results"][0]["id"] == new
+        assert client.get(f"/models/{a}").json()["coverage"]["complete"]
+
+
+def test_a_switch_survives_a_restart(make_client, other_checkpoint: Path) -> None:
+    with make_client(embed_duty=1.0) as client:
+        add_gallery(client, classes=2, per_class=3)
+        version_b = _register(client, other_checkpoint)["version"]
+        _embed_and_wait(client, version_b)
+        assert client.post(f"/models/{version_b}/activate").status_code == 200
+    # IMGRET_MODEL still names A: the database's active version is what is served.
+    with make_client() as client:
+        assert client.get("/health").json()["model_version"] == version_b
+        assert search(client, png(0, 0)).json()["model_version"] == version_b
+
+
+def test_search_by_item_uses_its_stored_vector_and_leaves_it_out(make_client) -> None:
+    with make_client() as client:
+        ids = add_gallery(client, classes=3, per_class=4)
+        item = next(iter(ids))
+        by_id = client.post("/search", data={"id": str(item), "k": "5"})
+        assert by_id.status_code == 200, by_id.text
+        by_image = search(client, png(0, 0), k="6").json()["results"]
+        # Same query vector: the image's neighbours without the item itself.
+        assert [h["id"] for h in by_id.json()["results"]] == [
+            h["id"] for h in by_image if h["id"] != item][:5]
+        assert by_id.json()["model_version"] == client.get("/health").json()["model_version"]
+        filtered = client.post("/search", data={"id": str(item), "k": "3", "label": "1"})
+        assert {h["label"] for h in filtered.json()["results"]} == {"1"}
+        assert client.delete(f"/gallery/{item}").status_code == 204
+        assert client.post("/search", data={"id": str(item)}).status_code == 404
+        both = client.post("/search", data={"id": str(item)},
+                           files={"image": ("q.png", png(0, 0), "image/png")})
+        assert both.status_code == 422
+        assert client.post("/search", data={"k": "3"}).status_code == 422
+        assert client.post("/search", data={"id": "0"}).status_code == 422
+
+
+def test_bad_registrations_are_refused_and_change_nothing(make_client, tmp_path: Path,
+                                                          other_checkpoint: Path) -> None:
+    with make_client() as client:
+        before = client.get("/models").json()
+        assert client.post("/models", json={"path": str(tmp_path / "nothing")}).status_code == 422
+        assert client.post("/models", files={"checkpoint": ("m.pt", b"not a checkpoint")}
+                           ).status_code == 422
+        # A checkpoint whose stated version does not match its weights.
+        payload = torch.load(other_checkpoint / "model.pt", weights_only=True)
+        payload["model_version"] = "tiny_cnn-d16-000000000000"
+        forged = tmp_path / "forged.pt"
+        torch.save(payload, forged)
+        refused = client.post("/models", json={"path": str(forged)})
+        assert refused.status_code == 422 and "hash" in refused.json()["detail"]
+        assert client.post("/models", json={"path": "x", "extra": 1}).status_code == 422
+        assert client.post("/models", content=b"path", headers={"content-type": "text/plain"}
+                           ).status_code == 415
+        assert client.get("/models").json() == before
+        assert client.get("/models/nope").status_code == 404
+        assert client.post("/models/nope/activate").status_code == 404
+        assert client.post("/models/nope/embed").status_code == 404
+        assert client.post("/models/rollback").status_code == 409
+        # An upload of a real checkpoint registers it like a path does.
+        uploaded = client.post("/models", files={
+            "checkpoint": ("model.pt", (other_checkpoint / "model.pt").read_bytes())})
+        assert uploaded.status_code == 201, uploaded.text
+        assert len(client.get("/models").json()["models"]) == len(before["models"]) + 1
+
+
+def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoint: Path
+                                                     ) -> None:
+    from index import versions
+
+    with make_client() as client:
+        add_gallery(client, classes=4, per_class=5)
+        version_b = _register(client, other_checkpoint)["version"]
+        resources = client.app.state.resources
+        # One chunk of 8, then "the process dies" (the job stops; its heartbeat is cleared).
+        stop = threading.Event()
+        calls = []
+
+        def progress(done: int, total: int) -> None:
+            calls.append(done)
+            stop.set()
+
+        versions.run_embed_job(version_b, session_factory=resources.sessions,
+                               media=resources.media, embedder=resources.embedder_for(version_b),
+                               chunk_size=8, progress=progress, stop=stop)
+        info = client.get(f"/models/{version_b}").json()
+        assert info["coverage"]["embedded"] == 8 and info["embedding"]["state"] == "interrupted"
+    # The next start resumes it (no POST needed) and finishes the other 12.
+    with make_client() as client:
+        resources = client.app.state.resources
+        deadline = time.monotonic() + 60
+        while resources.jobs.running(version_b) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        resources.jobs.wait(version_b, 60)
+        info = client.get(f"/models/{version_b}").json()
+        assert info["coverage"] == {"embedded": 20, "live": 20, "fraction": 1.0,
+                                    "complete": True}
+        assert info["embedding"]["state"] == "done"
+
+
+def _image(data: bytes):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
