@@ -18,6 +18,22 @@ Protocol details (the contract leaves them to us):
   removed from its ranking (an ``exclude_ids`` filter, so the index still returns ``depth``
   other items) and from its R: the Market-1501 rule.
 - Queries are separate images, never gallery items (``query_in_gallery`` is false).
+
+Per-label breakdown (``report["per_label"]``), over the evaluated queries only (R = 0 ones are
+skipped, as everywhere): one entry per query label with ``count`` (its evaluated queries),
+``map_at_r`` (the mean of their per-query AP@R), ``precision_at_1`` (the fraction whose first
+hit has the label) and ``confusions``. Confusions: the top-R hits of each query of the label
+(R = that query's num_relevant, capped at the ranking depth and at the hits returned) whose
+label differs from the query's, counted per hit label over all the label's queries; the 5
+most frequent, ties by label. A hit deleted while the evaluation ran has no label and is not
+counted. Entries are sorted worst first: lowest ``map_at_r``, ties by label.
+
+Comparing two versions (:func:`compare_versions`): per metric, B − A on the queries both
+evaluated, with a paired bootstrap 95% interval and a :func:`verdict` (B relative to A):
+"better" when the interval lies above 0, "worse" when below 0, otherwise "no detectable
+difference" (an interval touching 0, including [0, 0] for identical per-query values).
+:func:`gate` turns a comparison into the activation decision of ``require=better`` /
+``require=not_worse``.
 """
 
 from __future__ import annotations
@@ -56,7 +72,19 @@ WORST_NEIGHBOURS = 10
 BOOTSTRAP = 1000
 SEED = 0
 
+# Paired in comparisons. ``ranking_metrics``'s per-query values hold AP@R, AP and the first
+# relevant rank (hence P@1 and MRR), not R-Precision, so R-Precision is not paired.
 _PAIRED_METRICS = ("map_at_r", "mean_average_precision", "precision_at_1", "mrr")
+# Confusions listed per label in ``per_label``.
+CONFUSIONS_PER_LABEL = 5
+# Labels shown by :func:`format_report`'s per-label table (the worst ones).
+FORMAT_LABELS = 10
+
+BETTER = "better"
+WORSE = "worse"
+NO_DIFFERENCE = "no detectable difference"
+VERDICTS = (BETTER, WORSE, NO_DIFFERENCE)
+REQUIREMENTS = ("better", "not_worse")
 
 
 class EvaluationError(ImgretError, ValueError):
@@ -209,10 +237,12 @@ def evaluate(
 
     Returns:
         In ``report``: ``imgret.metrics.ranking_metrics``'s report plus ``protocol``,
-        ``model_version``,
-        ``index_factory``, ``query_set``, ``gallery_size``, ``depth`` and (with ``worst``)
-        ``worst``: a list of ``{index, label, camera, query_id, average_precision_at_r,
-        first_relevant_rank, neighbours: [{id, label, score, relevant}]}``.
+        ``model_version``, ``index_factory``, ``query_set``, ``gallery_size``, ``depth``,
+        ``per_label`` (see the module docstring: ``[{label, count, map_at_r,
+        precision_at_1, confusions: [{label, count}]}]``, worst first) and (with
+        ``worst``) ``worst``: a list of ``{index, label, camera, query_id,
+        average_precision_at_r, first_relevant_rank, neighbours: [{id, label, score,
+        relevant}]}``.
 
     Raises:
         EvaluationError: an empty gallery, k over the gallery size, cameras missing for the
@@ -235,6 +265,7 @@ def evaluate(
         gallery_size=rankings.gallery_size,
         depth=rankings.depth,
     )
+    report["per_label"] = _per_label(per_query, rankings, queries)
     if worst > 0:
         report["worst"] = _worst(per_query, rankings, queries, worst)
     return Evaluation(report, per_query)
@@ -350,15 +381,19 @@ def compare_versions(
     a: Evaluation, b: Evaluation, *, bootstrap: int = BOOTSTRAP, seed: int = SEED,
 ) -> dict[str, Any]:
     """B − A on the same queries, with a paired bootstrap 95% interval per metric
-    (:func:`imgret.stats.paired_bootstrap_ci`).
+    (:func:`imgret.stats.paired_bootstrap_ci`) and its :func:`verdict`.
 
     Both must come from :func:`evaluate` on the same query set: per-query values are paired
     by query index (queries evaluated in only one of them are dropped). Resampling the same
     queries for both sides removes the between-query variance that unpaired intervals carry.
 
     Returns:
-        ``{metric: {"a", "b", "difference", "ci95": [low, high], "num_paired"}}`` for MAP@R,
-        mAP, P@1 and MRR, and ``"b_better"``: the metrics whose interval lies above 0.
+        ``{metric: {"a", "b", "difference", "ci95": [low, high], "num_paired", "verdict"}}``
+        for MAP@R, mAP, P@1 and MRR; ``"verdict"``: ``{metric: verdict}`` (B relative to A);
+        ``"b_better"`` / ``"a_better"``: the metrics whose verdict is "better" / "worse".
+
+    Raises:
+        EvaluationError: no query evaluated in both.
     """
     table_a, table_b = _per_query_table(a.per_query), _per_query_table(b.per_query)
     common = sorted(set(table_a) & set(table_b))
@@ -374,10 +409,68 @@ def compare_versions(
             "a": float(va[metric].mean()), "b": float(vb[metric].mean()),
             "difference": float((vb[metric] - va[metric]).mean()),
             "ci95": [float(low[j]), float(high[j])], "num_paired": len(common),
+            "verdict": verdict(float(low[j]), float(high[j])),
         }
-    out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["ci95"][0] > 0]
-    out["a_better"] = [m for m in _PAIRED_METRICS if out[m]["ci95"][1] < 0]
+    out["verdict"] = {m: out[m]["verdict"] for m in _PAIRED_METRICS}
+    out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == BETTER]
+    out["a_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == WORSE]
     return out
+
+
+def verdict(low: float, high: float) -> str:
+    """B relative to A from the 95% interval ``[low, high]`` of B − A: :data:`BETTER` when it
+    lies above 0, :data:`WORSE` when below 0, otherwise :data:`NO_DIFFERENCE`."""
+    if low > 0:
+        return BETTER
+    if high < 0:
+        return WORSE
+    return NO_DIFFERENCE
+
+
+def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
+    """The activation gate on a comparison of the active version (A) and a candidate (B).
+
+    ``require="better"``: allowed iff MAP@R's verdict is "better" and no metric's is
+    "worse". ``require="not_worse"``: allowed iff no metric's verdict is "worse".
+
+    Args:
+        comparison: :func:`compare_versions`'s result, or a body that holds its metric
+            entries under ``"difference"`` (``POST /evaluate``'s comparison).
+        require: ``"better"`` or ``"not_worse"``.
+
+    Returns:
+        ``(allowed, message)``; the message names the metric that decided, with its
+        difference and interval.
+
+    Raises:
+        ValueError: an unknown ``require``, or (``"better"``) no MAP@R in the comparison.
+    """
+    if require not in REQUIREMENTS:
+        raise ValueError(f"require must be one of {', '.join(REQUIREMENTS)}, not {require!r}")
+    table = comparison.get("difference", comparison)
+    metrics = {m: v for m, v in table.items() if isinstance(v, dict) and "ci95" in v}
+
+    def verdict_of(metric: str) -> str:
+        entry = metrics[metric]
+        return entry.get("verdict") or verdict(*entry["ci95"])
+
+    def describe(metric: str) -> str:
+        entry = metrics[metric]
+        low, high = entry["ci95"]
+        return (f"{metric} {verdict_of(metric)}: B - A = {entry['difference']:+.4f}, 95% "
+                f"interval [{low:+.4f}, {high:+.4f}] over {entry['num_paired']} queries")
+
+    worse = [m for m in metrics if verdict_of(m) == WORSE]
+    if worse:
+        return False, "; ".join(describe(m) for m in worse)
+    if require == "better":
+        if "map_at_r" not in metrics:
+            raise ValueError("the comparison has no map_at_r entry")
+        if verdict_of("map_at_r") != BETTER:
+            return False, f"{describe('map_at_r')} (require=better needs it above 0)"
+        return True, f"{describe('map_at_r')}; no metric worse"
+    summary = describe("map_at_r") if "map_at_r" in metrics else ""
+    return True, "no metric worse" + (f" ({summary})" if summary else "")
 
 
 def _per_query_table(per_query: dict[str, list]) -> dict[int, dict[str, float]]:
@@ -423,15 +516,68 @@ def _worst(per_query: dict[str, list], rankings: Rankings, queries: QueryBatch,
     return out
 
 
+def _per_label(per_query: dict[str, list], rankings: Rankings,
+               queries: QueryBatch) -> list[dict[str, Any]]:
+    """``report["per_label"]`` (see the module docstring): per-label sums by ``bincount``;
+    the only per-hit work is a look-up of each wrong-label hit in the top R."""
+    index = np.asarray(per_query["query_index"], dtype=np.int64)
+    n = len(index)
+    if n == 0:
+        return []
+    names, code = np.unique(np.asarray(queries.labels, dtype=object)[index],
+                            return_inverse=True)
+    code = code.reshape(-1)
+    size = len(names)
+    count = np.bincount(code, minlength=size)
+    map_sum = np.bincount(code, np.asarray(per_query["map_at_r"], dtype=np.float64), size)
+    first_hit = np.fromiter((f == 1 for f in per_query["first_relevant_rank"]), bool, n)
+    p1_sum = np.bincount(code, first_hit, size)
+
+    # Top R of each query, capped at the hits it got (at most the depth).
+    returned = np.fromiter((len(rankings.hits[q]) for q in index.tolist()), np.int64, n)
+    top = np.minimum(np.asarray(per_query["num_relevant"], dtype=np.int64), returned)
+    pairs: Counter[tuple[int, str]] = Counter()
+    width = int(top.max())
+    if width > 0:
+        wrong = ~rankings.relevance[index, :width] & (np.arange(width) < top[:, None])
+        rows, ranks = np.nonzero(wrong)
+        hit_labels = [rankings.labels[q][r]
+                      for q, r in zip(index[rows].tolist(), ranks.tolist(), strict=True)]
+        pairs.update(zip(code[rows].tolist(), hit_labels, strict=True))
+    confused: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for (c, label), times in pairs.items():
+        if label != _DELETED:
+            confused[c].append((label, times))
+
+    entries = []
+    for c in range(size):
+        top_confusions = sorted(confused[c], key=lambda pair: (-pair[1], pair[0]))
+        entries.append({
+            "label": str(names[c]),
+            "count": int(count[c]),
+            "map_at_r": float(map_sum[c] / count[c]),
+            "precision_at_1": float(p1_sum[c] / count[c]),
+            "confusions": [{"label": label, "count": times}
+                           for label, times in top_confusions[:CONFUSIONS_PER_LABEL]],
+        })
+    entries.sort(key=lambda entry: (entry["map_at_r"], entry["label"]))
+    return entries
+
+
+# The label of an id deleted mid-evaluation: not relevant, and no confusion.
+_DELETED = "\x00deleted"
+
+
 def _label(searcher: Searcher, item_id: int) -> str:
     info = searcher.info(item_id)
     # An id deleted mid-evaluation counts as not relevant (it is no longer in the gallery).
-    return info.label if info is not None else "\x00deleted"
+    return info.label if info is not None else _DELETED
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
     """Human-readable lines of a report (``imgret evaluate`` prints them): a markdown table of
-    every metric with its 95% interval, preceded by the protocol and model version."""
+    every metric with its 95% interval, preceded by the protocol and model version, then the
+    worst labels (at most :data:`FORMAT_LABELS`) with their most frequent confusion."""
     ci = report.get("ci95") or {}
 
     def interval(name: str, k: int | None = None) -> str:
@@ -455,4 +601,26 @@ def format_report(report: dict[str, Any]) -> list[str]:
     for name in ("recall_at_k", "map_at_k", "ndcg_at_k", "recall_fraction_at_k"):
         for k, value in sorted((int(k), v) for k, v in report[name].items()):
             lines.append(f"| {name}@{k} | {value:.4f} | {interval(name, k)} |")
+    per_label = report.get("per_label") or []
+    if per_label:
+        shown = per_label[:FORMAT_LABELS]
+        lines += [
+            "",
+            f"worst {len(shown)} of {len(per_label)} labels by MAP@R "
+            "(top confusion: the wrong label retrieved most often in the top R):",
+            "",
+            "| label | queries | MAP@R | P@1 | top confusion |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for entry in shown:
+            confusions = entry["confusions"]
+            top = (f"{_cell(confusions[0]['label'])} ({confusions[0]['count']} hits)"
+                   if confusions else "-")
+            lines.append(f"| {_cell(entry['label'])} | {entry['count']} | "
+                         f"{entry['map_at_r']:.4f} | {entry['precision_at_1']:.4f} | {top} |")
     return lines
+
+
+def _cell(text: str) -> str:
+    """A label as a markdown table cell."""
+    return text.replace("|", "\\|")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
 
@@ -123,7 +123,15 @@ class EvaluateRequest(BaseModel):
     )
     compare_to: SafeText | None = Field(
         None, max_length=MODEL_VERSION_MAX,
-        description="a second model version: report both and the paired difference",
+        description="a second model version B: compare [model_version or the served one, B]",
+    )
+    compare: list[Annotated[SafeText, Field(min_length=1, max_length=MODEL_VERSION_MAX)]] | None = (
+        Field(
+            None, min_length=2, max_length=2,
+            description="[A, B]: two different stored versions; report both, B − A with "
+                        "paired 95% intervals and a verdict per metric (not with "
+                        "model_version or compare_to)",
+        )
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
 
@@ -131,6 +139,25 @@ class EvaluateRequest(BaseModel):
     @classmethod
     def _check_k(cls, value: list[int] | None) -> list[int] | None:
         return None if value is None else check_ks(value)
+
+    @model_validator(mode="after")
+    def _check_compare(self) -> EvaluateRequest:
+        if self.compare is not None:
+            if self.model_version is not None or self.compare_to is not None:
+                raise ValueError("compare names both versions: send it without model_version "
+                                 "and compare_to")
+            if self.compare[0] == self.compare[1]:
+                raise ValueError(f"compare needs two different versions, got "
+                                 f"{self.compare[0]!r} twice")
+        return self
+
+    def versions(self, served: str) -> tuple[str, str | None]:
+        """``(A, B)``: the version to evaluate and the one to compare it with (``None``: no
+        comparison). ``compare: [A, B]``, or ``compare_to: B`` against ``model_version`` (by
+        default ``served``)."""
+        if self.compare is not None:
+            return self.compare[0], self.compare[1]
+        return self.model_version or served, self.compare_to
 
 
 def check_ks(values: list[int]) -> list[int]:
@@ -166,6 +193,26 @@ class WorstQuery(BaseModel):
     neighbours: list[Neighbour]
 
 
+class Confusion(BaseModel):
+    """A wrong label retrieved in the top R of a label's queries."""
+
+    label: str
+    count: int = Field(description="hits with this label in the top R of the label's queries")
+
+
+class LabelMetrics(BaseModel):
+    """The queries of one label (R = 0 ones skipped) and what they retrieve instead."""
+
+    label: str
+    count: int = Field(description="evaluated queries with this label")
+    map_at_r: float = Field(description="mean AP@R of those queries")
+    precision_at_1: float = Field(description="fraction whose first hit has the label")
+    confusions: list[Confusion] = Field(
+        description="wrong-label hits in their top R (R = num_relevant, capped at the depth) "
+                    "by hit label, most frequent first, at most 5"
+    )
+
+
 class EvaluationReport(BaseModel):
     """Retrieval metrics of a labelled query set, ranked through the serving index.
 
@@ -195,7 +242,13 @@ class EvaluationReport(BaseModel):
     ndcg_at_k: dict[int, float]
     recall_fraction_at_k: dict[int, float]
     ci95: dict[str, Any] | None
+    per_label: list[LabelMetrics] = Field(
+        default_factory=list, description="one entry per query label, lowest map_at_r first"
+    )
     worst: list[WorstQuery] | None = None
+
+
+Verdict = Literal["better", "worse", "no detectable difference"]
 
 
 class PairedDifference(BaseModel):
@@ -206,16 +259,36 @@ class PairedDifference(BaseModel):
     difference: float = Field(description="b - a")
     ci95: list[float] = Field(description="paired bootstrap 95% interval of the difference")
     num_paired: int
+    verdict: Verdict = Field(description="B relative to A: better (interval above 0), worse "
+                                         "(below 0), or no detectable difference")
 
 
 class ModelComparison(BaseModel):
     """Two model versions on the same queries, and B − A with paired bootstrap intervals.
 
-    "B is better" is claimed for a metric only when its whole interval lies above zero.
+    "B is better" is claimed for a metric only when its whole interval lies above zero
+    (verdict "better"); "worse" when it lies below zero.
     """
 
     a: EvaluationReport
     b: EvaluationReport
     difference: dict[str, PairedDifference]
+    verdict: dict[str, Verdict] = Field(description="per metric, B relative to A")
     b_better: list[str]
     a_better: list[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verdict_beside_difference(cls, data: Any) -> Any:
+        """Accept ``compare_versions``'s flat metric table as ``difference`` (its top-level
+        ``verdict`` entry is not a metric) and derive ``verdict`` when not given."""
+        if not isinstance(data, dict) or not isinstance(data.get("difference"), dict):
+            return data
+        data = dict(data)
+        difference = {m: v for m, v in data["difference"].items()
+                      if not (isinstance(v, dict) and "ci95" not in v)}
+        data["difference"] = difference
+        if "verdict" not in data:
+            data["verdict"] = {m: v["verdict"] for m, v in difference.items()
+                               if isinstance(v, dict) and "verdict" in v}
+        return data

@@ -103,6 +103,17 @@ def test_named_query_set_and_worst_queries(client, tmp_path: Path) -> None:
     for neighbour in worst[0]["neighbours"]:
         assert neighbour["relevant"] == (neighbour["label"] == worst[0]["label"])
 
+    # One entry per query label, worst first, consistent with the overall numbers.
+    per_label = report["per_label"]
+    assert sorted(e["label"] for e in per_label) == ["class_0", "class_1", "class_2"]
+    assert [e["map_at_r"] for e in per_label] == sorted(e["map_at_r"] for e in per_label)
+    assert sum(e["count"] for e in per_label) == 6
+    assert sum(e["count"] * e["map_at_r"] for e in per_label) / 6 == pytest.approx(
+        report["map_at_r"])
+    for entry in per_label:
+        assert all(c["label"] != entry["label"] and c["count"] > 0
+                   for c in entry["confusions"])
+
     # `imgret evaluate` runs the same code on the same database: the same report.
     from typer.testing import CliRunner
 
@@ -118,6 +129,7 @@ def test_named_query_set_and_worst_queries(client, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "| map_at_r |" in result.output and "closed-set" in result.output
+    assert "| label | queries | MAP@R | P@1 | top confusion |" in result.output
     assert json.loads(out.read_text()) == report
 
 
@@ -177,6 +189,15 @@ def test_compare_two_model_versions_on_one_query_set(client, tmp_path: Path) -> 
     assert diff["difference"] == pytest.approx(body["b"]["map_at_r"] - body["a"]["map_at_r"])
     assert diff["ci95"][0] <= diff["difference"] <= diff["ci95"][1]
     assert diff["num_paired"] == 9
+    # A verdict per metric (B relative to A), from its interval, also gathered at the top.
+    for metric, entry in body["difference"].items():
+        low, high = entry["ci95"]
+        expected = "better" if low > 0 else "worse" if high < 0 else "no detectable difference"
+        assert entry["verdict"] == body["verdict"][metric] == expected, metric
+    assert set(body["verdict"]) == set(body["difference"]) >= {"map_at_r", "precision_at_1"}
+    assert body["b_better"] == [m for m, v in body["verdict"].items() if v == "better"]
+    assert body["a_better"] == [m for m, v in body["verdict"].items() if v == "worse"]
+    assert body["a"]["per_label"] and body["b"]["per_label"]
 
 
 @pytest.mark.parametrize(
@@ -187,12 +208,20 @@ def test_compare_two_model_versions_on_one_query_set(client, tmp_path: Path) -> 
         ({"json": {"query_set": "q", "k": [0]}}, 422, "k"),
         ({"json": {"query_set": "q", "surprise": 1}}, 422, "surprise"),
         ({"json": {"query_set": "q", "worst": 101}}, 422, "worst"),
+        ({"json": {"query_set": "q", "compare": ["v1"]}}, 422, "at least 2"),
+        ({"json": {"query_set": "q", "compare": ["v1", "v2", "v3"]}}, 422, "at most 2"),
+        ({"json": {"query_set": "q", "compare": ["v1", "v1"]}}, 422, "two different"),
+        ({"json": {"query_set": "q", "compare": ["v1", "v2"], "model_version": "v1"}}, 422,
+         "without model_version"),
+        ({"json": {"query_set": "q", "compare": ["v1", "v2"], "compare_to": "v2"}}, 422,
+         "without model_version and compare_to"),
         ({"content": b"{oops", "headers": {"content-type": "application/json"}}, 422, "JSON"),
         ({"content": b"query_set=q",
           "headers": {"content-type": "application/x-www-form-urlencoded"}}, 415, "multipart"),
     ],
     ids=["unknown-set", "unknown-version", "k-zero", "extra-field", "worst-too-big",
-         "bad-json", "wrong-type"],
+         "compare-one", "compare-three", "compare-same", "compare-and-model-version",
+         "compare-and-compare-to", "bad-json", "wrong-type"],
 )
 def test_bad_json_requests_are_4xx(local_client, request_kwargs, status, message) -> None:
     response = local_client.post("/evaluate", **request_kwargs)
@@ -272,3 +301,16 @@ def test_small_evaluations_rank_the_whole_gallery_so_map_is_exact(client) -> Non
     assert report["depth"] == len(gallery)
     assert report["num_truncated"] == 0
     assert 0.0 < report["mean_average_precision"] <= 1.0
+
+
+def test_request_versions_compare_or_compare_to() -> None:
+    from service.schemas import EvaluateRequest
+
+    def versions(**body):
+        return EvaluateRequest.model_validate({"query_set": "q", **body}).versions("served")
+
+    assert versions() == ("served", None)
+    assert versions(model_version="a") == ("a", None)
+    assert versions(compare_to="b") == ("served", "b")
+    assert versions(model_version="a", compare_to="b") == ("a", "b")
+    assert versions(compare=["a", "b"]) == ("a", "b")
