@@ -60,6 +60,7 @@ from imgret.errors import CheckpointError, GalleryError, ImageDecodeError, Index
 from imgret.files import file_sha256, write_atomic_with
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from index import store
+from index.evaluation import Evaluation, compare_versions, gate
 from index.manifest import Manifest, index_dir
 from index.media import MediaStore
 from index.models import (
@@ -318,12 +319,10 @@ def record_evaluation(
                         .values(last_evaluation=summary))
 
 
-def comparison_report(a: Any, b: Any) -> dict[str, Any]:
+def comparison_report(a: Evaluation, b: Evaluation) -> dict[str, Any]:
     """Two :class:`index.evaluation.Evaluation` of one query set as ``/evaluate`` reports a
     comparison: ``{"a", "b", "difference", "verdict", "b_better", "a_better"}``, per metric
     B − A with its paired 95% interval and verdict (``index.evaluation.compare_versions``)."""
-    from index.evaluation import compare_versions
-
     comparison = compare_versions(a, b)
     return {
         "a": a.report,
@@ -629,8 +628,6 @@ def activate(
         ActivationRefused: no stored checkpoint, coverage far from complete, or the verdict
             does not satisfy ``require``.
     """
-    from index.evaluation import gate
-
     if require not in (None, "better", "not_worse"):
         raise ActivationRefused(f"require must be better or not_worse, not {require!r}")
     with session_factory() as session:

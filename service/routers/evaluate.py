@@ -200,9 +200,8 @@ def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str,
 def _pair(resources: Resources, options: EvaluateRequest) -> tuple[str, str] | None:
     """The two versions to compare: ``compare: [a, b]``, or ``compare_to`` (b) against
     ``model_version`` (default the served one); ``None``: evaluate one version."""
-    compare = getattr(options, "compare", None)
-    if compare:
-        return compare[0], compare[1]
+    if options.compare:
+        return options.compare[0], options.compare[1]
     if options.compare_to is not None:
         return options.model_version or resources.serving.version, options.compare_to
     return None

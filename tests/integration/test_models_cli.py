@@ -1,0 +1,78 @@
+"""`imgret models ...`: the CLI twins of /models on a real database (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
+        tiny_checkpoint: Path) -> Iterator[Path]:
+    from imgret.settings import get_settings
+
+    monkeypatch.setenv("IMGRET_DATABASE_URL", db_url)
+    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("IMGRET_MODEL", str(tiny_checkpoint))
+    monkeypatch.setenv("IMGRET_DEVICE", "cpu")
+    torch.manual_seed(3)
+    other = tmp_path / "other"
+    save_checkpoint(other, EmbeddingNet(ModelSpec(backbone="tiny_cnn", dim=16, image_size=32)))
+    get_settings.cache_clear()  # the CLI reads its settings once per process
+    yield other
+    get_settings.cache_clear()
+
+
+def run(*args: str) -> str:
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return result.output
+
+
+def test_register_embed_compare_activate_rollback(env: Path, image_folder: Path) -> None:
+    run("ingest", str(image_folder), "--no-progress")
+    run("ingest", str(image_folder), "--query-set", "q", "--no-progress")
+    listing = json.loads(run("models", "list", "--json"))
+    a = listing["active"]
+    out = run("models", "register", str(env))
+    b = out.split()[1]
+    assert f"next: imgret models embed {b}" in out
+
+    refused = CliRunner().invoke(app, ["models", "activate", b])
+    assert refused.exit_code != 0 and "re-embed first" in str(refused.exception)
+
+    out = run("models", "embed", b, "--no-progress")
+    assert "20 gallery and 20 query items embedded" in out
+    listing = json.loads(run("models", "list", "--json"))
+    info = {m["version"]: m for m in listing["models"]}[b]
+    assert info["coverage"]["complete"] and info["index"]["state"] == "built"
+    assert info["embedding"]["state"] == "done"
+
+    compared = json.loads(run("models", "compare", a, b, "--query-set", "q", "--json"))
+    assert set(compared["verdict"]) >= {"map_at_r", "precision_at_1"}
+    assert compared["a"]["model_version"] == a and compared["b"]["model_version"] == b
+    assert "| map_at_r |" in run("models", "compare", a, b, "--query-set", "q")
+
+    assert f"active: {b} (was {a})" in run("models", "activate", b)
+    assert "yes" in [line for line in run("models", "list").splitlines() if b in line][0]
+    assert f"active: {a} (rolled back from {b})" in run("models", "rollback")
+    assert json.loads(run("models", "list", "--json"))["active"] == a
+
+
+def test_cli_errors_are_domain_errors(env: Path) -> None:
+    """``imgret`` (cli.main.main) prints an ImgretError as one line, without a traceback."""
+    from imgret.errors import ImgretError
+
+    for args in (["models", "activate", "nope"], ["models", "rollback"],
+                 ["models", "register", "/nonexistent/run"], ["models", "embed", "nope"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code != 0
+        assert isinstance(result.exception, ImgretError), (args, result.exception)
