@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import GalleryError
-from index import store
+from index import store, versions
 from service import evaluations
 from service.deps import ResourcesDep, require_api_key
 from service.resources import Resources
@@ -23,7 +23,7 @@ from service.schemas import (
     ModelComparison,
     check_ks,
 )
-from service.validation import CAMERA_MAX, check_label
+from service.validation import CAMERA_MAX, MODEL_VERSION_MAX, check_label
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 
@@ -39,6 +39,11 @@ _MULTIPART_SCHEMA = {
               "description": "repeated, or one comma-separated value; default 1,5,10"},
         "exclude_same_camera": {"type": "boolean"},
         "worst": {"type": "integer", "minimum": 0, "maximum": WORST_MAX},
+        "model_version": {"type": "string", "maxLength": MODEL_VERSION_MAX,
+                          "description": "embed and rank with this registered version"},
+        "compare": {"type": "array", "minItems": 2, "maxItems": 2,
+                    "items": {"type": "string", "maxLength": MODEL_VERSION_MAX},
+                    "description": "two versions: both reports and the paired difference"},
     },
 }
 
@@ -133,16 +138,25 @@ class _Upload:
     ks: list[int] | None
     exclude_same_camera: bool
     worst: int
+    versions: list[str]
 
 
 async def _parse_upload(form: FormData) -> _Upload:
     unknown = set(form.keys()) - {"images", "labels", "cameras", "k", "exclude_same_camera",
-                                  "worst"}
+                                  "worst", "model_version", "compare"}
     if unknown:
-        raise HTTPException(
-            422, f"unknown fields {sorted(unknown)}; model_version and compare_to need a named "
-                 "query set (JSON): uploads are embedded with the served model"
-        )
+        raise HTTPException(422, f"unknown fields {sorted(unknown)}")
+    names = [str(v) for v in form.getlist("compare")]
+    single = [str(v) for v in form.getlist("model_version")]
+    if names and single:
+        raise HTTPException(422, "send model_version or compare, not both")
+    if names and (len(names) != 2 or names[0] == names[1]):
+        raise HTTPException(422, "compare: send two different model versions")
+    if len(single) > 1:
+        raise HTTPException(422, "model_version: send one")
+    names = names or single
+    if any(not v or len(v) > MODEL_VERSION_MAX or not v.isprintable() for v in names):
+        raise HTTPException(422, "model_version: a registered version name")
     files = form.getlist("images")
     if not files:
         raise HTTPException(422, "no `images`: send the query images as repeated fields")
@@ -175,14 +189,24 @@ async def _parse_upload(form: FormData) -> _Upload:
     if not 0 <= worst <= WORST_MAX:
         raise HTTPException(422, f"worst must be between 0 and {WORST_MAX}")
     images = [await f.read() for f in files]
-    return _Upload(images, labels, cameras, ks, exclude, worst)
+    return _Upload(images, labels, cameras, ks, exclude, worst, names)
 
 
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
-    return evaluations.evaluate_upload(
-        resources, upload.images, upload.labels, cameras=upload.cameras, k=upload.ks,
-        exclude_same_camera=upload.exclude_same_camera, worst=upload.worst,
-    ).report
+    """One version (the served one by default), or two compared on the same uploads (each
+    version embeds them with its own model)."""
+    _require_known(resources, None, list(upload.versions))
+    results = [
+        evaluations.evaluate_upload(
+            resources, upload.images, upload.labels, cameras=upload.cameras,
+            version=version, k=upload.ks, exclude_same_camera=upload.exclude_same_camera,
+            worst=upload.worst,
+        )
+        for version in (upload.versions or [None])
+    ]
+    if len(results) == 1:
+        return results[0].report
+    return versions.comparison_report(*results)
 
 
 def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str, Any]:
@@ -207,15 +231,18 @@ def _pair(resources: Resources, options: EvaluateRequest) -> tuple[str, str] | N
     return None
 
 
-def _require_known(resources: Resources, query_set: str, versions: list[str | None]) -> None:
+def _require_known(resources: Resources, query_set: str | None,
+                   names: list[str | None]) -> None:
     """404 for a query set or model version that was never stored (before any work)."""
     with resources.sessions() as session:
         known = {row.version for row in store.list_model_versions(session=session)}
-        for version in versions:
+        for version in names:
             if version is not None and version not in known:
                 raise HTTPException(
                     404, f"unknown model version {version!r}; stored: {', '.join(sorted(known))}"
                 )
+        if query_set is None:
+            return
         try:
             store.load_query_set(query_set, session=session)
         except GalleryError as exc:

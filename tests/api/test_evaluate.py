@@ -238,13 +238,16 @@ def test_bad_uploads_are_422(local_client) -> None:
         (dict(labels=labels, k="1,9"), "gallery size (4)"),
         (dict(labels=labels, k="x"), "not an integer"),
         (dict(labels=labels, exclude_same_camera="true"), "needs a camera"),
-        (dict(labels=labels, model_version="v2"), "named query set"),
+        (dict(labels=labels, compare="v2"), "two different model versions"),
+        (dict(labels=labels, unknown="1"), "unknown fields"),
         (dict(labels=["9", "8"]), "no query has a relevant"),
     ]
     for data, message in cases:
         response = _post_upload(local_client, images, **data)
         assert response.status_code == 422, (data, response.text)
         assert message in response.json()["detail"], data
+    unknown_version = _post_upload(local_client, images, labels, model_version="v2")
+    assert unknown_version.status_code == 404, unknown_version.text
     bad_image = _post_upload(local_client, [images[0], b"junk"], labels)
     assert bad_image.status_code == 422
     assert bad_image.json()["detail"].startswith("images[1]: ")

@@ -198,3 +198,27 @@ def _image(data: bytes):
     from PIL import Image
 
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def test_uploaded_queries_compare_two_versions(make_client, other_checkpoint: Path) -> None:
+    with make_client(embed_duty=1.0) as client:
+        add_gallery(client, classes=3, per_class=4)
+        a = client.get("/health").json()["model_version"]
+        version_b = _register(client, other_checkpoint)["version"]
+        _embed_and_wait(client, version_b)
+        files = [("images", (f"{c}.png", png(c, 70 + c), "image/png")) for c in range(3)]
+        data = {"labels": ["0", "1", "2"], "compare": [a, version_b]}
+        body = client.post("/evaluate", files=files, data=data)
+        assert body.status_code == 200, body.text
+        body = body.json()
+        assert body["a"]["model_version"] == a and body["b"]["model_version"] == version_b
+        assert set(body["verdict"]) >= {"map_at_r", "precision_at_1"}
+        assert body["difference"]["map_at_r"]["num_paired"] == 3
+        one = client.post("/evaluate", files=files,
+                          data={"labels": ["0", "1", "2"], "model_version": version_b})
+        assert one.json()["model_version"] == version_b
+        for bad in ({"compare": [a]}, {"compare": [a, a]}, {"compare": [a, "nope"]},
+                    {"compare": [a, version_b], "model_version": a}):
+            response = client.post("/evaluate", files=files,
+                                   data={"labels": ["0", "1", "2"], **bad})
+            assert response.status_code in (404, 422), (bad, response.text)
