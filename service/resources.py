@@ -343,8 +343,13 @@ async def follow_changes(
 
     def catch_up() -> int:
         # A switch made by another process first (loads that version's model and index),
-        # then the served index's changes.
-        resources.follow_active()
+        # then the served index's changes, even when the switch failed (a missing
+        # checkpoint): the failure is reported, and /health turns degraded if it lasts.
+        try:
+            resources.follow_active()
+        except Exception:
+            resources.searcher.refresh_from_changes()
+            raise
         return resources.searcher.refresh_from_changes()
 
     while True:
