@@ -222,3 +222,55 @@ def test_uploaded_queries_compare_two_versions(make_client, other_checkpoint: Pa
             response = client.post("/evaluate", files=files,
                                    data={"labels": ["0", "1", "2"], **bad})
             assert response.status_code in (404, 422), (bad, response.text)
+
+
+def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
+    make_client, other_checkpoint: Path
+) -> None:
+    """The job runs chunk by chunk (4 items, slowed down) while the gallery changes: every item
+    added meanwhile gets its vector, no item deleted meanwhile keeps one or comes back."""
+    from sqlalchemy import func, select
+
+    from index import versions
+    from index.models import Embedding, ModelVersion
+
+    with make_client() as client:
+        ids = list(add_gallery(client, classes=4, per_class=6))
+        version_b = _register(client, other_checkpoint)["version"]
+        resources = client.app.state.resources
+        report: list = []
+        job = threading.Thread(target=lambda: report.append(versions.run_embed_job(
+            version_b, session_factory=resources.sessions, media=resources.media,
+            embedder=resources.embedder_for(version_b), chunk_size=4,
+            throttle=versions.Throttle(duty=0.02))))
+        job.start()
+        added, deleted = [], []
+        for i in range(6):
+            response = client.post("/gallery", data={"labels": [str(i % 4)]},
+                                   files=[("images", (f"n{i}.png", png(i % 4, 200 + i),
+                                                      "image/png"))])
+            added.append(response.json()["ids"][0])
+            for victim in (ids[3 * i], added[0] if i == 5 else None):
+                if victim is not None:
+                    assert client.delete(f"/gallery/{victim}").status_code == 204
+                    deleted.append(victim)
+            time.sleep(0.02)
+        assert job.is_alive()  # every change above happened while the job ran
+        job.join(60)
+        assert report and report[0].gallery_embedded > 0
+        info = client.get(f"/models/{version_b}").json()
+        assert info["coverage"]["complete"], info["coverage"]
+        with resources.sessions() as session:
+            b_id = session.scalar(select(ModelVersion.id).where(
+                ModelVersion.version == version_b))
+            ghosts = session.scalar(select(func.count()).select_from(Embedding).where(
+                Embedding.model_version_id == b_id, Embedding.item_id.in_(deleted)))
+        assert ghosts == 0
+        assert client.post(f"/models/{version_b}/activate").status_code == 200
+        served = resources.searcher_for(version_b)
+        live = set(served.ids().tolist())
+        assert not live & set(deleted) and set(added[1:]) <= live
+        for i in range(1, 6):
+            hit = search(client, png(i % 4, 200 + i), k="1").json()
+            assert hit["model_version"] == version_b
+            assert hit["results"][0]["id"] == added[i]
