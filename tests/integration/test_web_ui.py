@@ -1,16 +1,23 @@
-"""The web page in headless Chromium (selenium + chromedriver) against a real server.
+"""The web page in headless Chromium (selenium + chromedriver) against a real server: the
+Search view (upload, search by a neighbour's stored item), the Evaluate view (metrics chart,
+per-label table, worst queries as images) and the Models view (coverage, re-embedding,
+comparison verdict, activation and rollback).
 
-Set IMGRET_SAVE_SCREENSHOT=1 to also write docs/screenshot.png (the README's picture).
+Set IMGRET_SAVE_SCREENSHOT=1 to also write docs/screenshot.png (the README's picture),
+docs/screenshot_evaluate.png and docs/screenshot_models.png.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE, require
@@ -22,6 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 CLASSES, PER_CLASS, SIZE = 4, 6, 64
+QUERIES_PER_CLASS = 3
+BLEND = (0.0, 0.4, 0.6)  # per query of a class: its weight of the next class
+WORST = 8  # the Evaluate view asks for the 8 worst queries
 
 
 @pytest.fixture
@@ -84,16 +94,27 @@ def test_upload_see_neighbours_and_search_by_a_neighbour(
             (ROOT / "docs").mkdir(exist_ok=True)
             browser.save_screenshot(str(ROOT / "docs" / "screenshot.png"))
 
-        # Click a neighbour of another class: its own image becomes the query, it is rank 1.
+        # Click a neighbour of another class: the search is by its stored item id (no upload);
+        # its image becomes the query preview and it is left out of its own results.
         other = next(card for card, label in zip(cards, labels, strict=True)
                      if label != "class-2")
         other_id, other_label = other.get_attribute("data-id"), labels[cards.index(other)]
         other.click()
+        wait.until(ec.text_to_be_present_in_element((By.ID, "status"), f"of item #{other_id}"))
+        status = browser.find_element(By.ID, "status").text
+        assert "model " in status and "error" not in browser.find_element(
+            By.ID, "status").get_attribute("class")
         # Read through JS: the grid is replaced while we poll (no stale element handles).
-        first = "const c = document.querySelector('#results .result'); "
-        wait.until(lambda d: d.execute_script(first + "return c && c.dataset.id") == other_id)
-        label = browser.execute_script(first + "return c.querySelector('.label').textContent")
-        assert label == other_label
+        shown = browser.execute_script(
+            "return [...document.querySelectorAll('#results .result')].map(c => "
+            "[c.dataset.id, c.querySelector('.label').textContent])")
+        assert other_id not in [item for item, _ in shown]
+        assert [label for _, label in shown[:PER_CLASS - 1]] == [other_label] * (PER_CLASS - 1)
+        assert browser.find_element(By.ID, "query-preview").get_attribute("src").endswith(
+            f"/gallery/{other_id}/image")
+        assert browser.execute_script(
+            "const p = document.getElementById('query-preview'); "
+            "return p.complete && p.naturalWidth > 0")
 
         # A file that is not an image: the page shows the API's message, no results crash.
         bad = tmp_path / "notes.png"
@@ -104,7 +125,187 @@ def test_upload_see_neighbours_and_search_by_a_neighbour(
     assert (tmp_path / "screenshot.png").stat().st_size > 10_000
 
 
-def _fill_gallery(base: str, folder: Path) -> None:
+def test_evaluate_view_shows_chart_labels_and_worst_queries(
+    browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
+           "IMGRET_DEVICE": TEST_DEVICE}
+    _ingest_query_set(env, tmp_path / "queries", "holdout")
+    with running_server(env, log_path=tmp_path / "server.log") as server:
+        _fill_gallery(server.url, tmp_path / "gallery")
+        active = httpx.get(f"{server.url}/models").json()["active"]
+
+        browser.get(server.url + "/#evaluate")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: d.execute_script(
+            "return document.getElementById('eval-query-set').value") == "holdout")
+        assert browser.find_element(By.ID, "view-search").get_attribute("hidden")
+        assert browser.find_element(By.ID, "eval-version").get_attribute("value") == active
+        browser.find_element(By.ID, "evaluate-button").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#eval-report .chart"))
+
+        # The chart: one bar per metric (4 + Recall@1, @5, @10), each with its interval.
+        bars = browser.execute_script(
+            "return [...document.querySelectorAll('.chart .bar')].map(g => "
+            "[g.dataset.metric, g.querySelectorAll('.whisker').length])")
+        assert [m for m, _ in bars] == ["map_at_r", "r_precision", "precision_at_1",
+                                        "mean_average_precision", "recall_at_1", "recall_at_5",
+                                        "recall_at_10"]
+        assert all(whiskers == 3 for _, whiskers in bars)
+        assert "MAP@R" in browser.find_element(By.ID, "chart-desc").get_attribute("textContent")
+        # Per label: one row per class, worst (lowest MAP@R) first.
+        rows = browser.find_elements(By.CSS_SELECTOR, ".per-label tbody tr")
+        assert sorted(r.find_element(By.TAG_NAME, "th").text for r in rows) == [
+            f"class-{c}" for c in range(CLASSES)]
+        maps = [float(r.find_elements(By.TAG_NAME, "td")[1].text) for r in rows]
+        assert maps == sorted(maps)
+        # The worst queries (8 of 12): the query image, then its neighbours framed by
+        # relevance; every picture really loads.
+        worst = browser.find_elements(By.CSS_SELECTOR, ".worst-row")
+        assert len(worst) == min(WORST, CLASSES * QUERIES_PER_CLASS)
+        for row in worst:
+            query = row.find_element(By.CSS_SELECTOR, ".thumb.query img")
+            assert "/query-sets/holdout/items/" in query.get_attribute("src")
+            assert row.find_elements(By.CSS_SELECTOR, ".neighbours .thumb")
+        assert browser.find_elements(By.CSS_SELECTOR, ".worst .thumb.relevant")
+        assert browser.find_elements(By.CSS_SELECTOR, ".worst .thumb.irrelevant")
+        wait.until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#eval-report img')]"
+            ".every(i => i.complete && i.naturalWidth > 0)"))
+        assert f"model {active}" in browser.find_element(By.ID, "eval-status").text
+        _screenshot(browser, tmp_path, "screenshot_evaluate.png")
+
+
+def test_models_view_embeds_compares_activates_and_rolls_back(
+    browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    import torch
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+
+    torch.manual_seed(1)
+    other_run = tmp_path / "other_run"
+    save_checkpoint(other_run, EmbeddingNet(ModelSpec(backbone="tiny_cnn", dim=16,
+                                                      image_size=32)))
+    key = {"X-API-Key": "ui-secret"}
+    env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
+           "IMGRET_DEVICE": TEST_DEVICE, "IMGRET_API_KEY": key["X-API-Key"],
+           "IMGRET_EMBED_DUTY": "1.0"}
+    _ingest_query_set(env, tmp_path / "queries", "holdout")
+    with running_server(env, log_path=tmp_path / "server.log") as server:
+        _fill_gallery(server.url, tmp_path / "gallery", headers=key)
+        a = httpx.get(f"{server.url}/models").json()["active"]
+        registered = httpx.post(f"{server.url}/models", json={"path": str(other_run)},
+                                headers=key, timeout=60)
+        assert registered.status_code == 201, registered.text
+        b = registered.json()["version"]
+        live = CLASSES * PER_CLASS
+
+        browser.get(server.url + "/#models")
+        wait = WebDriverWait(browser, 60)
+
+        def row_text(version: str, column: int) -> str:
+            return browser.execute_script(
+                "const r = [...document.querySelectorAll('#models-table tbody tr')]"
+                ".find(r => r.dataset.version === arguments[0]);"
+                " return r ? r.children[arguments[1]].textContent : null", version, column)
+
+        wait.until(lambda d: row_text(b, 3) is not None)
+        assert "active" in row_text(a, 0) and "active" not in row_text(b, 0)
+        assert row_text(a, 3) == f"{live} / {live} (100%)"
+        assert row_text(b, 3) == f"0 / {live} (0%)"
+        assert row_text(b, 1) == "tiny_cnn · 16-d"
+
+        # A write without the key is refused with the API's message; with it, it runs.
+        embed_b = f"#models-table tr[data-version='{b}'] .actions button:first-child"
+        browser.find_element(By.CSS_SELECTOR, embed_b).click()
+        wait.until(lambda d: "X-API-Key" in d.find_element(By.ID, "models-status").text)
+        browser.find_element(By.ID, "api-key").send_keys(key["X-API-Key"])
+        browser.find_element(By.CSS_SELECTOR, embed_b).click()
+        # The table polls GET /models while the job runs, until the coverage is complete.
+        wait.until(lambda d: row_text(b, 3) == f"{live} / {live} (100%)"
+                   and row_text(b, 5) == "done")
+        assert row_text(b, 4).startswith(f"built · {live}")
+
+        # Compare A (active) and B on the query set: a verdict per metric.
+        assert Select(browser.find_element(By.ID, "compare-a")).first_selected_option \
+            .get_attribute("value") == a
+        assert Select(browser.find_element(By.ID, "compare-b")).first_selected_option \
+            .get_attribute("value") == b
+        browser.find_element(By.ID, "compare-button").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#compare-result .badge"))
+        verdicts = {row.get_attribute("data-metric"): row.find_element(By.CLASS_NAME, "badge").text
+                    for row in browser.find_elements(By.CSS_SELECTOR,
+                                                     "#compare-result tbody tr")}
+        assert {"map_at_r", "precision_at_1"} <= set(verdicts)
+        assert set(verdicts.values()) <= {"better", "worse", "no detectable difference"}
+        assert verdicts["map_at_r"] in browser.find_element(By.ID, "compare-status").text
+        # The comparison evaluated both: their last MAP@R is shown.
+        wait.until(lambda d: row_text(a, 6).startswith(("0.", "1.")) and
+                   row_text(b, 6).startswith(("0.", "1.")))
+
+        # A gated activation: refused with the API's reason unless B is better on MAP@R.
+        Select(browser.find_element(By.ID, "gate-require")).select_by_value("better")
+        Select(browser.find_element(By.ID, "gate-query-set")).select_by_value("holdout")
+        activate_b = f"#models-table tr[data-version='{b}'] .actions button:last-child"
+        if verdicts["map_at_r"] != "better":
+            browser.find_element(By.CSS_SELECTOR, activate_b).click()
+            wait.until(lambda d: "refused" in d.find_element(By.ID, "models-status").text)
+            status = browser.find_element(By.ID, "models-status")
+            assert "require=better" in status.text and "error" in status.get_attribute("class")
+            assert "active" in row_text(a, 0)
+        Select(browser.find_element(By.ID, "gate-require")).select_by_value("")
+        browser.find_element(By.CSS_SELECTOR, activate_b).click()
+        wait.until(lambda d: "active" in (row_text(b, 0) or "") and "active" not in row_text(a, 0))
+        assert f"active: {b} (was {a})" in browser.find_element(By.ID, "models-status").text
+        wait.until(lambda d: f"model {b}" in d.find_element(By.ID, "health").text)
+        assert httpx.get(f"{server.url}/models").json()["active"] == b
+        _screenshot(browser, tmp_path, "screenshot_models.png")
+
+        browser.find_element(By.ID, "rollback-button").click()
+        wait.until(lambda d: "active" in (row_text(a, 0) or "") and "active" not in row_text(b, 0))
+        assert f"rolled back: active {a} (was {b})" in browser.find_element(
+            By.ID, "models-status").text
+
+
+def _screenshot(browser, tmp_path: Path, name: str) -> None:
+    """The whole page (the window grown to its height); also into docs/ when asked."""
+    height, chrome = browser.execute_script(
+        "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight]")
+    browser.set_window_size(1280, max(900, min(int(height) + int(chrome), 4000)))
+    browser.save_screenshot(str(tmp_path / name))
+    assert (tmp_path / name).stat().st_size > 10_000
+    if os.environ.get("IMGRET_SAVE_SCREENSHOT") == "1":
+        (ROOT / "docs").mkdir(exist_ok=True)
+        browser.save_screenshot(str(ROOT / "docs" / name))
+
+
+def _ingest_query_set(env: dict[str, str], folder: Path, name: str) -> None:
+    """Store a labelled query set the way a user does: `imgret ingest FOLDER --query-set`.
+
+    Query i of class c is blended with class c + 1 (weight BLEND[i]): some queries are hard,
+    so the metrics, intervals and confusions are not all trivial.
+    """
+    for c in range(CLASSES):
+        (folder / f"class-{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(QUERIES_PER_CLASS):
+            image = Image.blend(class_image(c, 500 + i, size=SIZE),
+                                class_image((c + 1) % CLASSES, 700 + i, size=SIZE), BLEND[i])
+            image.save(folder / f"class-{c}" / f"{i}.png")
+    done = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "ingest", str(folder),
+         "--query-set", name, "--no-progress"],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _fill_gallery(base: str, folder: Path, headers: dict[str, str] | None = None) -> None:
     files, labels = [], []
     for c in range(CLASSES):
         for i in range(PER_CLASS):
@@ -114,5 +315,6 @@ def _fill_gallery(base: str, folder: Path) -> None:
             image.save(path)
             files.append(("images", (path.name, path.read_bytes(), "image/png")))
             labels.append(f"class-{c}")
-    response = httpx.post(f"{base}/gallery", files=files, data={"labels": labels}, timeout=60)
+    response = httpx.post(f"{base}/gallery", files=files, data={"labels": labels}, headers=headers,
+                          timeout=60)
     assert response.status_code == 201, response.text
