@@ -257,9 +257,9 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         "version": row.version,
         "dim": row.dim,
         "config": dict(row.config or {}),
-        "created_at": row.created_at,
+        "created_at": _utc(row.created_at),
         "active": bool(row.is_active),
-        "activated_at": row.activated_at,
+        "activated_at": _utc(row.activated_at),
         "coverage": coverage(session, row.id).to_dict(),
         "query_items": {"embedded": int(embedded_queries), "total": int(total_queries)},
         "index": index,
@@ -282,15 +282,18 @@ def _job_state(row: ModelVersion) -> dict[str, Any]:
     state = row.embed_state or "idle"
     if state == STATE_RUNNING and _stale(row.embed_heartbeat_at):
         state = "interrupted"
-    return {"state": state, "error": row.embed_error, "updated_at": row.embed_heartbeat_at}
+    return {"state": state, "error": row.embed_error, "updated_at": _utc(row.embed_heartbeat_at)}
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """Timezone-aware (SQLite gives stored UTC times back without their zone)."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
 
 
 def _stale(heartbeat: datetime | None) -> bool:
     if heartbeat is None:
         return True
-    if heartbeat.tzinfo is None:  # SQLite gives naive datetimes back
-        heartbeat = heartbeat.replace(tzinfo=UTC)
-    return utcnow() - heartbeat > timedelta(seconds=HEARTBEAT_STALE_S)
+    return utcnow() - _utc(heartbeat) > timedelta(seconds=HEARTBEAT_STALE_S)
 
 
 def _get(session: Session, version: str) -> ModelVersion:
@@ -729,7 +732,7 @@ def history(*, session_factory: sessionmaker[Session], limit: int = 20) -> list[
         )
         return [{"version": names.get(r.model_version_id),
                  "previous": names.get(r.previous_version_id), "reason": r.reason,
-                 "at": r.created_at, "gate": r.gate} for r in rows]
+                 "at": _utc(r.created_at), "gate": r.gate} for r in rows]
 
 
 def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
