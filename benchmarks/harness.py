@@ -126,6 +126,59 @@ def class_png(label: int, index: int, size: int = 64) -> bytes:
     return buffer.getvalue()
 
 
+@dataclass(frozen=True)
+class BenchImages:
+    """Images for a benchmark: a labelled gallery, queries, and where they came from.
+
+    Attributes:
+        gallery: ``(png bytes, label)`` pairs.
+        queries: png bytes (never in the gallery).
+        note: a sentence for the report.
+    """
+
+    gallery: list[tuple[bytes, str]]
+    queries: list[bytes]
+    note: str
+
+
+def fashion_mnist_pngs(n_gallery: int, n_queries: int) -> BenchImages:
+    """The first ``n_gallery`` Fashion-MNIST train images (labelled with the class names) and
+    the first ``n_queries`` test images, as PNGs; seeded random 28x28 images when Debian's
+    ``dataset-fashion-mnist`` is not installed (the note says which)."""
+    def png(pixels: np.ndarray) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    try:
+        from imgret.datasets import FASHION_MNIST_CLASSES, load_fashion_mnist
+
+        train, train_labels = load_fashion_mnist(split="train")
+        test, _ = load_fashion_mnist(split="test")
+    except Exception as exc:  # noqa: BLE001 - any reason: fall back to generated images
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (n_gallery + n_queries, 28, 28), dtype=np.uint8)
+        return BenchImages(
+            [(png(image), f"class-{i % 10}") for i, image in enumerate(images[:n_gallery])],
+            [png(image) for image in images[n_gallery:]],
+            f"generated 28x28 images (Fashion-MNIST unavailable: {exc})",
+        )
+    return BenchImages(
+        [(png(train[i]), FASHION_MNIST_CLASSES[int(train_labels[i])]) for i in range(n_gallery)],
+        [png(test[i]) for i in range(n_queries)],
+        "Fashion-MNIST (train split gallery, test split queries)",
+    )
+
+
+def write_image_folder(folder: Path, gallery: Sequence[tuple[bytes, str]]) -> Path:
+    """``gallery`` as an ImageFolder tree (one folder per label, named as the demo does)."""
+    for i, (data, label) in enumerate(gallery):
+        target = folder / label.replace("/", "-").replace(" ", "_")
+        target.mkdir(parents=True, exist_ok=True)
+        (target / f"train-{i:05d}.png").write_bytes(data)
+    return folder
+
+
 # --------------------------------------------------------------------------- load
 
 

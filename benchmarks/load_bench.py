@@ -44,8 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
-from harness import Level, run_wrk, running_server, search_bodies
+from harness import Level, fashion_mnist_pngs, run_wrk, running_server, search_bodies
 
 logger = logging.getLogger("load_bench")
 
@@ -84,7 +83,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="imgret-load-") as tmp:
         work = Path(tmp)
         model, model_note = _model(args.model, work / "run")
-        gallery, queries, data_note = _images(args.gallery)
+        images = fashion_mnist_pngs(args.gallery, QUERY_BODIES)
+        gallery, queries, data_note = images.gallery, images.queries, images.note
         bodies = search_bodies(queries, work / "bodies")
         data_dir = work / "data"
         env = {
@@ -132,32 +132,6 @@ def _model(given: Path | None, run_dir: Path) -> tuple[Path, str]:
         "an UNTRAINED tiny_cnn with the demo model's architecture (64-d, 28 px; no demo run "
         "found): same work per image as the demo's model, rankings meaningless"
     )
-
-
-def _images(n_gallery: int) -> tuple[list[tuple[bytes, str]], list[bytes], str]:
-    """``(gallery (png, label) pairs, query pngs, a sentence saying where they came from)``."""
-    from PIL import Image
-
-    def png(pixels: np.ndarray) -> bytes:
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-    try:
-        from imgret.datasets import FASHION_MNIST_CLASSES, load_fashion_mnist
-
-        train, train_labels = load_fashion_mnist(split="train")
-        test, _ = load_fashion_mnist(split="test")
-    except Exception as exc:  # noqa: BLE001 - any reason: fall back to generated images
-        logger.warning("Fashion-MNIST unavailable (%s); using generated images", exc)
-        rng = np.random.default_rng(0)
-        images = rng.integers(0, 256, (n_gallery + QUERY_BODIES, 28, 28), dtype=np.uint8)
-        gallery = [(png(image), f"class-{i % 10}") for i, image in enumerate(images[:n_gallery])]
-        return gallery, [png(image) for image in images[n_gallery:]], "generated 28x28 images"
-    gallery = [(png(train[i]), FASHION_MNIST_CLASSES[int(train_labels[i])])
-               for i in range(n_gallery)]
-    queries = [png(test[i]) for i in range(QUERY_BODIES)]
-    return gallery, queries, "Fashion-MNIST (train split gallery, test split queries)"
 
 
 def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> None:

@@ -49,7 +49,14 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from harness import Level, run_wrk, running_server, search_bodies
+from harness import (
+    Level,
+    fashion_mnist_pngs,
+    run_wrk,
+    running_server,
+    search_bodies,
+    write_image_folder,
+)
 
 logger = logging.getLogger("reembed_bench")
 
@@ -90,7 +97,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="imgret-reembed-") as tmp:
         work = Path(tmp)
         runs = _models(work)
-        queries, data_note = _write_gallery(work / "gallery", args.items)
+        images = fashion_mnist_pngs(args.items, QUERY_BODIES)
+        write_image_folder(work / "gallery", images.gallery)
+        queries, data_note = images.queries, images.note
         bodies = search_bodies(queries, work / "bodies")
         data_dir = work / "data"
         db_url = f"sqlite:///{data_dir / 'imgret.db'}"
@@ -167,37 +176,6 @@ def _models(work: Path) -> list[tuple[str, Path]]:
         run_dir = work / f"run{seed}"
         runs.append((save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**DEMO_SPEC))), run_dir))
     return runs
-
-
-def _write_gallery(folder: Path, n: int) -> tuple[list[bytes], str]:
-    """The first ``n`` Fashion-MNIST train images as an ImageFolder (class folders as the
-    demo names them); returns the query PNGs (test split) and where the images came from."""
-    from PIL import Image
-
-    def png(pixels: np.ndarray) -> bytes:
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
-        return buffer.getvalue()
-
-    try:
-        from imgret.datasets import FASHION_MNIST_CLASSES, load_fashion_mnist
-
-        train, train_labels = load_fashion_mnist(split="train")
-        test, _ = load_fashion_mnist(split="test")
-        names = [FASHION_MNIST_CLASSES[int(label)] for label in train_labels[:n]]
-        note = "Fashion-MNIST (train split gallery, test split queries)"
-    except Exception as exc:  # noqa: BLE001 - any reason: fall back to generated images
-        logger.warning("Fashion-MNIST unavailable (%s); using generated images", exc)
-        rng = np.random.default_rng(0)
-        train = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        test = rng.integers(0, 256, (QUERY_BODIES, 28, 28), dtype=np.uint8)
-        names = [f"class-{i % 10}" for i in range(n)]
-        note = "generated 28x28 images (Fashion-MNIST not installed)"
-    for i, name in enumerate(names):
-        target = folder / name.replace("/", "-").replace(" ", "_")
-        target.mkdir(parents=True, exist_ok=True)
-        (target / f"train-{i:05d}.png").write_bytes(png(train[i]))
-    return [png(test[i]) for i in range(QUERY_BODIES)], note
 
 
 def _ingest(folder: Path, data_dir: Path, db_url: str, model: Path) -> float:
