@@ -292,3 +292,93 @@ class ModelComparison(BaseModel):
             data["verdict"] = {m: v["verdict"] for m, v in difference.items()
                                if isinstance(v, dict) and "verdict" in v}
         return data
+
+
+# --------------------------------------------------------------------------- model versions
+
+
+class Coverage(BaseModel):
+    embedded: int = Field(description="live gallery items with a vector of this version")
+    live: int = Field(description="live gallery items")
+    fraction: float
+    complete: bool
+
+
+class IndexState(BaseModel):
+    state: Literal["built", "missing"]
+    size: int | None = None
+    factory: str | None = None
+
+
+class EmbeddingJob(BaseModel):
+    state: Literal["idle", "running", "done", "failed", "interrupted"]
+    error: str | None = None
+    updated_at: datetime | None = None
+
+
+class QueryCoverage(BaseModel):
+    embedded: int
+    total: int
+
+
+class ModelInfo(BaseModel):
+    """One model version: what it is, how much of the gallery it covers, whether it serves."""
+
+    version: str
+    dim: int
+    config: dict[str, Any]
+    created_at: datetime
+    active: bool
+    activated_at: datetime | None = None
+    coverage: Coverage
+    query_items: QueryCoverage
+    index: IndexState
+    embedding: EmbeddingJob
+    checkpoint_stored: bool
+    last_evaluation: dict[str, Any] | None = None
+
+
+class ModelList(BaseModel):
+    active: str | None
+    models: list[ModelInfo]
+    history: list[dict[str, Any]] = Field(description="the last switches, newest first")
+
+
+class RegisterRequest(BaseModel):
+    """``POST /models`` as JSON: a checkpoint the server can read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: SafeText = Field(min_length=1, max_length=4096,
+                           description="a run directory from `imgret train`, or its model.pt")
+
+
+class ActivateRequest(BaseModel):
+    """Optional gate of a switch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    require: Literal["better", "not_worse"] | None = Field(
+        None, description="refuse (409) unless the paired verdict against the active version "
+                          "on query_set says so")
+    query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
+
+
+class Switch(BaseModel):
+    """The served version after a switch."""
+
+    active: str
+    previous: str | None
+    changed: bool = Field(description="false: the version was already active")
+    stragglers_embedded: int = Field(
+        0, description="items added since the re-embedding, embedded during the switch")
+    comparison: dict[str, Any] | None = None
+
+
+class QuerySetInfo(BaseModel):
+    name: str
+    size: int
+
+
+class QuerySetList(BaseModel):
+    query_sets: list[QuerySetInfo]

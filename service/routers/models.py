@@ -5,17 +5,17 @@ the served version (gated on a paired verdict), roll back. Same code as `imgret 
 from __future__ import annotations
 
 import threading
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from index import versions
 from service.deps import ResourcesDep, require_api_key
 from service.evaluations import compare_named
 from service.resources import Resources
+from service.schemas import ActivateRequest, ModelInfo, ModelList, RegisterRequest, Switch
 from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -27,75 +27,6 @@ _NOT_FOUND = {404: {"description": "no such model version"}}
 # One switch at a time in this process (the database serialises processes: the switch
 # transaction holds the gallery write lock).
 _SWITCH = threading.Lock()
-
-
-class Coverage(BaseModel):
-    embedded: int = Field(description="live gallery items with a vector of this version")
-    live: int = Field(description="live gallery items")
-    fraction: float
-    complete: bool
-
-
-class IndexState(BaseModel):
-    state: Literal["built", "missing"]
-    size: int | None = None
-    factory: str | None = None
-
-
-class EmbeddingJob(BaseModel):
-    state: Literal["idle", "running", "done", "failed", "interrupted"]
-    error: str | None = None
-    updated_at: datetime | None = None
-
-
-class QueryCoverage(BaseModel):
-    embedded: int
-    total: int
-
-
-class ModelInfo(BaseModel):
-    """One model version: what it is, how much of the gallery it covers, whether it serves."""
-
-    version: str
-    dim: int
-    config: dict[str, Any]
-    created_at: datetime
-    active: bool
-    activated_at: datetime | None = None
-    coverage: Coverage
-    query_items: QueryCoverage
-    index: IndexState
-    embedding: EmbeddingJob
-    checkpoint_stored: bool
-    last_evaluation: dict[str, Any] | None = None
-
-
-class ModelList(BaseModel):
-    active: str | None
-    models: list[ModelInfo]
-    history: list[dict[str, Any]] = Field(description="the last switches, newest first")
-
-
-class ActivateRequest(BaseModel):
-    """Optional gate of a switch."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    require: Literal["better", "not_worse"] | None = Field(
-        None, description="refuse (409) unless the paired verdict against the active version "
-                          "on query_set says so")
-    query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
-
-
-class Switch(BaseModel):
-    """The served version after a switch."""
-
-    active: str
-    previous: str | None
-    changed: bool = Field(description="false: the version was already active")
-    stragglers_embedded: int = Field(
-        0, description="items added since the re-embedding, embedded during the switch")
-    comparison: dict[str, Any] | None = None
 
 
 def _describe(resources: Resources, version: str) -> dict[str, Any]:
@@ -181,12 +112,8 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
 
 
 def _json_path(body: bytes) -> str:
-    class _Body(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        path: SafeText = Field(min_length=1, max_length=4096)
-
     try:
-        return _checked_path(_Body.model_validate_json(body).path)
+        return _checked_path(RegisterRequest.model_validate_json(body).path)
     except ValidationError as exc:
         raise HTTPException(422, f"body: {exc.errors(include_url=False)[0]['msg']}") from None
 

@@ -7,23 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 from sqlalchemy import func, select
 
 from index.models import QueryItem, QuerySet
 from service.deps import ResourcesDep, SessionDep
+from service.schemas import QuerySetInfo, QuerySetList
 from service.validation import NAME_MAX
 
 router = APIRouter(prefix="/query-sets", tags=["query-sets"])
-
-
-class QuerySetInfo(BaseModel):
-    name: str
-    size: int
-
-
-class QuerySetList(BaseModel):
-    query_sets: list[QuerySetInfo]
 
 
 @router.get("")
