@@ -11,6 +11,13 @@ Reported per gallery size:
 - QPS for a batch of 1,000 queries and for one query at a time (k = 10);
 - recall@10 against exact search (the fraction of the exact top 10 that the index returns).
 
+Then, per gallery size up to ``--searcher-max``, the Searcher as the service uses it (CPU, over
+the exact ``Flat`` index, hits as :class:`Hit` lists) against its floor, NumPy brute force
+(``numpy_topk``: one matrix product and ``argpartition`` per block of queries), at each of
+``--batches`` (default 1, 8, 32, 1,000 queries per call): QPS of each, measured in alternating
+rounds in the same run, and the Searcher / NumPy ratio of the medians (≥ 1: the Searcher is at
+least as fast as brute force).
+
 Usage::
 
     python benchmarks/index_bench.py                       # 100k and 1M (HNSW32 at 1M
@@ -94,6 +101,30 @@ def qps(run: Callable[[np.ndarray], object], queries: np.ndarray, single: int) -
     return batch, rates[0], rates[1]
 
 
+def batch_qps(runs: dict[str, Callable[[np.ndarray], object]], queries: np.ndarray,
+              batch: int, *, seconds: float, rounds: int) -> dict[str, float]:
+    """Median QPS of each run at ``batch`` queries per call, over ``rounds`` rounds that
+    alternate between the runs (so a noisy neighbour hits them alike); each round calls one
+    run on successive batches of ``queries`` for about ``seconds``."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    starts = range(0, len(queries) - batch + 1, batch)
+    for run in runs.values():  # warm up
+        run(queries[:batch])
+    for _ in range(rounds):
+        for name, run in runs.items():
+            done, calls = 0, 0
+            start = time.perf_counter()
+            while True:
+                at = starts[calls % len(starts)]
+                run(queries[at : at + batch])
+                done, calls = done + batch, calls + 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= seconds:
+                    break
+            rates[name].append(done / elapsed)
+    return {name: float(np.median(r)) for name, r in rates.items()}
+
+
 def recall_at_k(found: np.ndarray, exact: np.ndarray) -> float:
     return float(np.mean([len(set(f) & set(e)) / len(e) for f, e in zip(found, exact,
                                                                           strict=True)]))
@@ -116,13 +147,14 @@ def build(factory: str, base: np.ndarray) -> tuple[faiss.Index, float]:
     return index, time.perf_counter() - start
 
 
-def bench_size(n: int, args: argparse.Namespace) -> list[dict]:
+def bench_size(n: int, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     rng = np.random.default_rng(n)
     centres = rng.normal(size=(max(n // 100, 10), DIM)).astype(np.float32)
     centres /= np.linalg.norm(centres, axis=1, keepdims=True)
     base = clustered(n, dim=DIM, centres=centres, seed=1, spread=args.spread)
     queries = clustered(args.queries, dim=DIM, centres=centres, seed=2, spread=args.spread)
-    rows = []
+    rows: list[dict] = []
+    floor_rows: list[dict] = []
 
     exact_index, seconds = build("Flat", base)
     _, exact = exact_index.search(queries, K)
@@ -141,6 +173,13 @@ def bench_size(n: int, args: argparse.Namespace) -> list[dict]:
         batch, one, one1 = qps(lambda q, s=searcher: s.search(q, K), queries, args.single)
         rows.append(dict(n=n, method="imgret Searcher over Flat (Python API)", build=None,
                          recall=1.0, batch=batch, single=one, single1=one1))
+        runs = {"searcher": lambda q, s=searcher: s.search(q, K),
+                "numpy": lambda q: numpy_topk(q, base, K)}
+        for size in (int(b) for b in args.batches.split(",")):
+            rates = batch_qps(runs, queries, min(size, len(queries)),
+                              seconds=args.batch_seconds, rounds=args.rounds)
+            floor_rows.append(dict(n=n, batch=min(size, len(queries)), **rates))
+            logging.info("%d: batch %d: %s", n, size, rates)
         del searcher
     del exact_index
 
@@ -156,7 +195,7 @@ def bench_size(n: int, args: argparse.Namespace) -> list[dict]:
                          recall=recall_at_k(found, exact), batch=batch, single=one, single1=one1))
         del index
         logging.info("%d: %s done", n, factory)
-    return rows
+    return rows, floor_rows
 
 
 def _nlist(n: int) -> int:
@@ -180,6 +219,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def floor_table(rows: list[dict]) -> str:
+    lines = [
+        "| vectors | batch | Searcher QPS | NumPy brute force QPS | Searcher / NumPy |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['n']:,} | {r['batch']:,} | {r['searcher']:,.0f} | "
+                     f"{r['numpy']:,.0f} | {r['searcher'] / r['numpy']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="100000,1000000",
@@ -192,13 +242,22 @@ def main() -> None:
                         help="noise norm around the class centres (unit norm)")
     parser.add_argument("--hnsw", default="HNSW32", help="HNSW factory string")
     parser.add_argument("--searcher-max", type=int, default=100_000,
-                        help="time the Searcher (Python API) row up to this size")
+                        help="time the Searcher (Python API) rows up to this size")
+    parser.add_argument("--batches", default="1,8,32,1000",
+                        help="batch sizes of the Searcher-against-NumPy table")
+    parser.add_argument("--batch-seconds", type=float, default=1.0,
+                        help="seconds per round and method in that table")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds in that table (the median is shown)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rows = []
+    rows, floor_rows = [], []
     for n in (int(s) for s in args.sizes.split(",")):
-        rows.extend(bench_size(n, args))
-        logging.info("results so far:\n%s", table(rows))  # kept if a later size is cut short
+        size_rows, size_floor_rows = bench_size(n, args)
+        rows.extend(size_rows)
+        floor_rows.extend(size_floor_rows)
+        logging.info("results so far:\n%s\n\n%s", table(rows),  # kept if a later size
+                     floor_table(floor_rows))                   # is cut short
     cpus = os.cpu_count()
     load = os.getloadavg()[0]
     print(f"\nFAISS {faiss.__version__} on CPU ({cpus} cores, {faiss.omp_get_max_threads()} "
@@ -207,6 +266,10 @@ def main() -> None:
           f"(spread {args.spread}), k={K}, {args.queries} queries, {args.single} timed one at "
           f"a time\n")
     print(table(rows))
+    if floor_rows:
+        print(f"\nThe Searcher (CPU, Flat) against NumPy brute force by batch size (median of "
+              f"{args.rounds} alternating rounds of {args.batch_seconds:g} s each):\n")
+        print(floor_table(floor_rows))
 
 
 if __name__ == "__main__":

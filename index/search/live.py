@@ -25,6 +25,7 @@ from index.faiss_index import (
 from index.manifest import normalise_factory
 from index.search.filters import Catalog, SearchFilter, grown
 from index.search.ranking import Hit, complete, search_allowed, to_hits
+from index.search.threads import ExactFlat, faiss_threads, uses_blas_path
 from index.store import ItemInfo
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class LiveIndex:
         if any(self._knobs.values()):
             set_search_defaults(index, **self._knobs)
         self.index = index
+        self._exact = ExactFlat.of(index)  # small unfiltered batches: BLAS + FAISS heaps
         self.factory = normalise_factory(factory)
         self._gpu, self.device = place_index(index, use_gpu=self._use_gpu)
         self._gpu_stale: set[int] = set()  # removed ids the GPU mirror still holds
@@ -186,8 +188,7 @@ class LiveIndex:
             distances, labels = self._gpu.search(queries, max(fetch, 1))
             check = self.catalog.live
         elif mask is None:
-            params, _ = search_params(self.index, None, k=want)
-            distances, labels = search_index(self.index, queries, want, params)
+            distances, labels = self._search_cpu(queries, want)
             check = None
         else:
             distances, labels = search_allowed(self.index, queries, want, mask, n_allowed)
@@ -200,6 +201,17 @@ class LiveIndex:
             for row, row_hits in zip(short, completed, strict=True):
                 hits[row] = row_hits
         return hits
+
+    def _search_cpu(self, queries: np.ndarray, want: int) -> tuple[np.ndarray, np.ndarray]:
+        """Unfiltered CPU search: an exact Flat index below FAISS's BLAS threshold goes to a
+        BLAS product and FAISS's heaps; every other search to FAISS on one OpenMP thread per
+        query at most (see :mod:`index.search.threads`). The same ids and scores either way,
+        ties and the last float bit aside."""
+        if self._exact is not None and not uses_blas_path(len(queries), self.index.d):
+            return self._exact.search(queries, want)
+        params, _ = search_params(self.index, None, k=want)
+        with faiss_threads(len(queries)):
+            return search_index(self.index, queries, want, params)
 
     def snapshot(self) -> Snapshot:
         """An in-memory copy of the index and its manifest facts (a memcpy, for the lock)."""

@@ -17,6 +17,7 @@ import faiss
 import numpy as np
 
 from index.faiss_index import search_index, search_params
+from index.search.threads import faiss_threads
 
 # Exact re-ranking reconstructs allowed vectors in blocks of this many.
 _EXACT_BLOCK = 65_536
@@ -47,12 +48,14 @@ def search_allowed(index: faiss.Index, queries: np.ndarray, want: int, mask: np.
     selector = _selector(mask)  # a local: FAISS holds only a raw pointer to it
     params, supported = search_params(index, selector, k=want)
     if supported:
-        return search_index(index, queries, want, params)
+        with faiss_threads(len(queries)):
+            return search_index(index, queries, want, params)
     # No selector support (PQ, refine): over-fetch in proportion to the selectivity.
     ntotal = index.ntotal
     fetch = min(ntotal, want * max(2, 2 * ntotal // max(n_allowed, 1)))
     while True:
-        distances, labels = index.search(queries, fetch)
+        with faiss_threads(len(queries)):
+            distances, labels = index.search(queries, fetch)
         inside = (labels >= 0) & mask[np.clip(labels, 0, len(mask) - 1)]
         if fetch >= ntotal or inside.sum(axis=1).min() >= want:
             return distances, np.where(inside, labels, -1)
@@ -80,7 +83,8 @@ def complete(index: faiss.Index, queries: np.ndarray, want: int,
     selector = _selector(mask)
     params, supported = search_params(index, selector, k=want, exhaustive=True)
     if supported and params is not None:
-        distances, labels = search_index(index, queries, want, params)
+        with faiss_threads(len(queries)):
+            distances, labels = search_index(index, queries, want, params)
         hits = to_hits(distances, labels, mask, want)
         if all(len(row) >= want for row in hits):
             return hits
