@@ -14,6 +14,9 @@ holds the locks that make them safe together:
   before each search, the change log to replay);
 - :mod:`index.search.lifecycle`: open (load and check against SQL, or rebuild), save,
   background rebuilds;
+- :mod:`index.search.threads`: how many threads a search may use (one per query, at most
+  what the calling thread has), and the small-batch exact path (one BLAS product + FAISS's
+  top-k heap) that keeps single queries at least as fast as NumPy brute force;
 - :mod:`index.search.lock`: the reader/writer lock.
 """
 
