@@ -40,8 +40,10 @@ def run(*args: str) -> str:
 def test_register_embed_compare_activate_rollback(env: Path, image_folder: Path) -> None:
     run("ingest", str(image_folder), "--no-progress")
     run("ingest", str(image_folder), "--query-set", "q", "--no-progress")
+    run("evaluate", "--query-set", "q")
     listing = json.loads(run("models", "list", "--json"))
     a = listing["active"]
+    assert listing["models"][0]["last_evaluation"]["query_set"] == "q"  # on record
     out = run("models", "register", str(env))
     b = out.split()[1]
     assert f"next: imgret models embed {b}" in out
