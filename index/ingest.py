@@ -19,18 +19,10 @@ still to write: an image that another writer stored meanwhile becomes "already p
 existing item deleted meanwhile is never re-embedded (its vector must not reach an index
 again), and two uploads of the same new bytes cannot both insert (no unique-key race).
 
-Crash safety (what an interrupted chunk can leave behind): the media files are written and
-fsync'd (under the lock, ``MediaStore.put_many``) before the rows commit, so a killed ingest
-may leave media files that no row points to; ``index.gc.sweep_media`` removes them at the
-next start. Rows are written in one transaction per chunk, so there is never an item without
-its embedding and change row.
-
-Pipelining (bulk path): chunk *i* commits after chunk *i + 1* has been read, hashed,
-planned, decoded and embedded, and meanwhile a child process (``MediaPrefetcher``) writes
-chunk *i*'s new files; the commit then finds them (``put_many`` under the lock checks their
-hashes and writes whatever is missing). Planning ahead of the previous commit is safe: the
-commit plans again under the lock. At most two chunks are uncommitted (what an interruption
-loses), and only the one whose files are being written can leave orphan files.
+Crash safety (what an interrupted chunk can leave behind): the media file is written (under
+the lock) before the rows commit, so a killed ingest may leave a media file that no row
+points to; ``index.gc.sweep_media`` removes it at the next start. Rows are written in one
+transaction per chunk, so there is never an item without its embedding and change row.
 """
 
 from __future__ import annotations
@@ -60,13 +52,13 @@ from imgret.images import (
 )
 from imgret.timing import timed
 from index import store
-from index.media import MediaPrefetcher, MediaStore, sha256_hex, sniff_content_type
+from index.media import MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
 from index.store import ItemInfo, NewRow
 
 logger = logging.getLogger(__name__)
 
-STAGES = ("read", "dedup", "decode", "embed", "media", "write")
+STAGES = ("read", "dedup", "decode", "embed", "write")
 # Plan -> embed -> plan again under the lock: rounds before giving up on a gallery that keeps
 # changing under one upload (each extra round needs a concurrent delete of a reused item).
 _PLAN_ROUNDS = 4
@@ -119,13 +111,7 @@ class AddedItems:
 
 @dataclass
 class IngestReport:
-    """Counts and timings of one :func:`ingest_source` run.
-
-    Stages: ``read``, ``dedup``, ``decode``, ``embed``, ``media`` (waiting for the media
-    process to finish a chunk's files: the part of the file writes the pipeline did not
-    hide) and ``write`` (the transaction: planning again under the lock, checking the
-    files, the rows).
-    """
+    """Counts and timings of one :func:`ingest_source` run."""
 
     source: str
     model_version: str
@@ -151,8 +137,7 @@ class IngestReport:
             f"{self.source} -> {target} (model version {self.model_version}): "
             f"{self.total} images, {self.added} added, {self.embedded} existing items "
             f"embedded, {self.duplicates} already present, {len(self.failed)} failed, "
-            f"in {self.wall_seconds:.1f}s ({self.total / max(self.wall_seconds, 1e-9):.0f} "
-            "images/s)",
+            f"in {self.wall_seconds:.1f}s",
             "stage      images   seconds   images/s",
         ]
         for stage in STAGES:
@@ -318,13 +303,10 @@ def ingest_source(
 ) -> IngestReport:
     """Ingest a data source (ImageFolder tree, CSV manifest, Market-1501 folder).
 
-    Each chunk of ``chunk_size`` files is read, hashed, deduplicated against the database,
-    decoded and embedded (``embedder.batch_size`` images per forward pass), then written in
-    a transaction of its own (``_write_planned``: the write lock, planning again under it).
-    Its new media files are written by a child process while the next chunk is computed (see
-    the module docstring), so file creation and fsyncs overlap the decoding and the forward
-    pass. An interrupted run loses only the chunks in flight (at most two), and running it
-    again resumes where it stopped.
+    Each chunk of ``chunk_size`` files is read, deduplicated against the database, decoded,
+    embedded (``embedder.batch_size`` images per forward pass) and written in its own
+    transaction, so an interrupted run loses only the chunk in flight, and running it again
+    resumes where it stopped.
 
     Args:
         source: what ``imgret.datasets.list_records`` accepts.
@@ -337,7 +319,7 @@ def ingest_source(
         max_pixels: decompression-bomb limit.
         workers: threads reading and decoding files (Pillow releases the GIL); default
             ``min(4, cpu count)``.
-        progress: show a tqdm bar (committed images, with images/s).
+        progress: show a tqdm bar.
 
     Returns:
         An :class:`IngestReport`; corrupt or unreadable files are listed in ``failed``.
@@ -361,170 +343,77 @@ def ingest_source(
         "ingesting %d images from %s into %s", len(records), source,
         f"query set {query_set!r}" if query_set else "the gallery",
     )
-    with ThreadPoolExecutor(max_workers=workers) as pool, MediaPrefetcher(media) as prefetch, \
-            tqdm(total=len(records), unit="img", desc="ingest", disable=not progress) as bar:
-        stages = _ChunkStages(
-            pool=pool, workers=workers, prefetch=prefetch, timer=timer,
-            session_factory=session_factory, media=media, embedder=embedder,
-            model_version=model_version, query_set=target, max_pixels=max_pixels,
-        )
-        # Chunk i commits after chunk i + 1 is computed: its files are written meanwhile.
-        pending: _PreparedChunk | None = None
+    with ThreadPoolExecutor(max_workers=workers) as pool, tqdm(
+        total=len(records), unit="img", desc="ingest", disable=not progress
+    ) as bar:
         for start in range(0, len(records), chunk_size):
-            chunk = stages.prepare(records[start : start + chunk_size], start, root)
-            if pending is not None:
-                stages.commit(pending)
-                bar.update(pending.files)
-            stages.prefetch_media(chunk)
-            pending = chunk
-        if pending is not None:
-            stages.commit(pending)
-            bar.update(pending.files)
+            chunk = records[start : start + chunk_size]
+            _ingest_chunk(
+                chunk, start, root, pool=pool, timer=timer, session_factory=session_factory,
+                media=media, embedder=embedder, model_version=model_version, query_set=target,
+                max_pixels=max_pixels,
+            )
+            bar.update(len(chunk))
     report.wall_seconds = time.perf_counter() - started
     for path, reason in report.failed:
         logger.warning("skipped %s: %s", path, reason)
     return report
 
 
-class _RelativePaths:
-    """``path`` relative to ``root``, both resolved (symlinks followed), else ``str(path)``:
-    what a gallery row's ``source`` says. Resolving a path costs a system call per component;
-    the resolved folders are remembered, so a file costs one (is it a symlink?)."""
-
-    def __init__(self):
-        self._folders: dict[Path, Path] = {}
-
-    def __call__(self, path: Path, root: Path) -> str:
-        resolved_root = self._resolve_folder(root)
-        if path.is_symlink():
-            resolved = path.resolve()
-        else:
-            resolved = self._resolve_folder(path.parent) / path.name
-        try:
-            return str(resolved.relative_to(resolved_root))
-        except ValueError:
-            return str(path)
-
-    def _resolve_folder(self, folder: Path) -> Path:
-        if (resolved := self._folders.get(folder)) is None:
-            resolved = self._folders[folder] = folder.resolve()
-        return resolved
-
-
-def _map_slices(pool: ThreadPoolExecutor, workers: int, function, items: Sequence) -> list:
-    """``list(pool.map(function, items))`` with one task per slice of items, not per item:
-    a future per 28 px image cost more than decoding it."""
-    if len(items) <= 1:
-        return [function(item) for item in items]
-    size = -(-len(items) // (4 * workers))
-    slices = [items[at : at + size] for at in range(0, len(items), size)]
-    return [result for part in pool.map(lambda part: [function(i) for i in part], slices)
-            for result in part]
-
-
-@dataclass
-class _PreparedChunk:
-    """A chunk read, hashed, planned and embedded, waiting to be written."""
-
-    files: int  # records in the chunk, failed ones included (the progress bar counts them)
-    cands: list[_Candidate]
-    plan: _Plan
-    vectors_by_sha: dict[str, np.ndarray]
-
-
-@dataclass
-class _ChunkStages:
-    """The stages of one chunk: :meth:`prepare` (read, hash, dedup, decode, embed),
-    :meth:`prefetch_media` (its new files to the media process) and :meth:`commit` (files
-    checked or written, rows, in one transaction)."""
-
-    pool: ThreadPoolExecutor
-    workers: int
-    prefetch: MediaPrefetcher
-    timer: _Timer
-    session_factory: sessionmaker[Session]
-    media: MediaStore
-    embedder: Embedder
-    model_version: ModelVersion
-    query_set: QuerySet | None
-    max_pixels: int
-    relative: _RelativePaths = field(default_factory=_RelativePaths)
-
-    def prepare(self, records, offset: int, root: Path) -> _PreparedChunk:
-        report = self.timer.report
-        with self.timer.stage("read", len(records)):
-            results = _map_slices(self.pool, self.workers, _read_file, [r.path for r in records])
-        cands: list[_Candidate] = []
-        for position, (record, (data, error)) in enumerate(zip(records, results, strict=True)):
-            if error is not None:
-                report.failed.append((str(record.path), error))
-                continue
-            cands.append(
-                _Candidate(offset + position, data, sha256_hex(data), record.label,
-                           record.camera, None, self.relative(record.path, root),
-                           origin=str(record.path))
-            )
-        with self.timer.stage("dedup", len(cands)), self.session_factory() as session:
-            plan = _make_plan(cands, session=session, model_version=self.model_version,
-                              query_set=self.query_set)
-        chunk = _PreparedChunk(len(records), cands, plan, {})
-        self._embed_missing(chunk)
-        return chunk
-
-    def prefetch_media(self, chunk: _PreparedChunk) -> None:
-        """Start writing the files the chunk's plan creates (see ``MediaPrefetcher``)."""
-        self.prefetch.submit([(c.data, c.sha256) for c in chunk.plan.create
-                              if c.sha256 in chunk.vectors_by_sha])  # not corrupt files
-
-    def commit(self, chunk: _PreparedChunk) -> None:
-        """Write the chunk; when the gallery changed under it so that its new plan needs more
-        embeddings (another writer deleted an item it meant to re-use), embed those and try
-        again (``_PLAN_ROUNDS`` times)."""
-        report = self.timer.report
-        with self.timer.stage("media", len(chunk.plan.create)):
-            self.prefetch.wait()
-        for round_ in range(_PLAN_ROUNDS):
-            if round_:
-                logger.info("the gallery changed under this chunk; planning it again")
-                self._embed_missing(chunk)
-            with self.timer.stage("write", len(chunk.plan.work)), \
-                    self.session_factory.begin() as session:
-                chunk.plan, ids_by_sha = _write_planned(
-                    chunk.cands, chunk.vectors_by_sha, session=session, media=self.media,
-                    model_version=self.model_version, query_set=self.query_set,
-                )
-            if ids_by_sha is not None:
-                break
-        else:
-            raise GalleryError("the gallery changed under this chunk too often; run ingest "
-                               "again")
-        plan = chunk.plan
-        report.added += len(plan.create)
-        report.embedded += len(plan.embed_existing)
-        report.duplicates += len(chunk.cands) - len(plan.create) - len(plan.embed_existing)
-
-    def _embed_missing(self, chunk: _PreparedChunk) -> None:
-        """Decode and embed the plan's work that has no vector yet; corrupt files leave the
-        chunk (and go to the report)."""
-        report, size = self.timer.report, self.embedder.spec.image_size
-        work = [c for c in chunk.plan.work if c.sha256 not in chunk.vectors_by_sha]
-        with self.timer.stage("decode", len(work)):
-            decoded = _map_slices(self.pool, self.workers,
-                                  lambda c: _decode(c, self.max_pixels, size), work)
+def _ingest_chunk(
+    records, offset: int, root: Path, *, pool: ThreadPoolExecutor, timer: _Timer,
+    session_factory: sessionmaker[Session], media: MediaStore, embedder: Embedder,
+    model_version: ModelVersion, query_set: QuerySet | None, max_pixels: int,
+) -> None:
+    report = timer.report
+    with timer.stage("read", len(records)):
+        results = list(pool.map(_read_file, [r.path for r in records]))
+    cands: list[_Candidate] = []
+    for position, (record, (data, error)) in enumerate(zip(records, results, strict=True)):
+        if error is not None:
+            report.failed.append((str(record.path), error))
+            continue
+        cands.append(
+            _Candidate(offset + position, data, sha256_hex(data), record.label, record.camera,
+                       None, _relative(record.path, root), origin=str(record.path))
+        )
+    vectors_by_sha: dict[str, np.ndarray] = {}
+    with timer.stage("dedup", len(cands)), session_factory() as session:
+        plan = _make_plan(cands, session=session, model_version=model_version,
+                          query_set=query_set)
+    for _ in range(_PLAN_ROUNDS):
+        work = [c for c in plan.work if c.sha256 not in vectors_by_sha]
+        with timer.stage("decode", len(work)):
+            decoded = list(pool.map(
+                lambda c: _decode(c, max_pixels, embedder.spec.image_size), work
+            ))
         errors = {c.sha256: error for c, error in zip(work, decoded, strict=True) if error}
         # Copies of a corrupt file (same bytes) fail with it, each under its own name.
-        failed = {c.position for c in chunk.cands if c.sha256 in errors
-                  and c.position not in chunk.plan.resolved}
-        report.failed.extend((c.origin, errors[c.sha256]) for c in chunk.cands
+        failed = {c.position for c in cands if c.sha256 in errors
+                  and c.position not in plan.resolved}
+        report.failed.extend((c.origin, errors[c.sha256]) for c in cands
                              if c.position in failed)
         if failed:
-            chunk.cands = [c for c in chunk.cands if c.position not in failed]
+            cands = [c for c in cands if c.position not in failed]
         todo = [c for c in work if c.sha256 not in errors]
-        with self.timer.stage("embed", len(todo)):
-            vectors = self.embedder.embed([c.image for c in todo])
-        chunk.vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
+        with timer.stage("embed", len(todo)):
+            vectors = embedder.embed([c.image for c in todo])
+        vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
         for cand in todo:
             cand.image = None
+        with timer.stage("write", len(todo)), session_factory.begin() as session:
+            plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
+                                              media=media, model_version=model_version,
+                                              query_set=query_set)
+        if ids_by_sha is not None:
+            break
+        # Another writer deleted an item this chunk meant to re-use: embed it too.
+        logger.info("the gallery changed under this chunk; planning it again")
+    else:
+        raise GalleryError("the gallery changed under this chunk too often; run ingest again")
+    report.added += len(plan.create)
+    report.embedded += len(plan.embed_existing)
+    report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
 
 
 def _read_file(path: Path) -> tuple[bytes, str | None]:
@@ -543,6 +432,13 @@ def _decode(cand: _Candidate, max_pixels: int, size: int) -> str | None:
     except ImageDecodeError as exc:
         return str(exc)
     return None
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
 
 
 # --------------------------------------------------------------------------- shared stages
@@ -610,9 +506,7 @@ def _write(
     The caller holds the gallery write lock (:func:`_write_planned`).
     """
     n_create = len(plan.create)
-    # Every file is durable when put_many returns, before any row that points to it commits.
-    paths = media.put_many([(c.data, c.sha256) for c in plan.create])
-    rows = [_new_row(c, path) for c, path in zip(plan.create, paths, strict=True)]
+    rows = [_store_media(c, media) for c in plan.create]
     new_ids = store.insert_items(rows, vectors[:n_create], session=session,
                                  model_version=model_version, query_set=query_set)
     existing_ids = [c.existing_id for c in plan.embed_existing]
@@ -623,7 +517,8 @@ def _write(
     return ids
 
 
-def _new_row(cand: _Candidate, path: str) -> NewRow:
+def _store_media(cand: _Candidate, media: MediaStore) -> NewRow:
+    path = media.put(cand.data, cand.sha256)
     return NewRow(
         sha256=cand.sha256, media_path=path, content_type=sniff_content_type(cand.data),
         label=cand.label, camera=cand.camera, metadata=cand.metadata, source=cand.source,
