@@ -151,7 +151,7 @@ def evaluate_named(
     (``settings.model``) is needed only when the query set has no stored embeddings for it.
     """
     from imgret.embedder import Embedder
-    from index import evaluation, versions
+    from index import versions
     from index.media import MediaStore
     from index.search import Searcher
 
@@ -163,12 +163,10 @@ def evaluate_named(
         model_version = embedder.model_version
     with open_gallery(settings) as sessions:
         searcher = Searcher.from_settings(sessions, settings, model_version)  # None: active
-        report = evaluation.evaluate_query_set(
+        # On record as the version's last evaluation (GET /models shows it).
+        return versions.evaluate_recorded(
             searcher, name, session_factory=sessions, embedder=embedder,
             media=MediaStore.in_data_dir(settings.data_dir),
             max_pixels=settings.max_image_pixels, k=ks,
             exclude_same_camera=exclude_same_camera, worst=worst,
         ).report
-        # On record as the version's last evaluation (GET /models shows it).
-        versions.record_evaluation(searcher.model_version, report, session_factory=sessions)
-        return report

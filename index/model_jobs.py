@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from imgret.settings import Settings
-from index import evaluation, versions
+from index import versions
 from index.jobs import open_gallery
 from index.media import MediaStore
 
@@ -106,11 +106,9 @@ def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
                                               device=settings.device)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
-        result = evaluation.evaluate_query_set(
+        results.append(versions.evaluate_recorded(
             Searcher.from_settings(sessions, settings, version), query_set,
             session_factory=sessions, embedder=embedder, media=media,
             max_pixels=settings.max_image_pixels, k=k,
-        )
-        versions.record_evaluation(version, result.report, session_factory=sessions)
-        results.append(result)
+        ))
     return versions.comparison_report(*results)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -60,7 +59,7 @@ from imgret.errors import CheckpointError, GalleryError, ImageDecodeError, Index
 from imgret.files import file_sha256, write_atomic_with
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from index import store
-from index.evaluation import Evaluation, compare_versions, gate
+from index.evaluation import Evaluation, compare_versions, evaluate_query_set, gate
 from index.manifest import Manifest, index_dir
 from index.media import MediaStore
 from index.models import (
@@ -320,6 +319,16 @@ def record_evaluation(
     with session_factory.begin() as session:
         session.execute(update(ModelVersion).where(ModelVersion.version == version)
                         .values(last_evaluation=summary))
+
+
+def evaluate_recorded(searcher: Any, query_set: str, *,
+                      session_factory: sessionmaker[Session], **options: Any) -> Evaluation:
+    """:func:`index.evaluation.evaluate_query_set` through ``searcher`` (its version's index),
+    kept as that version's last evaluation: what ``/evaluate``, ``imgret evaluate`` and the
+    comparisons run. ``options`` as ``evaluate_query_set`` (embedder, media, k, ...)."""
+    result = evaluate_query_set(searcher, query_set, session_factory=session_factory, **options)
+    record_evaluation(searcher.model_version, result.report, session_factory=session_factory)
+    return result
 
 
 def comparison_report(a: Evaluation, b: Evaluation) -> dict[str, Any]:
@@ -740,11 +749,6 @@ def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
     if comparison is None:
         return None
     return {"require": require, "query_set": query_set, "verdict": comparison.get("verdict")}
-
-
-def owner() -> str:
-    """This process, for logs: host:pid."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def stale_jobs(*, session_factory: sessionmaker[Session]) -> list[str]:

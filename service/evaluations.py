@@ -31,14 +31,12 @@ def evaluate_version(
 ) -> evaluation.Evaluation:
     """A named query set ranked through ``version``'s index (the served one, or another
     version's, opened once and kept up to date); recorded as the version's last evaluation."""
-    result = evaluation.evaluate_query_set(
+    return versions.evaluate_recorded(
         resources.searcher_for(version), query_set, session_factory=resources.sessions,
         embedder=embedder_or_none(resources, version), media=resources.media,
         max_pixels=resources.settings.max_image_pixels, k=k,
         exclude_same_camera=exclude_same_camera, worst=worst,
     )
-    versions.record_evaluation(version, result.report, session_factory=resources.sessions)
-    return result
 
 
 def compare_named(
