@@ -90,6 +90,16 @@ class Settings(BaseSettings):
         0.5, gt=0, le=1,
         description="fraction of time a background re-embedding may compute (1: no pause)",
     )
+    # Replicas (service.resources.follow_changes): on PostgreSQL a LISTEN wakes the follower
+    # as soon as another process commits a gallery write or a model switch; the poll below
+    # stays as the fallback (SQLite, a lost listening connection, notifications turned off).
+    follow_interval_s: float = Field(
+        1.0, gt=0, le=3600,
+        description="seconds between polls of the change log by other processes' writes",
+    )
+    change_notify: bool = Field(
+        True, description="on PostgreSQL, wake on LISTEN/NOTIFY instead of waiting for a poll"
+    )
 
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio.to_thread
@@ -20,6 +22,7 @@ from index import store, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
 from index.media import MediaStore
+from index.notify import ChangeListener, listen_for_changes
 from index.search import Searcher
 from service.batching import DynamicBatcher
 from service.pipeline import Answer, ImageQuery, Serving, build_search_batcher
@@ -27,8 +30,6 @@ from service.telemetry import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
-# How often a process looks for gallery writes made by other processes on the same database.
-CHANGE_POLL_INTERVAL_S = 1.0
 # /health says "degraded" when the follower has not caught up for this long (other
 # processes' adds are then not searchable here; deletes still are honoured: every search
 # reads them first).
@@ -48,6 +49,13 @@ class FollowerState:
     last_ok_at: float = field(default_factory=time.time)
     failures: int = 0
     last_error: str | None = None
+    listener: ChangeListener | None = None  # PostgreSQL's wake-ups, when listening
+
+    @property
+    def wakeup(self) -> str:
+        """``notify`` while a LISTEN connection is open, else ``poll``."""
+        listening = self.listener is not None and self.listener.listening.is_set()
+        return "notify" if listening else "poll"
 
     def lag_seconds(self, now: float | None = None) -> float:
         """Seconds since the index last caught up with the database."""
@@ -325,17 +333,20 @@ def resume_interrupted_jobs(resources: Resources) -> list[str]:
     return started
 
 
-async def follow_changes(
-    resources: Resources, interval_s: float = CHANGE_POLL_INTERVAL_S
-) -> None:
-    """Apply other processes' gallery writes to this process's index, every ``interval_s``.
+async def follow_changes(resources: Resources, interval_s: float | None = None) -> None:
+    """Apply other processes' gallery writes to this process's index as they commit.
 
     API replicas share the database, the source of truth; each keeps its own in-memory
     index and replays the gallery change log, and serves the version the database says is
-    active (a switch made by another process is followed within the same interval). Errors
-    are logged and retried at the next tick (a database restart must not stop the follower
-    for good); ``resources.follower`` keeps the lag, which /health and /metrics report.
+    active (a switch made by another process is followed the same way). On PostgreSQL a
+    LISTEN (:mod:`index.notify`, ``IMGRET_CHANGE_NOTIFY``) wakes this loop as soon as any
+    process commits a write or a switch; every ``interval_s`` (``IMGRET_FOLLOW_INTERVAL_S``)
+    it looks anyway, the fallback for SQLite and for a listening connection that dropped.
+    Errors are logged and retried at the next wake-up (a database restart must not stop the
+    follower for good); ``resources.follower`` keeps the lag, which /health and /metrics
+    report.
     """
+    interval_s = resources.settings.follow_interval_s if interval_s is None else interval_s
     state = resources.follower
     resources.metrics.track_follower(
         lambda: state.lag_seconds(), lambda: resources.searcher.change_seq
@@ -352,18 +363,42 @@ async def follow_changes(
             raise
         return resources.searcher.refresh_from_changes()
 
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            applied = await anyio.to_thread.run_sync(catch_up)
-        except Exception as exc:  # noqa: BLE001 - keep following; the next tick retries
-            state.failures += 1
-            state.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
-            resources.metrics.follower_failures.inc()
-            log = logger.exception if state.failures in (1, 10) else logger.debug
-            log("could not apply gallery changes (%d in a row); retrying", state.failures)
-            continue
-        state.last_ok_at, state.failures, state.last_error = time.time(), 0, None
-        if applied:
-            # Includes this process's own writes, which are already in the index (no-ops).
-            logger.debug("replayed %d gallery change-log rows", applied)
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def notified(_table: str) -> None:  # on the listener's thread
+        loop.call_soon_threadsafe(wake.set)
+
+    listener = (
+        listen_for_changes(resources.engine, notified)
+        if resources.settings.change_notify else None
+    )
+    state.listener = listener
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval_s)
+            # Cleared before catching up: a write committed during the catch-up wakes the
+            # next round instead of being lost.
+            wake.clear()
+            await _catch_up_once(resources, catch_up)
+    finally:
+        if listener is not None:
+            await anyio.to_thread.run_sync(listener.stop)
+
+
+async def _catch_up_once(resources: Resources, catch_up: Callable[[], int]) -> None:
+    state = resources.follower
+    try:
+        applied = await anyio.to_thread.run_sync(catch_up)
+    except Exception as exc:  # noqa: BLE001 - keep following; the next wake-up retries
+        state.failures += 1
+        state.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        resources.metrics.follower_failures.inc()
+        log = logger.exception if state.failures in (1, 10) else logger.debug
+        log("could not apply gallery changes (%d in a row); retrying", state.failures)
+        return
+    state.last_ok_at, state.failures, state.last_error = time.time(), 0, None
+    if applied:
+        # Includes this process's own writes, which are already in the index (no-ops).
+        logger.debug("replayed %d gallery change-log rows", applied)

@@ -1,0 +1,95 @@
+"""Wake-ups from PostgreSQL: LISTEN on the channel that every committed gallery write and
+model switch notifies (triggers of migration 0003), so a replica catches up at once instead
+of at its next poll.
+
+A notification only says "something changed, look": what changed is read from the change log
+as before, so a lost or coalesced notification costs latency, never correctness (the poll
+stays as the fallback). SQLite has no notifications: :func:`listen_for_changes` returns
+``None`` there and its replicas keep polling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from sqlalchemy.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+CHANNEL = "imgret_changes"  # the channel migration 0003's triggers notify
+
+
+class ChangeListener:
+    """A daemon thread holding one autocommit connection that LISTENs on :data:`CHANNEL` and
+    calls ``on_change`` for each notification (from that thread: keep it short and
+    thread-safe).
+
+    The connection is its own, outside the engine's pool: it blocks waiting and must never be
+    handed to a request. When it drops (a database restart), the thread reconnects every
+    ``retry_s`` and calls ``on_change`` once after each (re)connection, since notifications
+    sent while it was away are lost.
+
+    Args:
+        engine: the gallery database (PostgreSQL).
+        on_change: called on every notification, with the table that changed.
+        retry_s: pause before reconnecting.
+    """
+
+    def __init__(self, engine: Engine, on_change: Callable[[str], None], *,
+                 retry_s: float = 1.0):
+        self._conninfo = engine.url.set(drivername="postgresql").render_as_string(
+            hide_password=False
+        )
+        self.on_change = on_change
+        self.retry_s = retry_s
+        self.listening = threading.Event()  # set while a LISTEN connection is open
+        self.notifications = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="imgret-listen", daemon=True)
+
+    def start(self) -> ChangeListener:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        import psycopg  # the PostgreSQL driver: only a PostgreSQL gallery gets here
+
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._conninfo, autocommit=True,
+                                     application_name="imgret-listen") as connection:
+                    connection.execute(f"LISTEN {CHANNEL}")
+                    self.listening.set()
+                    if failures:
+                        logger.info("listening for gallery changes again")
+                    failures = 0
+                    self.on_change("reconnected")  # whatever was missed while away
+                    while not self._stop.is_set():
+                        # A timeout so that stop() is seen; a notification returns at once.
+                        for notify in connection.notifies(timeout=0.5):
+                            self.notifications += 1
+                            self.on_change(notify.payload)
+            except Exception as exc:  # noqa: BLE001 - reconnect; the poll covers the gap
+                self.listening.clear()
+                failures += 1
+                log = logger.warning if failures in (1, 10) else logger.debug
+                log("LISTEN %s failed (%d in a row: %s); polling until it reconnects",
+                    CHANNEL, failures, type(exc).__name__)
+                self._stop.wait(self.retry_s)
+        self.listening.clear()
+
+
+def listen_for_changes(engine: Engine,
+                       on_change: Callable[[str], None]) -> ChangeListener | None:
+    """A started :class:`ChangeListener` on a PostgreSQL gallery; ``None`` on any other
+    database (nothing to listen to: poll)."""
+    if engine.dialect.name != "postgresql":
+        return None
+    return ChangeListener(engine, on_change).start()
