@@ -28,7 +28,17 @@ from service.auth import (
 from service.errors import install_error_handlers
 from service.limits import UploadLimitMiddleware
 from service.resources import follow_changes, load_resources, resume_interrupted_jobs
-from service.routers import evaluate, gallery, health, metrics, models, query_sets, search, ui
+from service.routers import (
+    admin,
+    evaluate,
+    gallery,
+    health,
+    metrics,
+    models,
+    query_sets,
+    search,
+    ui,
+)
 from service.telemetry import AccessLogMiddleware, ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -61,7 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = service_metrics
     install_error_handlers(app)
-    for module in (health, search, gallery, evaluate, models, query_sets, metrics, ui):
+    for module in (health, search, gallery, evaluate, models, query_sets, metrics, ui, admin):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -1,0 +1,89 @@
+"""/admin: operations on the whole service. ``POST /admin/backup`` takes a consistent backup
+(database snapshot, the media it refers to, checkpoints, indexes) while the service serves;
+same code as `imgret backup` (:mod:`index.backup`).
+
+A client names a backup, never a path: it is written to ``<data_dir>/backups/<name>``, so a
+client cannot make the server write anywhere else. It is a write, so it needs ``X-API-Key``
+(:mod:`service.auth`). The request returns when the backup is complete (it runs in a worker
+thread; writes pause only while the snapshot is pinned, see ``write_pause_ms``). One backup at
+a time per process (409 while one runs).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Depends, HTTPException, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from index.backup import (
+    ADMIN_BACKUPS_DIR,
+    BACKUP_NAME,
+    BackupExists,
+    admin_backup_path,
+    create_backup,
+)
+from service.deps import ResourcesDep, require_api_key
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_api_key)])
+
+_RUNNING = threading.Lock()
+
+
+class BackupRequest(BaseModel):
+    """What to call the backup (default ``imgret-<UTC time>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, pattern=BACKUP_NAME.pattern,
+        description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
+                    "digits, '.', '_' or '-', starting with a letter or digit",
+    )
+
+
+class BackupCreated(BaseModel):
+    """A finished backup: where it is (relative to the data dir) and what it holds."""
+
+    name: str
+    path: str
+    database: str
+    alembic_revision: str
+    change_seq: int
+    gallery_items: int
+    query_items: int
+    media_files: int
+    model_versions: list[str]
+    active_version: str | None
+    indexes: list[str]
+    bytes: int
+    write_pause_ms: float
+    seconds: float
+
+
+@router.post(
+    "/backup", status_code=status.HTTP_201_CREATED,
+    responses={401: {"description": "missing or wrong X-API-Key"},
+               409: {"description": "a backup of that name exists, or one is running"}},
+)
+def create_admin_backup(
+    resources: ResourcesDep, request: Annotated[BackupRequest | None, Body()] = None,
+) -> BackupCreated:
+    """Back up the gallery consistently while serving, into ``<data_dir>/backups/<name>``;
+    restore it with `imgret restore` (into an empty data dir and database)."""
+    settings = resources.settings
+    dest = admin_backup_path(settings, request.name if request else None)
+    if not _RUNNING.acquire(blocking=False):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            "a backup is running in this process; retry when it is done")
+    try:
+        report = create_backup(settings, dest)
+    except BackupExists:
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"a backup named {dest.name!r} exists; choose another name") from None
+    finally:
+        _RUNNING.release()
+    values = {k: v for k, v in asdict(report).items() if k != "path"}
+    return BackupCreated(name=dest.name, path=f"{ADMIN_BACKUPS_DIR}/{dest.name}", **values)
