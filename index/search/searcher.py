@@ -40,6 +40,7 @@ from index.search.lifecycle import (
 from index.search.live import LiveIndex
 from index.search.lock import ReadWriteLock
 from index.search.ranking import Hit
+from index.search.rerank import Rerank, rerank_options, rerank_search
 from index.store import ItemInfo
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class Searcher:
     def search(
         self, vectors: np.ndarray, k: int,
         filters: SearchFilter | Sequence[SearchFilter | None] | None = None,
+        rerank: Rerank | str | Sequence[Rerank | None] | None = None,
     ) -> list[list[Hit]]:
         """The k best gallery items for each query vector.
 
@@ -207,27 +209,43 @@ class Searcher:
                 a ``(d,)`` vector is one query.
             k: results per query (≥ 1).
             filters: one filter for all queries, one per query, or ``None``.
+            rerank: re-rank the results (:mod:`index.search.rerank`): ``None`` (plain
+                search), ``"k_reciprocal"`` / ``"query_expansion"`` (default parameters),
+                a :class:`~index.search.rerank.KReciprocal` /
+                :class:`~index.search.rerank.QueryExpansion`, or one of these per query.
 
         Returns:
             ``n`` lists of :class:`Hit`, best first; each has ``min(k, matching items)``
-            hits.
+            hits. With re-ranking, ``score`` is 1 − the re-ranked distance (k-reciprocal) or
+            the similarity to the expanded query (query expansion).
 
         Raises:
-            ValueError: wrong shape or dimension, ``k < 1``, or a filter list of another
-                length than the queries.
+            ValueError: wrong shape or dimension, ``k < 1``, a filter or rerank list of
+                another length than the queries, or an unknown rerank method.
             DatabaseError: the deletes committed by other processes cannot be read (the
                 database is unreachable): no answer is better than one with a deleted item.
         """
         queries = self._queries(vectors)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        reranks = _per_query_rerank(rerank, len(queries))
         if self._changes is not None:
             self.sync_deletes()
-        groups = group_queries(filters, len(queries))
         results: list[list[Hit]] = [[] for _ in range(len(queries))]
+        plain = [row for row, option in enumerate(reranks) if option is None]
+        per_query = (list(filters) if filters is not None and not isinstance(filters, SearchFilter)
+                     else [filters] * len(queries))
+        if len(per_query) != len(queries):
+            raise ValueError(f"{len(per_query)} filters for {len(queries)} queries")
         with self._lock.read():
-            for flt, rows in groups:
-                hits = self._live.search(queries[rows], k, flt)
+            if plain:
+                for flt, rows in group_queries([per_query[r] for r in plain], len(plain)):
+                    hits = self._live.search(queries[[plain[r] for r in rows]], k, flt)
+                    for row, row_hits in zip(rows, hits, strict=True):
+                        results[plain[row]] = row_hits
+            for option, rows in _rerank_groups(reranks):
+                hits = rerank_search(self._live, queries[rows], k,
+                                     [per_query[r] for r in rows], option)
                 for row, row_hits in zip(rows, hits, strict=True):
                     results[row] = row_hits
         return results
@@ -378,3 +396,25 @@ class Searcher:
     def wait_for_rebuild(self, timeout: float | None = None) -> None:
         """Block until a background rebuild (if any) has finished."""
         self._rebuilds.wait(timeout)
+
+
+def _per_query_rerank(rerank: Rerank | str | Sequence[Rerank | None] | None,
+                      n: int) -> list[Rerank | None]:
+    """One re-ranking option (or ``None``) per query."""
+    if rerank is None or isinstance(rerank, str):
+        return [rerank_options(rerank)] * n
+    if not isinstance(rerank, Sequence):
+        return [rerank] * n
+    options = [rerank_options(option) for option in rerank]
+    if len(options) != n:
+        raise ValueError(f"{len(options)} rerank options for {n} queries")
+    return options
+
+
+def _rerank_groups(options: list[Rerank | None]) -> list[tuple[Rerank, list[int]]]:
+    """The rows of each distinct re-ranking option (rows without one left out)."""
+    groups: dict[Rerank, list[int]] = {}
+    for row, option in enumerate(options):
+        if option is not None:
+            groups.setdefault(option, []).append(row)
+    return list(groups.items())
