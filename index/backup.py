@@ -49,6 +49,7 @@ Decisions (the contract is silent on these):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -241,6 +242,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
     finally:
         engine.dispose()
         shutil.rmtree(pins, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            pins.parent.rmdir()  # only when no other backup is running
         shutil.rmtree(temp, ignore_errors=True)
 
 
