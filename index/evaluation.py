@@ -18,6 +18,12 @@ Protocol details (the contract leaves them to us):
   removed from its ranking (an ``exclude_ids`` filter, so the index still returns ``depth``
   other items) and from its R: the Market-1501 rule.
 - Queries are separate images, never gallery items (``query_in_gallery`` is false).
+- Re-ranking (``rerank``, :mod:`index.search.rerank`): the rankings come from the Searcher's
+  re-ranked search, everything else is unchanged. Under the re-ID rule the same-camera matches
+  are outside the query's gallery, so they take no part in its neighbourhood graph (stricter
+  than torchreid, which re-ranks with them and drops them afterwards). A re-ranked evaluation
+  describes a search option, not the model, so callers do not record it as the version's last
+  evaluation; ``report["rerank"]`` names the method and its parameters (``null``: plain).
 
 Per-label breakdown (``report["per_label"]``), over the evaluated queries only (R = 0 ones are
 skipped, as everywhere): one entry per query label with ``count`` (its evaluated queries),
@@ -55,6 +61,7 @@ from imgret.stats import paired_bootstrap_ci
 from index import store
 from index.media import MediaStore
 from index.search import Hit, Searcher, SearchFilter
+from index.search.rerank import Rerank, rerank_options, rerank_summary
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +199,7 @@ def evaluate_query_set(
     searcher: Searcher, name: str, *, session_factory: sessionmaker[Session],
     embedder: Embedder | None = None, media: MediaStore | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS, k: Sequence[int] | None = None,
-    exclude_same_camera: bool = False, worst: int = 0,
+    exclude_same_camera: bool = False, worst: int = 0, rerank: Rerank | str | None = None,
 ) -> Evaluation:
     """A named query set, with the vectors of ``searcher``'s model version, ranked through
     ``searcher``: the one code path of ``POST /evaluate {"query_set": ...}`` and
@@ -203,7 +210,7 @@ def evaluate_query_set(
             media=media, max_pixels=max_pixels,
         )
     return evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                    worst=worst)
+                    worst=worst, rerank=rerank)
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,7 @@ class Evaluation:
 def evaluate(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, worst: int = 0, bootstrap: int = BOOTSTRAP,
-    seed: int = SEED,
+    seed: int = SEED, rerank: Rerank | str | None = None,
 ) -> Evaluation:
     """Rank every query through ``searcher`` and compute the metric report.
 
@@ -234,10 +241,12 @@ def evaluate(
         exclude_same_camera: the re-ID rule (needs query cameras).
         worst: also list the ``worst`` queries by AP@R with their top neighbours.
         bootstrap, seed: the ``ci95`` bootstrap (seeded: same input, same interval).
+        rerank: re-rank every query's results (``Searcher.search``'s ``rerank``).
 
     Returns:
         In ``report``: ``imgret.metrics.ranking_metrics``'s report plus ``protocol``,
         ``model_version``, ``index_factory``, ``query_set``, ``gallery_size``, ``depth``,
+        ``rerank`` (the method and its parameters, ``None`` for a plain search),
         ``per_label`` (see the module docstring: ``[{label, count, map_at_r,
         precision_at_1, confusions: [{label, count}]}]``, worst first) and (with
         ``worst``) ``worst``: a list of ``{index, label, camera, query_id,
@@ -248,7 +257,12 @@ def evaluate(
         EvaluationError: an empty gallery, k over the gallery size, cameras missing for the
             re-ID rule, or no query with a relevant gallery item.
     """
-    rankings = rank_queries(searcher, queries, k=k, exclude_same_camera=exclude_same_camera)
+    try:
+        option = rerank_options(rerank)
+    except ValueError as exc:
+        raise EvaluationError(str(exc)) from None
+    rankings = rank_queries(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
+                            rerank=option)
     try:
         report = ranking_metrics(
             rankings.relevance, rankings.num_relevant, k=rankings.ks, bootstrap=bootstrap,
@@ -264,6 +278,7 @@ def evaluate(
         query_set=queries.name,
         gallery_size=rankings.gallery_size,
         depth=rankings.depth,
+        rerank=option.describe() if option is not None else None,
     )
     report["per_label"] = _per_label(per_query, rankings, queries)
     if worst > 0:
@@ -294,7 +309,7 @@ class Rankings:
 
 def rank_queries(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
-    exclude_same_camera: bool = False,
+    exclude_same_camera: bool = False, rerank: Rerank | None = None,
 ) -> Rankings:
     """Search every query at the evaluation depth (see the module docstring).
 
@@ -346,7 +361,8 @@ def rank_queries(
     rows_per_call = max(1, min(_QUERY_CHUNK, _RESULTS_PER_CALL // max(depth, 1)))
     for start in range(0, n, rows_per_call):
         stop = min(n, start + rows_per_call)
-        rows = searcher.search(queries.vectors[start:stop], depth, filters[start:stop])
+        rows = searcher.search(queries.vectors[start:stop], depth, filters[start:stop],
+                               rerank=rerank)
         # R was counted on the snapshot ``ids``: an item added since (the gallery stays
         # writable during an evaluation) is not part of this evaluation's gallery. Keeping it
         # would let a ranking list more relevant items than R.
@@ -364,6 +380,8 @@ def rank_queries(
         else "closed-set retrieval: relevant = gallery items with the query's label"
     )
     protocol += f"; ranked through the served index ({searcher.factory}), depth {depth}"
+    if rerank is not None:
+        protocol += f"; {rerank_summary(rerank)}"
     return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol)
 
 

@@ -13,6 +13,7 @@ from imgret.embedder import Embedder
 from imgret.errors import GalleryError
 from imgret.images import DecodeLimits
 from index import evaluation, versions
+from index.search.rerank import Rerank
 from service.resources import Resources
 
 
@@ -27,33 +28,52 @@ def embedder_or_none(resources: Resources, version: str) -> Embedder | None:
 
 def evaluate_version(
     resources: Resources, query_set: str, version: str, *, k: Sequence[int] | None = None,
-    exclude_same_camera: bool = False, worst: int = 0,
+    exclude_same_camera: bool = False, worst: int = 0, rerank: Rerank | None = None,
 ) -> evaluation.Evaluation:
     """A named query set ranked through ``version``'s index (the served one, or another
-    version's, opened once and kept up to date); recorded as the version's last evaluation."""
-    return versions.evaluate_recorded(
-        resources.searcher_for(version), query_set, session_factory=resources.sessions,
-        embedder=embedder_or_none(resources, version), media=resources.media,
-        max_pixels=resources.settings.max_image_pixels, k=k,
+    version's, opened once and kept up to date); recorded as the version's last evaluation,
+    unless re-ranked (a search option, not the model: see :mod:`index.evaluation`)."""
+    options = dict(
+        session_factory=resources.sessions, embedder=embedder_or_none(resources, version),
+        media=resources.media, max_pixels=resources.settings.max_image_pixels, k=k,
         exclude_same_camera=exclude_same_camera, worst=worst,
     )
+    searcher = resources.searcher_for(version)
+    if rerank is not None:
+        return evaluation.evaluate_query_set(searcher, query_set, rerank=rerank, **options)
+    return versions.evaluate_recorded(searcher, query_set, **options)
 
 
 def compare_named(
     resources: Resources, a: str, b: str, query_set: str, *,
     k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
+    rerank: Rerank | None = None,
 ) -> dict[str, Any]:
     """Versions ``a`` and ``b`` on one named query set, paired
-    (:func:`index.versions.comparison_report`)."""
-    options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst)
+    (:func:`index.versions.comparison_report`), both ranked with ``rerank``."""
+    options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank)
     return versions.comparison_report(evaluate_version(resources, query_set, a, **options),
                            evaluate_version(resources, query_set, b, **options))
+
+
+def compare_rerank(
+    resources: Resources, version: str, query_set: str, rerank: Rerank, *,
+    k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
+) -> dict[str, Any]:
+    """One version's plain search (A, recorded as usual) and its re-ranked search (B) on one
+    named query set, paired like two versions: B − A per metric with its 95% interval."""
+    options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst)
+    return versions.comparison_report(
+        evaluate_version(resources, query_set, version, **options),
+        evaluate_version(resources, query_set, version, rerank=rerank, **options),
+    )
 
 
 def evaluate_upload(
     resources: Resources, images: Sequence[bytes], labels: Sequence[str], *,
     cameras: Sequence[int] | None = None, version: str | None = None,
     k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
+    rerank: Rerank | None = None,
 ) -> evaluation.Evaluation:
     """Uploaded queries embedded with ``version``'s model (default the served one) and ranked
     through its index; model and index are taken together."""
@@ -66,5 +86,5 @@ def evaluate_upload(
         images, labels, embedder=embedder, cameras=cameras,
         limits=DecodeLimits.from_settings(resources.settings),
     )
-    return evaluation.evaluate(searcher, queries, k=k,
-                               exclude_same_camera=exclude_same_camera, worst=worst)
+    return evaluation.evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
+                               worst=worst, rerank=rerank)

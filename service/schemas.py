@@ -7,6 +7,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from index.search.rerank import (
+    ALPHA_MAX,
+    CANDIDATES_MAX,
+    K1_MAX,
+    TOP_M_MAX,
+    Rerank,
+    rerank_options,
+)
 from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
 
 K_MAX = 1000
@@ -104,7 +112,86 @@ class GalleryItemsCreated(BaseModel):
     items: list[GalleryAddOutcome]
 
 
-class EvaluateRequest(BaseModel):
+RERANK_FIELDS = ("rerank", "rerank_k1", "rerank_k2", "rerank_lambda", "rerank_candidates",
+                 "rerank_top_m", "rerank_alpha")
+
+
+_RERANK_PARAMS = {
+    None: (),
+    "k_reciprocal": ("rerank_k1", "rerank_k2", "rerank_lambda", "rerank_candidates"),
+    "query_expansion": ("rerank_top_m", "rerank_alpha"),
+}
+
+
+class RerankRequest(BaseModel):
+    """Re-ranking of the results (``index.search.rerank``): the same fields in ``/search``'s
+    form, ``/evaluate``'s JSON and form, and ``imgret evaluate``'s options. Parameters left
+    out take the method's defaults; a parameter of the other method, or one without
+    ``rerank``, is refused (422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rerank: Literal["k_reciprocal", "query_expansion"] | None = Field(
+        None, description="k_reciprocal: Zhong et al. 2017 over the top rerank_candidates; "
+                          "query_expansion: search again with the query averaged with its "
+                          "top rerank_top_m. Default: no re-ranking")
+    rerank_k1: int | None = Field(None, ge=1, le=K1_MAX,
+                                  description="k_reciprocal: k1 (default 20)")
+    rerank_k2: int | None = Field(None, ge=1, le=K1_MAX + 1,
+                                  description="k_reciprocal: k2, 1 = no local expansion "
+                                              "(default 6)")
+    rerank_lambda: float | None = Field(None, ge=0.0, le=1.0,
+                                        description="k_reciprocal: weight of the original "
+                                                    "distance (default 0.3)")
+    rerank_candidates: int | None = Field(
+        None, ge=1, le=CANDIDATES_MAX,
+        description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
+                    "below rank N keep their order")
+    rerank_top_m: int | None = Field(None, ge=1, le=TOP_M_MAX,
+                                     description="query_expansion: neighbours averaged "
+                                                 "(default 5)")
+    rerank_alpha: float | None = Field(None, ge=0.0, le=ALPHA_MAX,
+                                       description="query_expansion: weight exponent, 0 = "
+                                                   "plain average (default 0)")
+
+    @model_validator(mode="after")
+    def _check_rerank(self) -> RerankRequest:
+        given = [name for name in RERANK_FIELDS[1:] if getattr(self, name) is not None]
+        if self.rerank is None and given:
+            raise ValueError(f"{', '.join(given)}: re-ranking parameters need rerank="
+                             "k_reciprocal or rerank=query_expansion")
+        wrong = [name for name in given if name not in _RERANK_PARAMS[self.rerank]]
+        if wrong:
+            other = next(m for m in _RERANK_PARAMS if m not in (None, self.rerank))
+            raise ValueError(f"{', '.join(wrong)}: a parameter of rerank={other}, not of "
+                             f"rerank={self.rerank}")
+        self.rerank_option()
+        return self
+
+    def rerank_option(self) -> Rerank | None:
+        """The ``index.search.rerank`` options these fields name (``None``: plain search).
+
+        Raises:
+            ValueError: a parameter of the other method, or one without ``rerank``.
+        """
+        return rerank_options(
+            self.rerank, k1=self.rerank_k1, k2=self.rerank_k2,
+            lambda_value=self.rerank_lambda, candidates=self.rerank_candidates,
+            top_m=self.rerank_top_m, alpha=self.rerank_alpha,
+        )
+
+
+def validation_message(exc: Any) -> str:
+    """A pydantic ``ValidationError`` as one line: ``field: message; ...``."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
+
+
+class EvaluateRequest(RerankRequest):
     """``POST /evaluate`` as JSON: evaluate a named query set stored by ``imgret ingest``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -134,6 +221,10 @@ class EvaluateRequest(BaseModel):
         )
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
+    rerank_compare: bool = Field(
+        False, description="with rerank: evaluate plain (A) and re-ranked (B) search on the "
+                           "same queries; both reports, B − A with paired 95% intervals "
+                           "(not with compare or compare_to)")
 
     @field_validator("k")
     @classmethod
@@ -142,6 +233,13 @@ class EvaluateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check_compare(self) -> EvaluateRequest:
+        if self.rerank_compare:
+            if self.rerank is None:
+                raise ValueError("rerank_compare needs rerank (the re-ranking to compare "
+                                 "with the plain search)")
+            if self.compare is not None or self.compare_to is not None:
+                raise ValueError("rerank_compare compares one version's plain and re-ranked "
+                                 "search: send it without compare and compare_to")
         if self.compare is not None:
             if self.model_version is not None or self.compare_to is not None:
                 raise ValueError("compare names both versions: send it without model_version "
@@ -226,6 +324,9 @@ class EvaluationReport(BaseModel):
     query_set: str | None = Field(description="the named query set; null for an upload")
     gallery_size: int
     depth: int = Field(description="ranking depth: max(max R, max k), at most the gallery")
+    rerank: dict[str, Any] | None = Field(
+        None, description="the re-ranking of the rankings (method and parameters); null: "
+                          "plain search")
     num_queries: int
     num_skipped: int = Field(description="queries with no relevant gallery item (R = 0)")
     num_truncated: int = Field(

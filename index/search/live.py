@@ -213,6 +213,14 @@ class LiveIndex:
         with faiss_threads(len(queries)):
             return search_index(self.index, queries, want, params)
 
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """``(n, d)`` float32 stored vectors of live ``ids`` (``(n,) int64``), reconstructed
+        from the CPU master (approximate for compressed indexes such as PQ)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return np.zeros((0, self.index.d), dtype=np.float32)
+        return np.ascontiguousarray(self.index.reconstruct_batch(ids), dtype=np.float32)
+
     def snapshot(self) -> Snapshot:
         """An in-memory copy of the index and its manifest facts (a memcpy, for the lock)."""
         return Snapshot(

@@ -296,7 +296,7 @@ def _query_expansion(live: LiveIndex, queries: np.ndarray, k: int,
     graphs = [_graph_filter(flt) for flt in filters]
     top = _grouped_search(live, queries, options.top_m, graphs)
     ids = sorted({hit.id for row in top for hit in row})
-    vectors = _vectors(live, ids)
+    vectors = live.vectors(np.asarray(ids, dtype=np.int64))
     expanded = np.empty_like(queries)
     for row, hits in enumerate(top):
         if not hits:
@@ -306,13 +306,6 @@ def _query_expansion(live: LiveIndex, queries: np.ndarray, k: int,
         expanded[row] = expand_query(queries[row], vectors[at],
                                      np.array([hit.score for hit in hits]), alpha=options.alpha)
     return _grouped_search(live, expanded, k, filters)
-
-
-def _vectors(live: LiveIndex, ids: Sequence[int]) -> np.ndarray:
-    """``(len(ids), d)`` float32 stored vectors of ``ids`` (sorted, live)."""
-    if not len(ids):
-        return np.zeros((0, live.index.d), dtype=np.float32)
-    return live.index.reconstruct_batch(np.asarray(ids, dtype=np.int64)).astype(np.float32)
 
 
 def _k_reciprocal(live: LiveIndex, queries: np.ndarray, k: int,
@@ -331,7 +324,7 @@ def _k_reciprocal(live: LiveIndex, queries: np.ndarray, k: int,
     # (the farthest item: the top hit of the negated vector). Lists are fetched long enough
     # to drop a query's excluded ids and still hold k1 + 1 entries.
     ids = np.array(sorted({hit.id for row in candidates for hit in row}), dtype=np.int64)
-    vectors = _vectors(live, ids.tolist())
+    vectors = live.vectors(ids)
     extra = max((len(g.exclude_ids) for g in graphs if g is not None), default=0)
     width = options.k1 + 1 + extra
     neighbours = live.search(vectors, width, None) if len(ids) else []

@@ -13,15 +13,19 @@ from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import GalleryError
 from index import store, versions
+from index.search.rerank import Rerank
 from service import evaluations
 from service.deps import ResourcesDep, require_api_key
 from service.resources import Resources
 from service.schemas import (
+    RERANK_FIELDS,
     WORST_MAX,
     EvaluateRequest,
     EvaluationReport,
     ModelComparison,
+    RerankRequest,
     check_ks,
+    validation_message,
 )
 from service.validation import CAMERA_MAX, MODEL_VERSION_MAX, check_label
 
@@ -44,6 +48,8 @@ _MULTIPART_SCHEMA = {
         "compare": {"type": "array", "minItems": 2, "maxItems": 2,
                     "items": {"type": "string", "maxLength": MODEL_VERSION_MAX},
                     "description": "two versions: both reports and the paired difference"},
+        **{name: {key: value for key, value in schema.items() if key != "default"}
+           for name, schema in RerankRequest.model_json_schema()["properties"].items()},
     },
 }
 
@@ -84,8 +90,11 @@ async def evaluate_query_set(
     * **multipart**: ``images`` + ``labels`` (+ ``cameras``), embedded with the served model.
 
     Options: ``k`` (cut-offs, default 1,5,10), ``exclude_same_camera`` (re-ID rule),
-    ``worst`` (the n worst queries with their top neighbours). The work runs in a worker
-    thread; the report says which protocol and model version produced it.
+    ``worst`` (the n worst queries with their top neighbours), ``rerank`` (+ its
+    ``rerank_*`` parameters: rank with k-reciprocal re-ranking or query expansion, as
+    ``/search`` does; ``rerank_compare`` with JSON: plain (A) against re-ranked (B), paired).
+    A re-ranked evaluation is not kept as the version's last evaluation. The work runs in a
+    worker thread; the report says which protocol, re-ranking and model version produced it.
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
@@ -139,13 +148,15 @@ class _Upload:
     exclude_same_camera: bool
     worst: int
     versions: list[str]
+    rerank: Rerank | None
 
 
 async def _parse_upload(form: FormData) -> _Upload:
     unknown = set(form.keys()) - {"images", "labels", "cameras", "k", "exclude_same_camera",
-                                  "worst", "model_version", "compare"}
+                                  "worst", "model_version", "compare", *RERANK_FIELDS}
     if unknown:
         raise HTTPException(422, f"unknown fields {sorted(unknown)}")
+    rerank = parse_rerank_fields(form)
     names = [str(v) for v in form.getlist("compare")]
     single = [str(v) for v in form.getlist("model_version")]
     if names and single:
@@ -189,7 +200,23 @@ async def _parse_upload(form: FormData) -> _Upload:
     if not 0 <= worst <= WORST_MAX:
         raise HTTPException(422, f"worst must be between 0 and {WORST_MAX}")
     images = [await f.read() for f in files]
-    return _Upload(images, labels, cameras, ks, exclude, worst, names)
+    return _Upload(images, labels, cameras, ks, exclude, worst, names, rerank)
+
+
+def parse_rerank_fields(form: FormData) -> Rerank | None:
+    """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked as
+    :class:`~service.schemas.RerankRequest` does for JSON; 422 with the reason otherwise."""
+    values: dict[str, Any] = {}
+    for name in RERANK_FIELDS:
+        sent = form.getlist(name)
+        if len(sent) > 1:
+            raise HTTPException(422, f"{name} was sent more than once: send it once")
+        if sent and str(sent[0]).strip():
+            values[name] = str(sent[0]).strip()
+    try:
+        return RerankRequest.model_validate(values).rerank_option()
+    except ValidationError as exc:
+        raise HTTPException(422, validation_message(exc)) from None
 
 
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
@@ -200,7 +227,7 @@ def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:
         evaluations.evaluate_upload(
             resources, upload.images, upload.labels, cameras=upload.cameras,
             version=version, k=upload.ks, exclude_same_camera=upload.exclude_same_camera,
-            worst=upload.worst,
+            worst=upload.worst, rerank=upload.rerank,
         )
         for version in (upload.versions or [None])
     ]
@@ -214,11 +241,16 @@ def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str,
     _require_known(resources, options.query_set, list(pair or [options.model_version]))
     common = dict(k=options.k, exclude_same_camera=options.exclude_same_camera,
                   worst=options.worst)
+    rerank = options.rerank_option()
     if pair is None:
         version = options.model_version or resources.serving.version
+        if options.rerank_compare:
+            return evaluations.compare_rerank(resources, version, options.query_set, rerank,
+                                              **common)
         return evaluations.evaluate_version(resources, options.query_set, version,
-                                            **common).report
-    return evaluations.compare_named(resources, *pair, options.query_set, **common)
+                                            rerank=rerank, **common).report
+    return evaluations.compare_named(resources, *pair, options.query_set, rerank=rerank,
+                                     **common)
 
 
 def _pair(resources: Resources, options: EvaluateRequest) -> tuple[str, str] | None:

@@ -9,23 +9,35 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
+from pydantic import ValidationError
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
 from index import store
 from index.search import SearchFilter
+from index.search.rerank import Rerank
 from service.deps import ResourcesDep
 from service.pipeline import Answer, ImageQuery
 from service.resources import Resources
 from service.routers.gallery import image_uri
-from service.schemas import K_MAX, SearchBatchResponse, SearchHit, SearchResponse
+from service.schemas import (
+    K_MAX,
+    RERANK_FIELDS,
+    RerankRequest,
+    SearchBatchResponse,
+    SearchHit,
+    SearchResponse,
+    validation_message,
+)
 from service.validation import LABEL_MAX, Camera, SafeText, form_fields, parse_json_object
 
 router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
-SEARCH_OPTIONS = ("k", "label", "camera", "metadata")
+SEARCH_OPTIONS = ("k", "label", "camera", "metadata", *RERANK_FIELDS)
 SEARCH_FIELDS = ("image", "images", "id", *SEARCH_OPTIONS)
+# Whether the image path (service.pipeline.ImageQuery) carries a re-ranking option yet.
+PIPELINE_RERANKS = "rerank" in {field.name for field in dataclasses.fields(ImageQuery)}
 
 _ERRORS = {
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
@@ -41,6 +53,48 @@ class SearchOptions:
 
     k: int
     filters: SearchFilter | None
+    rerank: Rerank | None = None
+
+
+@dataclass(frozen=True)
+class RerankForm:
+    """The checked re-ranking fields of a search form."""
+
+    option: Rerank | None
+
+
+def rerank_form(
+    rerank: Annotated[
+        str | None,
+        Form(description="re-rank the results: k_reciprocal (Zhong et al. 2017) or "
+                         "query_expansion (average query expansion); default none"),
+    ] = None,
+    rerank_k1: Annotated[int | None, Form(description="k_reciprocal: k1, 1..100 (20)")] = None,
+    rerank_k2: Annotated[int | None, Form(description="k_reciprocal: k2, 1..101 (6)")] = None,
+    rerank_lambda: Annotated[
+        float | None, Form(description="k_reciprocal: lambda, 0..1 (0.3)")
+    ] = None,
+    rerank_candidates: Annotated[
+        int | None, Form(description="k_reciprocal: candidates re-ranked, 1..1000 (100)")
+    ] = None,
+    rerank_top_m: Annotated[
+        int | None, Form(description="query_expansion: neighbours averaged, 1..100 (5)")
+    ] = None,
+    rerank_alpha: Annotated[
+        float | None, Form(description="query_expansion: weight exponent, 0..10 (0)")
+    ] = None,
+) -> RerankForm:
+    """The re-ranking fields, checked as :class:`~service.schemas.RerankRequest` (422)."""
+    values = {
+        "rerank": rerank, "rerank_k1": rerank_k1, "rerank_k2": rerank_k2,
+        "rerank_lambda": rerank_lambda, "rerank_candidates": rerank_candidates,
+        "rerank_top_m": rerank_top_m, "rerank_alpha": rerank_alpha,
+    }
+    try:
+        request = RerankRequest.model_validate({n: v for n, v in values.items() if v is not None})
+        return RerankForm(request.rerank_option())
+    except ValidationError as exc:
+        raise HTTPException(422, validation_message(exc)) from None
 
 
 def search_options(
@@ -59,17 +113,19 @@ def search_options(
         Form(description='JSON object; only items whose metadata has these values, e.g. '
                          '{"color": "red"}'),
     ] = None,
+    rerank: Annotated[RerankForm | None, Depends(rerank_form)] = None,
     _fields: Annotated[None, Depends(form_fields(known=SEARCH_FIELDS, single=SEARCH_OPTIONS))]
     = None,
 ) -> SearchOptions:
-    """``k`` from the form or the query string, and the optional filters."""
+    """``k`` from the form or the query string, the optional filters and re-ranking."""
     if k_form is not None and k_query is not None and k_form != k_query:
         raise HTTPException(422, f"k is {k_form} in the form but {k_query} in the query string")
     k = k_form if k_form is not None else k_query if k_query is not None else K_DEFAULT
     meta = parse_json_object(metadata, "metadata") if metadata else None
+    option = rerank.option if rerank is not None else None
     if label is None and camera is None and not meta:
-        return SearchOptions(k, None)
-    return SearchOptions(k, SearchFilter(label=label, camera=camera, metadata=meta))
+        return SearchOptions(k, None, option)
+    return SearchOptions(k, SearchFilter(label=label, camera=camera, metadata=meta), option)
 
 
 SearchOptionsDep = Annotated[SearchOptions, Depends(search_options)]
@@ -110,7 +166,7 @@ async def search_images(
         if len(images) != 1 or image is None:
             raise HTTPException(422, "send exactly one `image` file (use /search/batch for more)")
         data = await image.read()
-        answer = await resources.batcher.submit(ImageQuery(data, options.k, options.filters))
+        answer = await resources.batcher.submit(_image_query(data, options))
     return SearchResponse(
         results=_public_hits(answer),
         took_ms=round((time.perf_counter() - start) * 1000, 3),
@@ -133,8 +189,20 @@ def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) 
         )
     base = options.filters or SearchFilter()
     flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
-    hits = serving.searcher.search(page.vectors[:1], options.k, flt)[0]
+    hits = serving.searcher.search(page.vectors[:1], options.k, flt, rerank=options.rerank)[0]
     return Answer(hits, serving)
+
+
+def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
+    """The pipeline's query for an uploaded image."""
+    if options.rerank is None:
+        return ImageQuery(data, options.k, options.filters)
+    if not PIPELINE_RERANKS:
+        raise HTTPException(
+            501, "re-ranking a search by uploaded image is not available in this build (the "
+                 "query pipeline does not carry it yet); search by `id`, or use /evaluate"
+        )
+    return ImageQuery(data, options.k, options.filters, rerank=options.rerank)
 
 
 @router.post("/batch", responses=_ERRORS)
@@ -167,7 +235,7 @@ async def search_images_batch(
             limits=DecodeLimits.from_settings(settings),
         )
     )
-    queries = [ImageQuery(data, options.k, options.filters) for data in blobs]
+    queries = [_image_query(data, options) for data in blobs]
     results = await resources.batcher.submit_many(queries, return_exceptions=True)
     answers: list[Answer] = []
     for position, result in enumerate(results):
