@@ -20,6 +20,7 @@ from imgret.images import (
 )
 from imgret.settings import Settings
 from index.search import Hit, Searcher, SearchFilter
+from index.search.rerank import Rerank
 from service.batching import Deferred, DynamicBatcher
 from service.telemetry import ServiceMetrics
 
@@ -57,11 +58,13 @@ class ImageQuery:
         data: the encoded image bytes, not yet decoded (decoding runs in the batch thread).
         k: neighbours wanted.
         filters: restrict the candidates (label, camera, metadata), or ``None``.
+        rerank: re-rank the results (:mod:`index.search.rerank`), or ``None``.
     """
 
     data: bytes
     k: int
     filters: SearchFilter | None = None
+    rerank: Rerank | None = None
 
 
 class SearchPipeline:
@@ -153,7 +156,8 @@ class SearchPipeline:
         # query's list is cut to its own k.
         k = max(queries[position].k for position in good)
         with self.metrics.timed(self.metrics.search_seconds):
-            hits = serving.searcher.search(vectors, k, [queries[p].filters for p in good])
+            hits = serving.searcher.search(vectors, k, [queries[p].filters for p in good],
+                                           rerank=[queries[p].rerank for p in good])
         for position, row_hits in zip(good, hits, strict=True):
             results[position] = Answer(row_hits[: queries[position].k], serving)
         return results
