@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -269,3 +270,50 @@ def run_wrk(base: str, bodies: list[Path], connections: int, seconds: float, *,
      p99_us) = (int(v) for v in line.split()[1:])
     return Level(connections, requests, duration_us / 1e6, p50_us / 1000, p99_us / 1000,
                  non_2xx=status, socket_errors=connect + read + write + timeout)
+
+
+# --------------------------------------------------------------------------- server metrics
+
+
+@dataclass(frozen=True)
+class BatchHistogram:
+    """The server's ``imgret_batch_size`` histogram (cumulative since it started); subtract
+    two readings for what happened between them.
+
+    Attributes:
+        count: batches.
+        total: images in them.
+        buckets: cumulative counts by upper bound (``le``), as Prometheus writes them.
+    """
+
+    count: float
+    total: float
+    buckets: tuple[tuple[float, float], ...]
+
+    @property
+    def mean(self) -> float:
+        """Images per batch (0 when no batch ran)."""
+        return self.total / self.count if self.count else 0.0
+
+    def __sub__(self, other: BatchHistogram) -> BatchHistogram:
+        return BatchHistogram(
+            self.count - other.count, self.total - other.total,
+            tuple((le, a - b) for (le, a), (_, b) in zip(self.buckets, other.buckets,
+                                                         strict=True)),
+        )
+
+
+def batch_histogram(base: str) -> BatchHistogram:
+    """Read the server's batch-size histogram from ``GET /metrics``."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+
+    def value(name: str) -> float:
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    buckets = tuple(
+        (float(le), float(count))
+        for le, count in re.findall(r'^imgret_batch_size_bucket\{le="([^"]+)"\} (\S+)$', text,
+                                    re.M)
+    )
+    return BatchHistogram(value("imgret_batch_size_count"), value("imgret_batch_size_sum"),
+                          buckets)

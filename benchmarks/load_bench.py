@@ -1,68 +1,91 @@
-"""Load: the highest POST /search rate a real server holds with p99 under a target.
+"""Load: the highest POST /search rate a real server holds with p99 under a target, beside
+the floor of the same work without HTTP.
 
-    python benchmarks/load_bench.py [--model RUN_DIR] [--levels 1,2,4,8,16,32,64]
-                                    [--seconds 5] [--p99-ms 250] [--gallery 300]
+    python benchmarks/load_bench.py [--model RUN_DIR | --untrained resnet18|tiny_cnn]
+                                    [--levels 1,2,4,8,16,32,64] [--seconds 5]
+                                    [--floor-seconds 5] [--p99-ms 250] [--gallery 300]
 
 What it does, in one run (loopback only; every load level is bounded in time and in
-connections; the default run takes about 80 s):
+connections):
 
-1. the model: ``--model``, else the demo's run (``<IMGRET_DATA_DIR or imgret-data>/demo-run``,
-   left there by ``make demo``), else an *untrained* tiny_cnn with the demo model's
-   architecture (64-d, 28 px) built in a temporary folder: the same work per image, so the
-   same throughput, but meaningless rankings (the output says which one ran);
+1. the model: ``--model``; or ``--untrained resnet18`` (an untrained resnet18, 128-d at 64 px,
+   built in a temporary folder: the realistic work per image of the issue) or
+   ``--untrained tiny_cnn`` (the demo model's architecture, 64-d at 28 px); by default the
+   demo's run (``<IMGRET_DATA_DIR or imgret-data>/demo-run``, left there by ``make demo``),
+   else the untrained tiny_cnn. Untrained weights do the same work per image, so they give
+   the same throughput, with meaningless rankings (the output says which one ran);
 2. starts ``imgret serve`` on 127.0.0.1 with a fresh data dir (SQLite) and adds ``--gallery``
    Fashion-MNIST train images through ``POST /gallery`` (generated images when Debian's
    ``dataset-fashion-mnist`` is not installed);
 3. drives ``POST /search`` (k=10, one of 64 distinct Fashion-MNIST test images per request)
    with ``wrk`` (C, one thread, Lua multipart bodies) at each connection count for
    ``--seconds`` after a warm-up, and reads wrk's own counters from a Lua ``done()``: requests,
-   p50, p99, non-2xx responses, socket errors (connect, read, write, timeout);
-4. stops the server and measures the same search engine in this process, without HTTP: the
-   dynamic batcher in front of the search pipeline (decode, embed, search), built from the
-   same settings, with as many queries in flight as wrk had connections;
-5. prints a markdown table (server beside engine) and the highest rate held: p99 under the
-   target with no error at all.
+   p50, p99, non-2xx responses, socket errors (connect, read, write, timeout); and the
+   server's ``imgret_batch_size`` histogram before and after: the batches the server formed
+   at that level (images per forward pass);
+4. stops the server and measures the **floor** in this process: the service's own
+   ``SearchPipeline`` (decode -> embed -> search, built by ``build_search_batcher`` from the
+   same settings, the same checkpoint and the same gallery database) called back to back on
+   batches of the size the server formed at that level (its mean, rounded), cycling through
+   the same query images, in one thread: no HTTP, no event loop, no queueing. It runs once
+   with the service's thread settings and once with torch on every core, and the better of
+   the two is the floor (so no thread setting of the service can lower its own floor);
+5. prints a markdown table (server beside floor, and their ratio) and the highest rate held:
+   p99 under the target with no error at all.
 
-wrk and the server share this machine's cores, as the engine measurement shares them with
-nothing: the gap between the two columns is HTTP + multipart parsing + the load generator.
+wrk and the server share this machine's cores, as the floor shares them with nothing: the gap
+between the two columns is HTTP + multipart parsing + the load generator + the batcher.
 Numbers are for this machine only.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import logging
 import os
 import secrets
 import shutil
-import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from harness import Level, fashion_mnist_pngs, run_wrk, running_server, search_bodies
+from harness import (
+    Level,
+    batch_histogram,
+    fashion_mnist_pngs,
+    run_wrk,
+    running_server,
+    search_bodies,
+)
 
 logger = logging.getLogger("load_bench")
 
 QUERY_BODIES = 64
 WARMUP_S = 3.0
 GALLERY_CHUNK = 16  # images per POST /gallery
-# The demo's model (cli/demo.py): what the untrained fallback imitates.
-DEMO_SPEC = {"backbone": "tiny_cnn", "dim": 64, "image_size": 28}
+# The demo's model (cli/demo.py): what the untrained fallback imitates; and the issue's
+# realistic one.
+UNTRAINED = {
+    "tiny_cnn": {"backbone": "tiny_cnn", "dim": 64, "image_size": 28},
+    "resnet18": {"backbone": "resnet18", "dim": 128, "image_size": 64},
+}
+DEMO_SPEC = UNTRAINED["tiny_cnn"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="run dir or model.pt (default: the demo's)")
+    parser.add_argument("--untrained", choices=sorted(UNTRAINED),
+                        help="serve an untrained model of this architecture instead")
     parser.add_argument("--levels", default="1,2,4,8,16,32,64",
                         help="wrk connection counts, comma-separated (at most 256)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per level (at most 60)")
-    parser.add_argument("--engine-seconds", type=float, default=3.0,
-                        help="per level, in-process engine (at most 30)")
+    parser.add_argument("--floor-seconds", type=float, default=5.0,
+                        help="per level and thread setting, the in-process floor (at most 30)")
     parser.add_argument("--p99-ms", type=float, default=250.0, help="the p99 latency target")
     parser.add_argument("--gallery", type=int, default=300, help="gallery images (<= 5000)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn workers")
@@ -70,8 +93,10 @@ def main() -> None:
     levels = sorted({int(v) for v in args.levels.split(",") if v.strip()})
     if not levels or levels[0] < 1 or levels[-1] > 256:
         parser.error("--levels: connection counts between 1 and 256")
-    if not 0 < args.seconds <= 60 or not 0 < args.engine_seconds <= 30:
-        parser.error("--seconds is at most 60 and --engine-seconds at most 30")
+    if not 0 < args.seconds <= 60 or not 0 < args.floor_seconds <= 30:
+        parser.error("--seconds is at most 60 and --floor-seconds at most 30")
+    if args.model is not None and args.untrained is not None:
+        parser.error("--model or --untrained, not both")
     if not 1 <= args.gallery <= 5000:
         parser.error("--gallery: 1 to 5000 images")
     if shutil.which("wrk") is None:
@@ -82,7 +107,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="imgret-load-") as tmp:
         work = Path(tmp)
-        model, model_note = _model(args.model, work / "run")
+        model, model_note = _model(args.model, work / "run", args.untrained)
         images = fashion_mnist_pngs(args.gallery, QUERY_BODIES)
         gallery, queries, data_note = images.gallery, images.queries, images.note
         bodies = search_bodies(queries, work / "bodies")
@@ -100,38 +125,51 @@ def main() -> None:
             _fill_gallery(base, gallery, env["IMGRET_API_KEY"])
             logger.info("warming up for %.0f s", WARMUP_S)
             run_wrk(base, bodies, levels[len(levels) // 2], WARMUP_S)
-            server = []
+            server, batches = [], []
             for connections in levels:
+                before = batch_histogram(base)
                 server.append(run_wrk(base, bodies, connections, args.seconds))
+                batches.append(batch_histogram(base) - before)
                 logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, "
-                            "%d socket errors", connections, server[-1].rps,
-                            server[-1].p99_ms, server[-1].non_2xx, server[-1].socket_errors)
-        engine = engine_levels(env, queries, levels, args.engine_seconds)
-    _print_table(server, engine, args, model_note, data_note, len(gallery))
+                            "%d socket errors, mean batch %.1f", connections, server[-1].rps,
+                            server[-1].p99_ms, server[-1].non_2xx, server[-1].socket_errors,
+                            batches[-1].mean)
+        floors = floor_levels(env, queries, [b.mean for b in batches], args.floor_seconds)
+    _print_table(server, batches, floors, args, model_note, data_note, len(gallery))
 
 
 # --------------------------------------------------------------------------- inputs
 
 
-def _model(given: Path | None, run_dir: Path) -> tuple[Path, str]:
+def _model(given: Path | None, run_dir: Path, untrained: str | None) -> tuple[Path, str]:
     """The checkpoint to serve and a sentence saying what it is."""
     if given is not None:
         return given, f"model {given}"
+    if untrained is not None:
+        return _untrained(run_dir, untrained), (
+            f"an UNTRAINED {untrained} ({UNTRAINED[untrained]['dim']}-d, "
+            f"{UNTRAINED[untrained]['image_size']} px; --untrained): the work per image of a "
+            "trained one, rankings meaningless"
+        )
     data_dir = Path(os.environ.get("IMGRET_DATA_DIR", "imgret-data"))
     for candidate in (data_dir / "demo-run", Path(__file__).resolve().parents[1]
                       / "imgret-data" / "demo-run"):
         if (candidate / "model.pt").is_file():
             return candidate, f"the demo's trained model ({candidate})"
+    return _untrained(run_dir, "tiny_cnn"), (
+        "an UNTRAINED tiny_cnn with the demo model's architecture (64-d, 28 px; no demo run "
+        "found): same work per image as the demo's model, rankings meaningless"
+    )
+
+
+def _untrained(run_dir: Path, name: str) -> Path:
     import torch
 
     from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 
     torch.manual_seed(0)
-    save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**DEMO_SPEC)))
-    return run_dir, (
-        "an UNTRAINED tiny_cnn with the demo model's architecture (64-d, 28 px; no demo run "
-        "found): same work per image as the demo's model, rankings meaningless"
-    )
+    save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**UNTRAINED[name])))
+    return run_dir
 
 
 def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> None:
@@ -148,109 +186,124 @@ def _fill_gallery(base: str, gallery: list[tuple[bytes, str]], api_key: str) -> 
     logger.info("gallery: %d images added, index size %d", len(gallery), size)
 
 
-# --------------------------------------------------------------------------- the engine
+# --------------------------------------------------------------------------- the floor
 
 
-def engine_levels(env: dict[str, str], queries: list[bytes], levels: list[int],
-                  seconds: float) -> list[Level]:
-    """The server's search engine in this process (no HTTP), at the same concurrencies."""
+@dataclass(frozen=True)
+class Floor:
+    """The in-process pipeline at one batch size: images/s with the service's thread settings
+    and with torch on every core (``best`` is the floor)."""
+
+    batch: int
+    service_threads: int
+    service_ips: float
+    all_threads: int
+    all_ips: float
+
+    @property
+    def best(self) -> float:
+        return max(self.service_ips, self.all_ips)
+
+
+def floor_levels(env: dict[str, str], queries: list[bytes], mean_batches: list[float],
+                 seconds: float) -> list[Floor]:
+    """The floor of each level: the service's pipeline on batches of the server's size."""
+    import torch
+
     from imgret.embedder import Embedder
     from imgret.settings import Settings
     from index.db import make_engine, make_sessionmaker
     from index.search import Searcher
+    from service.pipeline import ImageQuery, build_search_batcher
     from service.telemetry import ServiceMetrics
 
     settings = Settings(data_dir=Path(env["IMGRET_DATA_DIR"]), model=Path(env["IMGRET_MODEL"]),
                         database_url=env["IMGRET_DATABASE_URL"], device="cpu")
     embedder = Embedder.from_checkpoint(settings.model, device="cpu")
-    # One forward pass on this (main) thread first. Measured here: when the main thread has
-    # never run the model, the batcher's worker threads embed about 4x slower (torch's OpenMP
-    # set-up per thread); a server does not show this, so without it the engine would look
-    # slower than the server it is the floor of.
-    from PIL import Image
-
-    embedder.embed([Image.open(io.BytesIO(queries[0])).convert("RGB")])
     engine = make_engine(settings.db_url)
     try:
         searcher = Searcher.from_settings(make_sessionmaker(engine), settings,
                                           embedder.model_version)
-        batcher = _batcher(settings, embedder, searcher, ServiceMetrics())
-        return asyncio.run(_drive_levels(batcher, queries, levels, seconds))
+        # The service's pipeline, built the way the server builds it (this also applies the
+        # service's process-wide thread settings).
+        pipeline = build_search_batcher(settings, embedder=embedder, searcher=searcher,
+                                        metrics=ServiceMetrics()).process
+        service_threads = torch.get_num_threads()
+        every_core = os.cpu_count() or 1
+        items = [ImageQuery(data, 10) for data in queries]
+        floors = []
+        for mean in mean_batches:
+            batch = max(1, round(mean))
+            rates = {}
+            for threads in (service_threads, every_core):
+                if threads in rates:
+                    continue
+                torch.set_num_threads(threads)
+                try:
+                    rates[threads] = _pipeline_rate(pipeline, items, batch, seconds)
+                finally:
+                    torch.set_num_threads(service_threads)
+            floors.append(Floor(batch, service_threads, rates[service_threads], every_core,
+                                rates[every_core]))
+            logger.info("floor at batch %d: %.1f img/s (%d torch threads), %.1f img/s (%d)",
+                        batch, rates[service_threads], service_threads, rates[every_core],
+                        every_core)
+        return floors
     finally:
         engine.dispose()
 
 
-def _batcher(settings, embedder, searcher, metrics):
-    """The batcher + pipeline the service builds (by hand before ``build_search_batcher``
-    existed, so the same script measures commits from before issue 10)."""
-    try:
-        from service.pipeline import build_search_batcher
-    except ImportError:
-        from service.batching import DynamicBatcher
-        from service.pipeline import SearchPipeline
+def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
+    """Images/s of ``pipeline(batch of items)`` back to back, after a warm-up."""
+    position = 0
 
-        pipeline = SearchPipeline(embedder, searcher, max_pixels=settings.max_image_pixels,
-                                  metrics=metrics)
-        return DynamicBatcher(pipeline, max_size=settings.batch_max_size,
-                              max_wait_s=settings.batch_max_wait_ms / 1000.0)
-    return build_search_batcher(settings, embedder=embedder, searcher=searcher,
-                                metrics=metrics)
+    def next_batch() -> list:
+        nonlocal position
+        chosen = [items[(position + i) % len(items)] for i in range(batch)]
+        position += batch
+        return chosen
 
-
-async def _drive_levels(batcher, queries: list[bytes], levels: list[int],
-                        seconds: float) -> list[Level]:
-    from service.pipeline import ImageQuery
-
-    await batcher.start()
-    try:
-        # Warmed up like the server: at the middle level, then the levels in order.
-        await _drive(batcher, ImageQuery, queries, levels[len(levels) // 2], WARMUP_S)
-        return [await _drive(batcher, ImageQuery, queries, n, seconds) for n in levels]
-    finally:
-        await batcher.stop()
-
-
-async def _drive(batcher, query_type, queries: list[bytes], in_flight: int,
-                 seconds: float) -> Level:
-    latencies: list[float] = []
-    stop_at = time.perf_counter() + seconds
-
-    async def one(index: int) -> None:
-        i = index
-        while time.perf_counter() < stop_at:
-            i += 1
-            start = time.perf_counter()
-            await batcher.submit(query_type(queries[i % len(queries)], 10))
-            latencies.append(time.perf_counter() - start)
-
+    warm_until = time.perf_counter() + min(2.0, seconds)
+    while time.perf_counter() < warm_until:
+        pipeline(next_batch())
+    done = 0
     started = time.perf_counter()
-    await asyncio.gather(*(one(n) for n in range(in_flight)))
-    elapsed = time.perf_counter() - started
-    cuts = statistics.quantiles(latencies, n=100, method="inclusive")
-    return Level(in_flight, len(latencies), elapsed, cuts[49] * 1000, cuts[98] * 1000)
+    while time.perf_counter() - started < seconds:
+        results = pipeline(next_batch())
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"the floor's pipeline failed: {errors[0]!r}")
+        done += len(results)
+    return done / (time.perf_counter() - started)
 
 
 # --------------------------------------------------------------------------- report
 
 
-def _print_table(server: list[Level], engine: list[Level], args: argparse.Namespace,
-                 model_note: str, data_note: str, gallery: int) -> None:
+def _print_table(server: list[Level], batches: list, floors: list[Floor],
+                 args: argparse.Namespace, model_note: str, data_note: str,
+                 gallery: int) -> None:
     out = io.StringIO()
     out.write(
         f"\nPOST /search (k=10, one image), wrk -t1 for {args.seconds:.0f} s per level after a "
         f"{WARMUP_S:.0f} s warm-up; {model_note}; {data_note}; gallery {gallery} images, exact "
         f"Flat index, SQLite, {args.workers} uvicorn worker(s), dynamic batching on (defaults); "
         f"CPU, {os.cpu_count()} cores shared by wrk and the server; loopback.\n"
-        f"Engine = the same batcher + pipeline (decode, embed, search) in-process without "
-        f"HTTP, {args.engine_seconds:.0f} s per level, the same queries in flight.\n\n"
-        "| connections | req/s | p50 ms | p99 ms | non-2xx | socket errors "
-        "| engine q/s | engine p99 ms | server/engine |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"Floor = the service's SearchPipeline (decode, embed, search) in this process, no "
+        f"HTTP, on the same query images in batches of the size the server formed (mean of "
+        f"its imgret_batch_size histogram at that level, rounded), back to back for "
+        f"{args.floor_seconds:.0f} s, the better of the service's torch threads and every "
+        f"core.\n\n"
+        "| connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server batch "
+        "(mean) | floor batch | floor img/s (service threads / all cores) | server/floor |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
-    for s, e in zip(server, engine, strict=True):
+    for s, b, f in zip(server, batches, floors, strict=True):
         out.write(
             f"| {s.connections} | {s.rps:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} | {s.non_2xx} "
-            f"| {s.socket_errors} | {e.rps:.1f} | {e.p99_ms:.1f} | {s.rps / e.rps:.2f} |\n"
+            f"| {s.socket_errors} | {b.mean:.1f} | {f.batch} | {f.best:.1f} "
+            f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
+            f"| {s.rps / f.best:.2f} |\n"
         )
     held = [s for s in server if s.held(args.p99_ms)]
     errors = sum(s.non_2xx + s.socket_errors for s in server)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
 from fastapi import HTTPException
@@ -41,6 +44,26 @@ class ServiceUnavailable(HTTPException):
         super().__init__(503, detail, headers={"Retry-After": str(retry_after_s)})
 
 
+@runtime_checkable
+class StagedBatchFn(Protocol):
+    """A batch function in two stages, which the batcher overlaps: while the model runs one
+    batch (``finish_batch``, on the batcher's model thread), the next one is collected and
+    decoded (``prepare_batch``, on its decode thread), and grows with what arrives until the
+    model is free (``prepare_batch(more, into=batch)``).
+
+    ``prepare_batch`` returns an object whose ``results`` list has one slot per item given so
+    far: ``None`` (waiting for stage 2), an item's own exception, or :class:`Deferred`; and
+    whose ``full`` says it takes no more items. ``finish_batch`` returns every item's result,
+    in order. A prepared batch that will not be finished goes to ``discard_batch``.
+    """
+
+    def prepare_batch(self, items: Sequence[Any], into: Any = None) -> Any: ...
+
+    def finish_batch(self, prepared: Any) -> Sequence[Any]: ...
+
+    def discard_batch(self, prepared: Any) -> None: ...
+
+
 class Deferred(Exception):
     """Put in an item's result slot by the batch function: "no room in this batch, run it in
     the next one" (the batch's decoded-pixel budget is spent). The batcher queues the item
@@ -51,6 +74,7 @@ class Deferred(Exception):
 class _Pending(Generic[T, R]):
     item: T
     future: asyncio.Future[R]
+    queued_at: float = 0.0  # the loop's clock when it was submitted
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -61,6 +85,14 @@ class DynamicBatcher(Generic[T, R]):
     requests meanwhile, and those requests form the next batch: under load the batches grow by
     themselves and the per-call cost of the model (Python overhead, kernel launches, thread
     start-up of the CPU backend) is paid once per batch instead of once per request.
+
+    A :class:`StagedBatchFn` (the search pipeline) runs on two dedicated threads: with
+    ``overlap``, a batch is decoded on the decode thread while the previous one is in the
+    model on the model thread, and keeps taking the requests that arrive until the model is
+    free (up to ``max_size``); without it, the next batch is collected when this one is
+    answered. One thread always runs the model, so the CPU backend keeps one warm team of
+    OpenMP workers instead of one per thread of a pool. A plain function runs whole, in a
+    worker thread, one batch at a time.
 
     ``max_size == 1`` turns batching off: every call runs ``process`` on its own in the thread
     pool, concurrently, which is what a plain FastAPI sync endpoint would do (the baseline of
@@ -83,7 +115,11 @@ class DynamicBatcher(Generic[T, R]):
             (``IMGRET_BATCH_MAX_WAIT_MS`` / 1000).
         max_queue: the most items waiting (with batching off: running) at once
             (``IMGRET_BATCH_QUEUE_MAX``).
-        on_batch: called with each batch's size (a metrics hook).
+        on_batch: called with each batch's size (a metrics hook): the items it ran, or for a
+            staged function the items that reached the model.
+        overlap: for a staged function, decode the next batch while the model runs this one
+            (else the two stages of a batch still run on their own threads, but the next
+            batch is collected once this one is answered).
     """
 
     def __init__(
@@ -94,6 +130,7 @@ class DynamicBatcher(Generic[T, R]):
         max_wait_s: float,
         max_queue: int = DEFAULT_MAX_QUEUE,
         on_batch: Callable[[int], None] | None = None,
+        overlap: bool = True,
     ):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, not {max_size}")
@@ -104,6 +141,7 @@ class DynamicBatcher(Generic[T, R]):
         self.max_wait_s = max(0.0, max_wait_s)
         self.max_queue = max_queue
         self.on_batch = on_batch
+        self.overlap = overlap
         self._queue: asyncio.Queue[_Pending[T, R]] | None = None
         self._worker: asyncio.Task[None] | None = None
         # Items deferred by the batch function: they start the next batch.
@@ -113,6 +151,12 @@ class DynamicBatcher(Generic[T, R]):
         self._batch: list[_Pending[T, R]] = []
         self._running_unbatched = 0
         self._stopped = False
+        # Staged functions: one decode thread, one model thread, and the batch in the model
+        # (its task answers its callers; at most one at a time).
+        self._decode_pool: ThreadPoolExecutor | None = None
+        self._model_pool: ThreadPoolExecutor | None = None
+        self._finishing: asyncio.Task[None] | None = None
+        self._finishing_batch: list[_Pending[T, R]] = []
 
     @property
     def enabled(self) -> bool:
@@ -128,6 +172,12 @@ class DynamicBatcher(Generic[T, R]):
         self._stopped = False
         if self.enabled and self._worker is None:
             self._queue = asyncio.Queue()
+            self._decode_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="imgret-decode", initializer=_os_thread_name,
+                initargs=("imgret-decode",))
+            self._model_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="imgret-model", initializer=_os_thread_name,
+                initargs=("imgret-model",))
             self._spawn_worker()
 
     async def stop(self) -> None:
@@ -139,12 +189,25 @@ class DynamicBatcher(Generic[T, R]):
                 await self._worker
             self._worker = None
         error = ServiceUnavailable("the server is shutting down; retry in a moment")
+        if self._finishing is not None:
+            # The batch in the model is answered (graceful), as a plain batch is.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._finishing)
+            self._finishing = None
+            self._fail(self._finishing_batch, error)
+            self._finishing_batch = []
         self._fail(self._batch, error)
         self._fail(self._carry, error)
         self._carry.clear()
         if self._queue is not None:
             while not self._queue.empty():
                 self._fail([self._queue.get_nowait()], error)
+        pools = [pool for pool in (self._decode_pool, self._model_pool) if pool is not None]
+        self._decode_pool = self._model_pool = None
+        for pool in pools:
+            # Waits for a decode the worker left behind (it cannot be interrupted): no thread
+            # outlives the batcher.
+            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown, True)
 
     async def submit(self, item: T) -> R:
         """Process one item, batched with whatever else arrives meanwhile."""
@@ -181,7 +244,7 @@ class DynamicBatcher(Generic[T, R]):
         futures = []
         for item in items:
             future: asyncio.Future[R] = loop.create_future()
-            self._queue.put_nowait(_Pending(item, future))
+            self._queue.put_nowait(_Pending(item, future, loop.time()))
             futures.append(future)
         # Wait for all, so one bad item does not leave the others' futures unobserved.
         results = await asyncio.gather(*futures, return_exceptions=True)
@@ -239,6 +302,10 @@ class DynamicBatcher(Generic[T, R]):
             if not live:
                 self._batch = []
                 continue
+            process = self.process
+            if isinstance(process, StagedBatchFn) and self._model_pool is not None:
+                await self._run_staged(process, live, self._queue)
+                continue
             work = asyncio.ensure_future(
                 anyio.to_thread.run_sync(self._process_checked, [p.item for p in live])
             )
@@ -265,7 +332,10 @@ class DynamicBatcher(Generic[T, R]):
             batch.append(self._carry.popleft())
         if not batch:
             batch.append(await queue.get())
-            deadline = asyncio.get_running_loop().time() + self.max_wait_s
+            # The first item waits at most max_wait_s for company, counted from when it was
+            # submitted: one that already waited (the previous batch was running) goes now
+            # with whatever is queued, instead of idling the model max_wait_s more.
+            deadline = batch[0].queued_at + self.max_wait_s
         else:
             deadline = 0.0  # carried items have waited a batch already: take what is queued
         while len(batch) < self.max_size:
@@ -281,6 +351,141 @@ class DynamicBatcher(Generic[T, R]):
             except TimeoutError:
                 break
         return batch
+
+    # ----------------------------------------------------------------- staged functions
+
+    async def _run_staged(self, process: StagedBatchFn, live: list[_Pending[T, R]],
+                          queue: asyncio.Queue[_Pending[T, R]]) -> None:
+        """Decode ``live`` (growing it while the model is busy), then hand it to the model
+        thread and return at once: the caller collects the next batch meanwhile."""
+        assert self._decode_pool is not None and self._model_pool is not None
+        taken: list[_Pending[T, R]] = []
+        prepared: Any = None
+        chunk = live
+        try:
+            while True:
+                try:
+                    prepared = await self._prepare(process, [p.item for p in chunk], prepared)
+                except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
+                    logger.exception("decoding a batch of %d failed", len(chunk))
+                    self._fail([*taken, *chunk], exc)
+                    self._batch = []
+                    return  # (the finally discards what was prepared)
+                start = len(taken)
+                taken.extend(chunk)
+                self._answer_early(taken, prepared.results, start)
+                rows = sum(result is None for result in prepared.results)
+                if (prepared.full or rows >= self.max_size or self._finishing is None
+                        or self._finishing.done()):
+                    break
+                # The model is still busy: what arrives meanwhile joins this batch.
+                chunk = await self._more(queue, self.max_size - rows)
+                if not chunk:
+                    break
+                self._batch.extend(chunk)
+            if prepared is not None and taken and not any(r is None for r in prepared.results) \
+                    and all(isinstance(r, Deferred) for r in prepared.results):
+                # The function must make progress; refuse instead of looping forever.
+                self._carry = deque(p for p in self._carry if p not in taken)
+                self._fail(taken, RuntimeError("the batch function deferred every item of a "
+                                               "batch"))
+            waiting = [p for p, r in zip(taken, prepared.results, strict=True) if r is None]
+            if waiting:
+                # One batch in the model at a time.
+                if self._finishing is not None and not self._finishing.done():
+                    await asyncio.shield(self._finishing)
+                self._finishing_batch = taken
+                self._finishing = asyncio.get_running_loop().create_task(
+                    self._finish(process, prepared, taken), name="dynamic-batcher-model")
+                prepared = None
+                if not self.overlap:
+                    await asyncio.shield(self._finishing)
+            self._batch = []  # answered, carried, or the model task's now
+        finally:
+            # Not finished here: nothing waits for it (when cancelled, whoever ends the
+            # worker answers the batch's callers with a 503).
+            if prepared is not None:
+                process.discard_batch(prepared)
+
+    async def _prepare(self, process: StagedBatchFn, items: list[T], into: Any) -> Any:
+        """``process.prepare_batch`` on the decode thread. If this task is cancelled, the
+        decode still finishes in its thread, and its batch is discarded."""
+        assert self._decode_pool is not None
+        future: Future[Any] = self._decode_pool.submit(process.prepare_batch, items, into)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            if into is None:
+                future.add_done_callback(lambda f: _discard(process, f))
+            raise
+
+    def _answer_early(self, taken: list[_Pending[T, R]], results: Sequence[Any],
+                      start: int) -> None:
+        """Answer the items of ``taken[start:]`` that failed while being decoded, and carry
+        the deferred ones to the next batch (ahead of everything newer, in their order)."""
+        deferred = []
+        for pending, result in zip(taken[start:], results[start:], strict=True):
+            if result is None or pending.future.done():
+                continue
+            if isinstance(result, Deferred):
+                deferred.append(pending)
+            elif isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        self._carry.extendleft(reversed(deferred))
+
+    async def _more(self, queue: asyncio.Queue[_Pending[T, R]],
+                    limit: int) -> list[_Pending[T, R]]:
+        """Up to ``limit`` queued items: waits for the first one only while the batch in the
+        model is still running; ``[]`` once it is done."""
+        items: list[_Pending[T, R]] = []
+        if queue.empty():
+            assert self._finishing is not None
+            getter = asyncio.ensure_future(queue.get())
+            try:
+                await asyncio.wait({getter, self._finishing},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await getter
+                if getter.done() and not getter.cancelled():
+                    items.append(getter.result())
+                    self._batch.append(items[-1])  # answered by whoever ends the worker
+            if not items:
+                return []
+            self._batch.pop()  # the caller adds the chunk to the batch
+        while len(items) < limit and not queue.empty():
+            items.append(queue.get_nowait())
+        return items
+
+    async def _finish(self, process: StagedBatchFn, prepared: Any,
+                      taken: list[_Pending[T, R]]) -> None:
+        """Run the model stage of a batch on the model thread and answer its callers."""
+        assert self._model_pool is not None
+        waiting = [r is None for r in prepared.results]
+        rows = sum(waiting)
+        try:
+            results = await asyncio.wrap_future(
+                self._model_pool.submit(process.finish_batch, prepared))
+            if len(results) != len(taken):
+                raise RuntimeError(f"batch function returned {len(results)} results for "
+                                   f"{len(taken)}")
+        except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
+            logger.exception("batch of %d failed", rows)
+            results = [exc] * len(taken)
+        for pending, result, pending_model in zip(taken, results, waiting, strict=True):
+            if not pending_model or pending.future.done():
+                continue
+            if isinstance(result, Deferred):
+                result = RuntimeError("the batch function deferred an item in its last stage")
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        self._report(rows)
 
     def _deliver(
         self, live: list[_Pending[T, R]], results: Sequence[R | BaseException]
@@ -323,6 +528,19 @@ class DynamicBatcher(Generic[T, R]):
         for pending in pendings:
             if not pending.future.done():
                 pending.future.set_exception(error)
+
+
+def _os_thread_name(name: str) -> None:
+    """Name this thread for the OS too (``top -H``, ``/proc/PID/task/*/comm``): Linux only,
+    best effort."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def _discard(process: StagedBatchFn, future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        process.discard_batch(future.result())
 
 
 async def _settled(work: asyncio.Future, count: int) -> Sequence[object]:

@@ -37,11 +37,12 @@ class BlockingPipeline(SearchPipeline):
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def __call__(self, queries):
+    def prepare_batch(self, queries, into=None):
+        # The batcher's first stage (decoding): while it blocks, nothing else is collected.
         self.started.set()
         if not self.release.wait(timeout=60):
             raise RuntimeError("test never released the batch")
-        return super().__call__(queries)
+        return super().prepare_batch(queries, into)
 
 
 @pytest.mark.timeout(120)

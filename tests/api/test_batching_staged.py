@@ -1,0 +1,230 @@
+"""The dynamic batcher with a two-stage batch function (the search pipeline's shape): decode on
+one dedicated thread, model on another, overlapped or not, and every caller answered."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from service.batching import Deferred, DynamicBatcher, ServiceUnavailable, StagedBatchFn
+from service.pipeline import Answer, ImageQuery, SearchPipeline, Serving
+from service.telemetry import ServiceMetrics
+
+
+@dataclass
+class Prepared:
+    items: list[int] = field(default_factory=list)
+    results: list[object] = field(default_factory=list)
+    full: bool = False
+
+
+class Staged:
+    """Doubles numbers; negatives fail while "decoding", items over 100 are deferred unless
+    first. ``hold`` blocks the model stage until set. Records threads and calls."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.hold.set()
+        self.in_model = threading.Event()
+        self.prepare_calls: list[tuple[list[int], bool]] = []
+        self.finished: list[list[int]] = []
+        self.discarded = 0
+        self.decode_threads: set[str] = set()
+        self.model_threads: set[str] = set()
+
+    def prepare_batch(self, items: Sequence[int], into: Prepared | None = None) -> Prepared:
+        self.decode_threads.add(threading.current_thread().name)
+        self.prepare_calls.append((list(items), into is not None))
+        batch = into or Prepared()
+        for x in items:
+            batch.items.append(x)
+            if x < 0:
+                batch.results.append(ValueError(f"bad {x}"))
+            elif x > 100 and batch.items[0] != x:
+                batch.results.append(Deferred())
+                batch.full = True
+            else:
+                batch.results.append(None)
+        return batch
+
+    def finish_batch(self, batch: Prepared) -> list[object]:
+        self.model_threads.add(threading.current_thread().name)
+        self.in_model.set()
+        assert self.hold.wait(30)
+        pairs = list(zip(batch.items, batch.results, strict=True))
+        self.finished.append([x for x, r in pairs if r is None])
+        return [2 * x if r is None else r for x, r in pairs]
+
+    def discard_batch(self, batch: Prepared) -> None:
+        self.discarded += 1
+
+
+def test_a_staged_function_runs_on_two_dedicated_threads_and_fails_items_alone() -> None:
+    staged = Staged()
+    assert isinstance(staged, StagedBatchFn)
+    sizes: list[int] = []
+
+    async def run() -> list:
+        batcher = DynamicBatcher(staged, max_size=8, max_wait_s=0.02, on_batch=sizes.append)
+        await batcher.start()
+        try:
+            return await asyncio.gather(*(batcher.submit(x) for x in [1, -2, 3, 150, 5]),
+                                        return_exceptions=True)
+        finally:
+            await batcher.stop()
+
+    results = asyncio.run(run())
+    assert results[0] == 2 and results[2] == 6 and results[3] == 300 and results[4] == 10
+    assert isinstance(results[1], ValueError)
+    assert staged.finished == [[1, 3, 5], [150]]  # the deferred one led the next batch
+    assert sizes == [3, 1]  # items that reached the model
+    assert {n.split("_")[0] for n in staged.decode_threads} == {"imgret-decode"}
+    assert {n.split("_")[0] for n in staged.model_threads} == {"imgret-model"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
+
+
+def test_with_overlap_the_next_batch_is_decoded_and_grows_while_the_model_runs() -> None:
+    staged = Staged()
+
+    async def run() -> list[int]:
+        batcher = DynamicBatcher(staged, max_size=8, max_wait_s=0.0, overlap=True)
+        await batcher.start()
+        try:
+            staged.hold.clear()
+            first = asyncio.create_task(batcher.submit(1))
+            await asyncio.to_thread(staged.in_model.wait, 10)
+            # The model is busy with [1]: these are decoded meanwhile, into one batch.
+            second = asyncio.create_task(batcher.submit(2))
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if len(staged.prepare_calls) == 2:
+                    break
+            third = [asyncio.create_task(batcher.submit(x)) for x in (3, 4)]
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if len(staged.prepare_calls) == 3:
+                    break
+            assert staged.finished == []  # all that happened while [1] was in the model
+            staged.hold.set()
+            return await asyncio.wait_for(asyncio.gather(first, second, *third), 10)
+        finally:
+            staged.hold.set()
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [2, 4, 6, 8]
+    assert staged.prepare_calls == [([1], False), ([2], False), ([3, 4], True)]
+    assert staged.finished == [[1], [2, 3, 4]]
+
+
+def test_without_overlap_the_next_batch_waits_for_the_model() -> None:
+    staged = Staged()
+
+    async def run() -> list[int]:
+        batcher = DynamicBatcher(staged, max_size=8, max_wait_s=0.0, overlap=False)
+        await batcher.start()
+        try:
+            staged.hold.clear()
+            first = asyncio.create_task(batcher.submit(1))
+            await asyncio.to_thread(staged.in_model.wait, 10)
+            later = [asyncio.create_task(batcher.submit(x)) for x in (2, 3)]
+            await asyncio.sleep(0.1)
+            assert len(staged.prepare_calls) == 1  # nothing decoded while [1] is in the model
+            staged.hold.set()
+            return await asyncio.wait_for(asyncio.gather(first, *later), 10)
+        finally:
+            staged.hold.set()
+            await batcher.stop()
+
+    assert asyncio.run(run()) == [2, 4, 6]
+    assert staged.finished == [[1], [2, 3]]
+
+
+def test_stop_answers_the_batch_in_the_model_and_503s_the_rest_then_ends_its_threads() -> None:
+    staged = Staged()
+
+    async def run() -> tuple[object, list[object]]:
+        batcher = DynamicBatcher(staged, max_size=2, max_wait_s=0.0)
+        await batcher.start()
+        staged.hold.clear()
+        in_model = asyncio.create_task(batcher.submit(1))
+        await asyncio.to_thread(staged.in_model.wait, 10)
+        queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
+        await asyncio.sleep(0.05)
+        stopping = asyncio.create_task(batcher.stop())
+        await asyncio.sleep(0.05)
+        staged.hold.set()
+        await asyncio.wait_for(stopping, 10)
+        results = await asyncio.gather(in_model, *queued, return_exceptions=True)
+        return results[0], results[1:]
+
+    finished, rest = asyncio.run(run())
+    assert finished == 2
+    # 2 (and 3) may have been decoded while 1 was in the model: never run, 503 like the rest.
+    assert all(isinstance(r, ServiceUnavailable) for r in rest)
+    assert staged.discarded <= 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+class _Embedder:
+    class spec:  # noqa: N801 - stands in for ModelSpec
+        image_size = 4
+
+    def embed_tensors(self, batch: torch.Tensor):
+        return batch.flatten(1)[:, :2].numpy()
+
+
+class _Searcher:
+    def search(self, vectors, k, filters, rerank=None):
+        return [[] for _ in range(len(vectors))]
+
+
+class CountingPipeline(SearchPipeline):
+    def prepare(self, query, budget, embedder):
+        return torch.full((1, 3, 4, 4), float(query.k))
+
+
+def test_a_batch_reads_the_served_version_once_whatever_its_chunks() -> None:
+    versions = iter(["v1", "v2", "v3"])
+    reads: list[str] = []
+
+    def serving() -> Serving:
+        reads.append(next(versions))
+        return Serving(reads[-1], _Embedder(), _Searcher())  # type: ignore[arg-type]
+
+    pipeline = CountingPipeline(serving, max_pixels=10**6, metrics=ServiceMetrics())
+    batch = pipeline.prepare_batch([ImageQuery(b"a", 1)])
+    assert pipeline.running == 1
+    pipeline.prepare_batch([ImageQuery(b"b", 2), ImageQuery(b"c", 3)], into=batch)
+    results = pipeline.finish_batch(batch)
+    assert reads == ["v1"]  # one read for the whole batch
+    assert [r.serving.version for r in results if isinstance(r, Answer)] == ["v1"] * 3
+    assert pipeline.running == 0
+    pipeline.discard_batch(batch)  # idempotent
+    assert pipeline.running == 0
+    assert [r.serving.version for r in pipeline([ImageQuery(b"d", 1)])] == ["v2"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_search_pipeline_through_the_staged_batcher(overlap: bool) -> None:
+    pipeline = CountingPipeline(lambda: Serving("v", _Embedder(), _Searcher()),  # type: ignore[arg-type]
+                                max_pixels=10**6, metrics=ServiceMetrics())
+
+    async def run() -> list:
+        batcher = DynamicBatcher(pipeline, max_size=4, max_wait_s=0.01, overlap=overlap)
+        await batcher.start()
+        try:
+            return await batcher.submit_many([ImageQuery(b"x", k) for k in range(1, 10)])
+        finally:
+            await batcher.stop()
+
+    answers = asyncio.run(run())
+    assert len(answers) == 9 and all(a.serving.version == "v" for a in answers)
+    assert pipeline.running == 0
