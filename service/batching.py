@@ -159,6 +159,7 @@ class DynamicBatcher(Generic[T, R]):
         # Done as soon as the model thread is free again, before that batch's callers are
         # answered: the next batch starts first, and decodes while the loop sends the answers.
         self._model_free: asyncio.Future[None] | None = None
+        self._deadline = 0.0  # until when the batch being collected waits for company
 
     @property
     def enabled(self) -> bool:
@@ -298,15 +299,19 @@ class DynamicBatcher(Generic[T, R]):
     async def _run(self) -> None:
         assert self._queue is not None
         while True:
-            batch = await self._collect(self._queue)
+            process = self.process
+            staged = isinstance(process, StagedBatchFn) and self._model_pool is not None
+            # A staged batch starts decoding its first items at once and takes the rest of
+            # the wait's arrivals while it decodes (see _run_staged).
+            batch = await self._collect(self._queue, wait=not staged)
+            deadline = self._deadline
             # A caller that went away (client disconnect) no longer needs its slot.
             live = [pending for pending in batch if not pending.future.done()]
             if not live:
                 self._batch = []
                 continue
-            process = self.process
-            if isinstance(process, StagedBatchFn) and self._model_pool is not None:
-                await self._run_staged(process, live, self._queue)
+            if staged:
+                await self._run_staged(process, live, self._queue, deadline)
                 continue
             work = asyncio.ensure_future(
                 anyio.to_thread.run_sync(self._process_checked, [p.item for p in live])
@@ -326,8 +331,10 @@ class DynamicBatcher(Generic[T, R]):
             self._batch = []
             self._report(len(live))
 
-    async def _collect(self, queue: asyncio.Queue[_Pending[T, R]]) -> list[_Pending[T, R]]:
-        """The next batch: deferred items first, then the queue (waiting up to max_wait_s)."""
+    async def _collect(self, queue: asyncio.Queue[_Pending[T, R]],
+                       wait: bool = True) -> list[_Pending[T, R]]:
+        """The next batch: deferred items first, then the queue (waiting up to max_wait_s
+        unless ``wait`` is false; the deadline is left in ``self._deadline``)."""
         batch: list[_Pending[T, R]] = []
         self._batch = batch  # filled in place: stop() and a replacement worker see it
         while self._carry and len(batch) < self.max_size:
@@ -341,6 +348,9 @@ class DynamicBatcher(Generic[T, R]):
             deadline = asyncio.get_running_loop().time() + self.max_wait_s
         else:
             deadline = 0.0  # carried items have waited a batch already: take what is queued
+        self._deadline = deadline
+        if not wait:
+            deadline = 0.0
         while len(batch) < self.max_size:
             # Whatever is already queued joins without waiting.
             if not queue.empty():
@@ -358,9 +368,11 @@ class DynamicBatcher(Generic[T, R]):
     # ----------------------------------------------------------------- staged functions
 
     async def _run_staged(self, process: StagedBatchFn, live: list[_Pending[T, R]],
-                          queue: asyncio.Queue[_Pending[T, R]]) -> None:
-        """Decode ``live`` (growing it while the model is busy), then hand it to the model
-        thread and return at once: the caller collects the next batch meanwhile."""
+                          queue: asyncio.Queue[_Pending[T, R]], deadline: float) -> None:
+        """Decode ``live``, growing the batch with what arrives while it decodes (until the
+        ``deadline`` of its first item's wait) and while the model is busy, then hand it to
+        the model thread. With ``overlap`` this returns at once (the caller collects the next
+        batch meanwhile), else when the model thread is free again."""
         assert self._decode_pool is not None and self._model_pool is not None
         taken: list[_Pending[T, R]] = []
         prepared: Any = None
@@ -378,11 +390,14 @@ class DynamicBatcher(Generic[T, R]):
                 taken.extend(chunk)
                 self._answer_early(taken, prepared.results, start)
                 rows = sum(result is None for result in prepared.results)
-                if (prepared.full or rows >= self.max_size or self._model_free is None
-                        or self._model_free.done()):
+                model_busy = self._model_free is not None and not self._model_free.done()
+                loop = asyncio.get_running_loop()
+                if prepared.full or rows >= self.max_size or (
+                        not model_busy and loop.time() >= deadline and queue.empty()):
                     break
-                # The model is still busy: what arrives meanwhile joins this batch.
-                chunk = await self._more(queue, self.max_size - rows)
+                # What arrived while this decoded, or arrives while the model is busy or the
+                # first item's wait lasts, joins this batch.
+                chunk = await self._more(queue, self.max_size - rows, deadline)
                 if not chunk:
                     break
                 self._batch.extend(chunk)
@@ -443,16 +458,24 @@ class DynamicBatcher(Generic[T, R]):
                 pending.future.set_result(result)
         self._carry.extendleft(reversed(deferred))
 
-    async def _more(self, queue: asyncio.Queue[_Pending[T, R]],
-                    limit: int) -> list[_Pending[T, R]]:
-        """Up to ``limit`` queued items: waits for the first one only while the batch in the
-        model is still running; ``[]`` once it is done."""
+    async def _more(self, queue: asyncio.Queue[_Pending[T, R]], limit: int,
+                    deadline: float) -> list[_Pending[T, R]]:
+        """Up to ``limit`` queued items. With none queued, waits for one while the batch in
+        the model is still running, else until ``deadline``; ``[]`` when none came."""
         items: list[_Pending[T, R]] = []
         if queue.empty():
-            assert self._model_free is not None
+            loop = asyncio.get_running_loop()
+            waits: set[asyncio.Future[Any]] = set()
+            if self._model_free is not None and not self._model_free.done():
+                waits.add(self._model_free)
+                timeout = None
+            else:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    return []
             getter = asyncio.ensure_future(queue.get())
             try:
-                await asyncio.wait({getter, self._model_free},
+                await asyncio.wait({getter, *waits}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not getter.done():
