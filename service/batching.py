@@ -305,6 +305,8 @@ class DynamicBatcher(Generic[T, R]):
             # the wait's arrivals while it decodes (see _run_staged).
             batch = await self._collect(self._queue, wait=not staged)
             deadline = self._deadline
+            process = self.process  # replaced meanwhile (tests do): the batch runs the new one
+            staged = isinstance(process, StagedBatchFn) and self._model_pool is not None
             # A caller that went away (client disconnect) no longer needs its slot.
             live = [pending for pending in batch if not pending.future.done()]
             if not live:
