@@ -27,18 +27,19 @@ transaction per chunk, so there is never an item without its embedding and chang
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import mmap
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
@@ -55,6 +56,9 @@ from index import store
 from index.media import MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
 from index.store import ItemInfo, NewRow
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ class _Candidate:
     source: str | None
     origin: str = ""  # the file it was read from, for the failure report
     existing_id: int | None = None  # set when only an embedding is missing
-    image: Image.Image | None = None
+    staged: str | None = None  # a temporary media file of its bytes (MediaStore.stage)
 
 
 @dataclass
@@ -308,6 +312,10 @@ def ingest_source(
     transaction, so an interrupted run loses only the chunk in flight, and running it again
     resumes where it stopped.
 
+    The stages overlap (see :class:`_Decoders`): worker processes decode and preprocess the
+    next chunk's images while this process embeds the current one and writes it (media files
+    made durable as one batch, then the rows, under the gallery write lock, as before).
+
     Args:
         source: what ``imgret.datasets.list_records`` accepts.
         session_factory: makes sessions on the target database (schema at head).
@@ -317,9 +325,9 @@ def ingest_source(
         query_set: put the images in this named query set instead of the gallery.
         chunk_size: files per transaction.
         max_pixels: decompression-bomb limit.
-        workers: threads reading and decoding files (Pillow releases the GIL); default
-            ``min(4, cpu count)``.
-        progress: show a tqdm bar.
+        workers: processes decoding and preprocessing images; default ``min(4, cpu
+            count)``; ``0`` decodes in this process (so does a platform without ``fork``).
+        progress: show a tqdm bar (committed images, and images/s).
 
     Returns:
         An :class:`IngestReport`; corrupt or unreadable files are listed in ``failed``.
@@ -338,107 +346,471 @@ def ingest_source(
         target = store.get_or_create_query_set(query_set, session=session) if query_set else None
     report = IngestReport(str(source), model_version.version, query_set, total=len(records))
     timer = _Timer(report)
-    workers = workers or min(4, os.cpu_count() or 1)
+    if workers is None:
+        workers = min(4, os.cpu_count() or 1)
     logger.info(
         "ingesting %d images from %s into %s", len(records), source,
         f"query set {query_set!r}" if query_set else "the gallery",
     )
-    with ThreadPoolExecutor(max_workers=workers) as pool, tqdm(
+    chunks = [records[start : start + chunk_size]
+              for start in range(0, len(records), chunk_size)]
+    # The workers are forked first, before tqdm's monitor thread exists.
+    with _Decoders(embedder, max_pixels, workers if len(records) else 0,
+                   media=media if isinstance(media, MediaStore) else None) as decoders, tqdm(
         total=len(records), unit="img", desc="ingest", disable=not progress
     ) as bar:
-        for start in range(0, len(records), chunk_size):
-            chunk = records[start : start + chunk_size]
-            _ingest_chunk(
-                chunk, start, root, pool=pool, timer=timer, session_factory=session_factory,
-                media=media, embedder=embedder, model_version=model_version, query_set=target,
-                max_pixels=max_pixels,
-            )
-            bar.update(len(chunk))
+        run = _ChunkRun(root, timer=timer, decoders=decoders, session_factory=session_factory,
+                        media=media, embedder=embedder, model_version=model_version,
+                        query_set=target)
+        # One chunk prepared ahead (read, hashed, planned, handed to the decoders) while the
+        # one before it is embedded and written.
+        ahead: _Prepared | None = run.prepare(chunks[0], 0) if chunks else None
+        for number in range(len(chunks)):
+            current = ahead
+            ahead = (run.prepare(chunks[number + 1], (number + 1) * chunk_size)
+                     if number + 1 < len(chunks) else None)
+            assert current is not None
+            run.finish(current)
+            bar.update(len(current.records))
     report.wall_seconds = time.perf_counter() - started
     for path, reason in report.failed:
         logger.warning("skipped %s: %s", path, reason)
     return report
 
 
-def _ingest_chunk(
-    records, offset: int, root: Path, *, pool: ThreadPoolExecutor, timer: _Timer,
-    session_factory: sessionmaker[Session], media: MediaStore, embedder: Embedder,
-    model_version: ModelVersion, query_set: QuerySet | None, max_pixels: int,
-) -> None:
-    report = timer.report
-    with timer.stage("read", len(records)):
-        results = list(pool.map(_read_file, [r.path for r in records]))
-    cands: list[_Candidate] = []
-    for position, (record, (data, error)) in enumerate(zip(records, results, strict=True)):
-        if error is not None:
-            report.failed.append((str(record.path), error))
+@dataclass
+class _Prepared:
+    """A chunk read, hashed and planned, its images handed to the decoders."""
+
+    records: Sequence[Any]
+    cands: list[_Candidate]
+    plan: _Plan
+    tickets: list[tuple[int, list[_Candidate]]]  # decoder ticket, the candidates it decodes
+
+
+class _ChunkRun:
+    """The two halves of a chunk's work: :meth:`prepare` and :meth:`finish`."""
+
+    def __init__(self, root: Path, *, timer: _Timer, decoders: _Decoders,
+                 session_factory: sessionmaker[Session], media: MediaStore, embedder: Embedder,
+                 model_version: ModelVersion, query_set: QuerySet | None):
+        self.root = root
+        self.timer = timer
+        self.report = timer.report
+        self.decoders = decoders
+        self.session_factory = session_factory
+        self.media = media
+        self.embedder = embedder
+        self.model_version = model_version
+        self.query_set = query_set
+        self._folders: dict[Path, str | None] = {}  # folder -> its path relative to root
+
+    def prepare(self, records: Sequence[Any], offset: int) -> _Prepared:
+        """Read and hash the files, plan against the database, submit the decoding."""
+        with self.timer.stage("read", len(records)):
+            cands: list[_Candidate] = []
+            for position, record in enumerate(records, start=offset):
+                try:
+                    data = Path(record.path).read_bytes()
+                except OSError as exc:
+                    self.report.failed.append((str(record.path),
+                                               f"cannot read file ({exc.strerror})"))
+                    continue
+                cands.append(_Candidate(position, data, sha256_hex(data), record.label,
+                                        record.camera, None, self._relative(record.path),
+                                        origin=str(record.path)))
+        with self.timer.stage("dedup", len(cands)), self.session_factory() as session:
+            plan = _make_plan(cands, session=session, model_version=self.model_version,
+                              query_set=self.query_set)
+        return _Prepared(records, cands, plan, self._submit(plan.work, stage=plan.create))
+
+    def finish(self, chunk: _Prepared) -> None:
+        """Embed what the decoders return and write the chunk in one transaction."""
+        report, cands, plan, tickets = self.report, chunk.cands, chunk.plan, chunk.tickets
+        vectors_by_sha: dict[str, np.ndarray] = {}
+        for _ in range(_PLAN_ROUNDS):
+            errors: dict[str, str] = {}
+            for ticket, work in tickets:
+                with self.timer.stage("decode", len(work)):
+                    inputs, slice_errors, staged = self.decoders.result(ticket)
+                for cand, temp in zip(work, staged, strict=True):
+                    cand.staged = temp or cand.staged
+                done = [c for c, error in zip(work, slice_errors, strict=True) if error is None]
+                errors.update((c.sha256, error) for c, error in zip(work, slice_errors,
+                                                                      strict=True) if error)
+                with self.timer.stage("embed", len(done)):
+                    vectors = (self.embedder.embed_tensors(inputs) if done
+                               else np.zeros((0, self.embedder.dim), dtype=np.float32))
+                self.decoders.release(ticket)
+                vectors_by_sha.update(zip((c.sha256 for c in done), vectors, strict=True))
+            # Copies of a corrupt file (same bytes) fail with it, each under its own name.
+            failed = {c.position for c in cands if c.sha256 in errors
+                      and c.position not in plan.resolved}
+            report.failed.extend((c.origin, errors[c.sha256]) for c in cands
+                                 if c.position in failed)
+            if failed:
+                cands = [c for c in cands if c.position not in failed]
+            with self.timer.stage("write", len(plan.work)), \
+                    self.session_factory.begin() as session:
+                plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
+                                                  media=self.media,
+                                                  model_version=self.model_version,
+                                                  query_set=self.query_set)
+            if ids_by_sha is not None:
+                break
+            # Another writer deleted an item this chunk meant to re-use: embed it too.
+            logger.info("the gallery changed under this chunk; planning it again")
+            tickets = self._submit([c for c in plan.work if c.sha256 not in vectors_by_sha])
+        else:
+            raise GalleryError("the gallery changed under this chunk too often; "
+                               "run ingest again")
+        created = {id(c) for c in plan.create}
+        for cand in chunk.cands:  # staged for nothing: the bytes were stored meanwhile
+            if cand.staged and id(cand) not in created:
+                Path(cand.staged).unlink(missing_ok=True)
+        report.added += len(plan.create)
+        report.embedded += len(plan.embed_existing)
+        report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
+
+    def _submit(self, work: list[_Candidate], stage: Sequence[_Candidate] = ()
+                ) -> list[tuple[int, list[_Candidate]]]:
+        size = self.embedder.batch_size
+        slices = [work[at : at + size] for at in range(0, len(work), size)]
+        new = {id(c) for c in stage}
+        return [(self.decoders.submit(part, stage=[id(c) in new for c in part]), part)
+                for part in slices]
+
+    def _relative(self, path: Path) -> str:
+        # The folder's resolution is cached: resolve() is a few system calls per file.
+        path = Path(path)
+        folder = self._folders.get(path.parent, ...)
+        if folder is ...:
+            try:
+                folder = str(path.parent.resolve().relative_to(self.root.resolve()))
+            except ValueError:
+                folder = None
+            self._folders[path.parent] = folder
+        if folder is None:
+            return str(path)
+        return path.name if folder == "." else f"{folder}/{path.name}"
+
+
+# --------------------------------------------------------------------------- decoders
+
+
+# A slice's model inputs ((k, 3, S, S) float32, of the candidates that decoded, in order), and
+# per candidate: None or why it failed, and the temporary media file staged for it (or None).
+_Decoded = tuple["torch.Tensor", list[str | None], list[str | None]]
+
+
+@dataclass
+class _Task:
+    """One slice handed to the decoders, and where it stands."""
+
+    work: list[_Candidate]
+    stage: list[bool]  # per candidate: also stage its bytes in the media store
+    worker: int | None = None  # the worker it was sent to; None: not sent (yet)
+    slot: int = -1
+    done: _Decoded | None = None  # decoded in this process
+
+
+class _Decoders:
+    """Decoding and preprocessing (``decode_for_embedding`` + ``Embedder.preprocess``, the
+    served path's) in forked worker processes, overlapped with this process's forward passes,
+    media writes and SQL.
+
+    Why processes: per image, decoding and preprocessing are mostly Python (Pillow's file
+    parsing, torchvision's transforms) that holds the GIL; threads cannot run them beside
+    the forward pass. Forked (not spawned): the workers start in milliseconds with the model's
+    transform and the decoding code already loaded, and nothing is pickled but file paths.
+
+    Protocol: a task is one slice of candidates (at most ``batch_size``: one forward pass),
+    sent as ``(slot, [(path, sha256, stage), ...])``; the worker reads each file again, checks
+    that its bytes still hash to ``sha256`` (a file changed since it was hashed fails),
+    decodes and preprocesses it, writes the ``(k, 3, S, S)`` float32 inputs into that slot of
+    its shared-memory buffer and answers ``(k, errors, staged)``. With ``stage`` (an image the
+    plan creates) it also writes the bytes to a temporary file in the media store
+    (``MediaStore.stage``: file creation is most of a media write's cost), which the chunk's
+    write transaction syncs and renames under the gallery write lock (``put_many``); a worker
+    removes the temporary files it made that are still there when it exits. Messages are a few
+    hundred bytes, so no pipe ever fills. Each worker has ``_SLOTS`` slots; slices wait in a
+    queue until a slot is free (:meth:`release` frees one), which bounds the memory whatever
+    the chunk size. A worker ignores SIGINT and exits when its pipe closes (this process
+    ended, or was killed). If a worker dies, the rest of the run decodes in this process;
+    with ``workers == 0`` (or no ``fork``) everything is decoded here, when :meth:`result`
+    asks for it.
+
+    While workers run, torch's intra-op threads in this process are limited to the cores the
+    workers leave (at least one), and restored on exit.
+    """
+
+    def __init__(self, embedder: Embedder, max_pixels: int, workers: int, *,
+                 media: MediaStore | None = None):
+        self.embedder = embedder
+        self.max_pixels = max_pixels
+        self.media = media
+        size = embedder.spec.image_size
+        self.shape = (3, size, size)
+        self.slot_bytes = embedder.batch_size * 3 * size * size * 4
+        self.workers = workers if workers > 0 and _can_fork() else 0
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._buffers: list[mmap.mmap] = []
+        self._free: list[list[int]] = []  # free slots, per worker
+        self._sent: list[collections.deque[int]] = []  # tickets in flight, per worker, in order
+        self._tasks: dict[int, _Task] = {}
+        self._queue: collections.deque[int] = collections.deque()  # tickets not sent yet
+        self._next = 0
+        self._threads: int | None = None
+
+    def __enter__(self) -> _Decoders:
+        if self.workers:
+            try:
+                self._start()
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- lifecycle
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        import torch
+
+        context = multiprocessing.get_context("fork")
+        parent_ends: list[Any] = []
+        for _ in range(self.workers):
+            buffer = mmap.mmap(-1, _SLOTS * self.slot_bytes)  # MAP_SHARED: the child's too
+            mine, theirs = context.Pipe()
+            parent_ends.append(mine)
+            process = context.Process(
+                target=_decode_worker, name="imgret-ingest-decoder", daemon=True,
+                args=(theirs, list(parent_ends), buffer, self.slot_bytes, self.embedder,
+                      self.max_pixels, self.media),
+            )
+            process.start()
+            theirs.close()
+            self._procs.append(process)
+            self._conns.append(mine)
+            self._buffers.append(buffer)
+            self._free.append(list(range(_SLOTS)))
+            self._sent.append(collections.deque())
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, min(self._threads, (os.cpu_count() or 1) - self.workers)))
+        logger.debug("%d decode workers; torch threads %d -> %d", self.workers, self._threads,
+                     torch.get_num_threads())
+
+    def close(self) -> None:
+        for conn in self._conns:
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+                conn.close()
+        for process in self._procs:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        # The buffers are unmapped with their last view (a caller may still hold inputs).
+        self._procs, self._conns, self._buffers = [], [], []
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
+            self._threads = None
+
+    # -- tasks
+
+    def submit(self, work: list[_Candidate], stage: list[bool] | None = None) -> int:
+        """Queue a slice (at most ``batch_size`` candidates) for decoding, and for staging the
+        bytes of those flagged in ``stage``; returns its ticket. Tickets must be collected
+        (:meth:`result`, then :meth:`release`) in this order."""
+        ticket, self._next = self._next, self._next + 1
+        self._tasks[ticket] = _Task(work, stage or [False] * len(work))
+        self._queue.append(ticket)
+        self._pump()
+        return ticket
+
+    def result(self, ticket: int) -> _Decoded:
+        """The slice's model inputs (``(k, 3, S, S)`` float32, of the candidates that decoded,
+        in order) and, per candidate, ``None`` or why it failed, and ``None`` or the
+        temporary media file staged for it."""
+        task = self._tasks[ticket]
+        self._pump()
+        if task.worker is not None:
+            try:
+                while True:  # a worker answers in the order it got its tasks
+                    count, errors, staged = self._conns[task.worker].recv()
+                    if self._sent[task.worker].popleft() == ticket:
+                        break
+            except (EOFError, OSError):
+                self._lost(task.worker)
+            else:
+                view = np.frombuffer(
+                    self._buffers[task.worker], dtype=np.float32,
+                    count=count * int(np.prod(self.shape)), offset=task.slot * self.slot_bytes,
+                ).reshape(count, *self.shape)
+                import torch
+
+                return torch.from_numpy(view), errors, staged
+        if task.done is None:
+            self._queue.remove(ticket)
+            task.done = self._local(task.work)
+        return task.done
+
+    def release(self, ticket: int) -> None:
+        """The slice's inputs are no longer used: its slot takes the next queued slice."""
+        task = self._tasks.pop(ticket)
+        if task.worker is not None and self._conns[task.worker] is not None:
+            self._free[task.worker].append(task.slot)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send queued slices, oldest first, to the workers with free slots."""
+        while self._queue:
+            live = [w for w, conn in enumerate(self._conns) if conn is not None and self._free[w]]
+            if not live:
+                return
+            worker = max(live, key=lambda w: len(self._free[w]))
+            ticket = self._queue[0]
+            task = self._tasks[ticket]
+            slot = self._free[worker].pop()
+            try:
+                self._conns[worker].send((slot, [(c.origin, c.sha256, flag) for c, flag
+                                                 in zip(task.work, task.stage, strict=True)]))
+            except OSError:
+                self._lost(worker)
+                continue
+            self._queue.popleft()
+            task.worker, task.slot = worker, slot
+            self._sent[worker].append(ticket)
+
+    def _lost(self, worker: int) -> None:
+        """A worker died: stop using workers; whatever was sent is decoded here instead."""
+        process = self._procs[worker]
+        process.join(timeout=1)
+        logger.warning("decode worker %s ended (exit code %s); decoding in this process",
+                       process.pid, process.exitcode)
+        for index, conn in enumerate(self._conns):
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+                conn.close()
+                self._conns[index] = None
+        for sent in self._sent:
+            for ticket in sent:
+                self._tasks[ticket].worker = None
+            sent.clear()
+        # Not sent: they stay in the queue, which is decoded here from now on, in order.
+        self._queue = collections.deque(sorted(
+            [t for t, task in self._tasks.items() if task.worker is None and task.done is None]
+        ))
+
+    def _local(self, work: list[_Candidate]) -> _Decoded:
+        import torch
+
+        inputs, errors = _decode_slice([(c.data, c.sha256, None) for c in work], self.embedder,
+                                       self.max_pixels)
+        return torch.from_numpy(inputs), errors, [None] * len(work)
+
+
+# Shared-memory slots per worker: one being written, one waiting for its forward pass, one
+# queued ahead.
+_SLOTS = 3
+
+
+def _can_fork() -> bool:
+    import multiprocessing
+
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedder: Embedder,
+                   max_pixels: int, media: MediaStore | None) -> None:
+    """A decode worker's loop (a forked child of the ingesting process)."""
+    import signal
+
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    for other in close:  # the parent's ends: EOF here once the parent is gone
+        other.close()
+    torch.set_num_threads(1)
+    temps: list[str] = []
+    try:
+        while True:
+            try:
+                task = conn.recv()
+            except (EOFError, OSError):
+                return
+            if task is None:
+                return
+            slot, items = task
+            blobs: list[tuple[bytes | None, str, str | None]] = []
+            for path, sha, _ in items:
+                try:
+                    blobs.append((Path(path).read_bytes(), sha, None))
+                except OSError as exc:
+                    blobs.append((None, sha, f"cannot read file ({exc.strerror})"))
+            inputs, errors = _decode_slice(blobs, embedder, max_pixels)
+            staged: list[str | None] = [None] * len(items)
+            if media is not None:
+                for index, ((data, _, _), (_, sha, stage)) in enumerate(zip(blobs, items,
+                                                                             strict=True)):
+                    if stage and errors[index] is None and data is not None:
+                        with contextlib.suppress(OSError):  # the writer writes it instead
+                            staged[index] = media.stage(data, sha)
+                            temps.append(staged[index])
+            flat = inputs.reshape(-1)
+            np.frombuffer(buffer, dtype=np.float32, count=flat.size,
+                          offset=slot * slot_bytes)[:] = flat
+            try:
+                conn.send((len(inputs), errors, staged))
+            except OSError:
+                return
+    finally:
+        # Those the parent renamed are gone; the rest (a failed or killed run) are removed.
+        for temp in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+
+
+def _decode_slice(blobs: Sequence[tuple[bytes | None, str, str | None]], embedder: Embedder,
+                  max_pixels: int) -> tuple[np.ndarray, list[str | None]]:
+    """Decode and preprocess encoded images: ``(k, 3, S, S)`` float32 inputs of those that
+    worked, in order, and per image ``None`` or why it failed."""
+    size = embedder.spec.image_size
+    inputs: list[np.ndarray] = []
+    errors: list[str | None] = []
+    for data, sha, read_error in blobs:
+        if data is None:
+            errors.append(read_error or "cannot read file")
             continue
-        cands.append(
-            _Candidate(offset + position, data, sha256_hex(data), record.label, record.camera,
-                       None, _relative(record.path, root), origin=str(record.path))
-        )
-    vectors_by_sha: dict[str, np.ndarray] = {}
-    with timer.stage("dedup", len(cands)), session_factory() as session:
-        plan = _make_plan(cands, session=session, model_version=model_version,
-                          query_set=query_set)
-    for _ in range(_PLAN_ROUNDS):
-        work = [c for c in plan.work if c.sha256 not in vectors_by_sha]
-        with timer.stage("decode", len(work)):
-            decoded = list(pool.map(
-                lambda c: _decode(c, max_pixels, embedder.spec.image_size), work
-            ))
-        errors = {c.sha256: error for c, error in zip(work, decoded, strict=True) if error}
-        # Copies of a corrupt file (same bytes) fail with it, each under its own name.
-        failed = {c.position for c in cands if c.sha256 in errors
-                  and c.position not in plan.resolved}
-        report.failed.extend((c.origin, errors[c.sha256]) for c in cands
-                             if c.position in failed)
-        if failed:
-            cands = [c for c in cands if c.position not in failed]
-        todo = [c for c in work if c.sha256 not in errors]
-        with timer.stage("embed", len(todo)):
-            vectors = embedder.embed([c.image for c in todo])
-        vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
-        for cand in todo:
-            cand.image = None
-        with timer.stage("write", len(todo)), session_factory.begin() as session:
-            plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
-                                              media=media, model_version=model_version,
-                                              query_set=query_set)
-        if ids_by_sha is not None:
-            break
-        # Another writer deleted an item this chunk meant to re-use: embed it too.
-        logger.info("the gallery changed under this chunk; planning it again")
-    else:
-        raise GalleryError("the gallery changed under this chunk too often; run ingest again")
-    report.added += len(plan.create)
-    report.embedded += len(plan.embed_existing)
-    report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
-
-
-def _read_file(path: Path) -> tuple[bytes, str | None]:
-    try:
-        return path.read_bytes(), None
-    except OSError as exc:
-        return b"", f"cannot read file ({exc.strerror})"
-
-
-def _decode(cand: _Candidate, max_pixels: int, size: int) -> str | None:
-    # The served path's decoder (JPEG draft, shrink towards the model's input at once): the
-    # same preprocessing as a search of the same file, and a chunk of large photos holds
-    # small images, not chunk_size full-size ones.
-    try:
-        cand.image = decode_for_embedding(cand.data, size=size, max_pixels=max_pixels)
-    except ImageDecodeError as exc:
-        return str(exc)
-    return None
-
-
-def _relative(path: Path, root: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(path)
+        if sha256_hex(data) != sha:
+            errors.append("the file changed while it was being ingested; run ingest again")
+            continue
+        # The served path's decoder (JPEG draft, shrink towards the model's input at once):
+        # the same preprocessing as a search of the same file, and a slice of large photos
+        # holds small images, not full-size ones.
+        try:
+            image = decode_for_embedding(data, size=size, max_pixels=max_pixels)
+        except ImageDecodeError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            inputs.append(embedder.preprocess([image]).numpy())
+        except Exception as exc:  # noqa: BLE001 - an odd image fails alone
+            errors.append(f"cannot prepare the image for the model ({exc})")
+            continue
+        errors.append(None)
+    if not inputs:
+        return np.zeros((0, 3, size, size), dtype=np.float32), errors
+    return np.concatenate(inputs), errors
 
 
 # --------------------------------------------------------------------------- shared stages
@@ -506,7 +878,14 @@ def _write(
     The caller holds the gallery write lock (:func:`_write_planned`).
     """
     n_create = len(plan.create)
-    rows = [_store_media(c, media) for c in plan.create]
+    # Every file durable before the rows that point to it commit; one batch of syncs.
+    paths = media.put_many([(c.data, c.sha256) for c in plan.create],
+                           staged={c.sha256: c.staged for c in plan.create if c.staged})
+    rows = [
+        NewRow(sha256=c.sha256, media_path=path, content_type=sniff_content_type(c.data),
+               label=c.label, camera=c.camera, metadata=c.metadata, source=c.source)
+        for c, path in zip(plan.create, paths, strict=True)
+    ]
     new_ids = store.insert_items(rows, vectors[:n_create], session=session,
                                  model_version=model_version, query_set=query_set)
     existing_ids = [c.existing_id for c in plan.embed_existing]
@@ -515,11 +894,3 @@ def _write(
     ids = {c.sha256: i for c, i in zip(plan.create, new_ids, strict=True)}
     ids.update({c.sha256: c.existing_id for c in plan.embed_existing})
     return ids
-
-
-def _store_media(cand: _Candidate, media: MediaStore) -> NewRow:
-    path = media.put(cand.data, cand.sha256)
-    return NewRow(
-        sha256=cand.sha256, media_path=path, content_type=sniff_content_type(cand.data),
-        label=cand.label, camera=cand.camera, metadata=cand.metadata, source=cand.source,
-    )

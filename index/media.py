@@ -3,24 +3,39 @@
 Layout: ``<root>/<h[0:2]>/<h[2:4]>/<h>`` (two fan-out levels keep folders small at millions
 of files). Files are written with ``imgret.files.write_atomic`` (temporary name, fsync,
 rename), so a reader (or a crash) never sees half a file; storing bytes that are already
-there is a no-op, so duplicates are stored once. Deleting the last row that refers to a file
+there is a no-op, so duplicates are stored once. :meth:`MediaStore.put_many` does the same
+for a batch (an ingest chunk) with the syncs done once per batch instead of twice per file:
+every temporary file is written, all of them are made durable, renamed, and the renames made
+durable, before it returns. Deleting the last row that refers to a file
 removes the file (``index.gc``): a deleted face must not stay on disk. Files carry no
 extension: the content type lives in the database row (``gallery_items.content_type``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import logging
+import os
 import re
-from collections.abc import Iterable, Iterator
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from imgret.files import file_sha256, fsync_dir, write_atomic
+from imgret.files import TEMP_PREFIX, file_sha256, fsync_dir, write_atomic
 
 logger = logging.getLogger(__name__)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# put_many: fewer new files than this are written one by one (write_atomic); from this many on,
+# the batch's syncs are shared (measured on ext4: 2 fsyncs per file ~500 us, shared ~100 us).
+BATCH_MIN = 8
+# Threads issuing the fsyncs of a batch where syncfs is not used (the journal commits them
+# together).
+_SYNC_THREADS = 8
 
 # Magic numbers of the formats Pillow decodes for us; used only to label the stored file.
 _SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
@@ -101,16 +116,143 @@ class MediaStore:
             The path relative to ``root`` (``ab/cd/<sha256>``).
         """
         key = sha256 or sha256_hex(data)
-        target = self.path(key)
-        if target.is_file() and target.stat().st_size == len(data):
-            try:
-                if file_sha256(target) == key:
-                    return self.relative_path(key)
-            except OSError:
-                pass  # unreadable: write it again
-            logger.warning("media file %s does not hold its bytes; writing it again", target)
-        write_atomic(target, data)
+        if not self._holds(key, len(data)):
+            write_atomic(self.path(key), data)
         return self.relative_path(key)
+
+    def put_many(
+        self, items: Sequence[tuple[bytes, str]], *, staged: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """Store several files; every one is durable when this returns (like :meth:`put`).
+
+        The guarantees are :meth:`put`'s, file by file: a file already under its key is kept
+        only when its bytes hash to the key; a new one appears under its final name whole or
+        not at all. Only the syncs are shared: all temporary files are written (in their final
+        folders, named like ``write_atomic``'s, so a killed batch's leftovers are swept the
+        same way), then made durable together, renamed, and the renames (and any new fan-out
+        folders) made durable together. On Linux 5.8+ each "together" is one ``syncfs`` of
+        the store's file system (which reports writeback errors since then); elsewhere the
+        files' and folders' fsyncs run on a few threads. Fewer than ``BATCH_MIN`` new files
+        (and none staged) are written one by one with ``write_atomic``.
+
+        Call under the gallery write lock, like :meth:`put`.
+
+        Args:
+            items: ``(data, sha256)`` pairs (``sha256_hex(data)``, computed by the caller);
+                a key may repeat.
+            staged: sha256 -> a temporary file from :meth:`stage` holding those bytes: it is
+                synced and renamed instead of writing the bytes again (or removed, when the
+                store holds the key already).
+
+        Returns:
+            The relative paths, in the order of ``items``.
+        """
+        staged = staged or {}
+        paths: list[str] = []
+        todo: dict[str, bytes] = {}
+        seen: set[str] = set()
+        for data, key in items:
+            paths.append(self.relative_path(key))
+            if key in seen:
+                continue
+            seen.add(key)
+            if not self._holds(key, len(data)):
+                todo[key] = data
+            elif key in staged:
+                Path(staged[key]).unlink(missing_ok=True)
+        if len(todo) < BATCH_MIN and not staged.keys() & todo.keys():
+            for key, data in todo.items():
+                write_atomic(self.path(key), data)
+        elif todo:
+            self._write_batch(todo, staged)
+        return paths
+
+    def stage(self, data: bytes, sha256: str) -> str:
+        """Write bytes to a temporary file in their key's folder, for :meth:`put_many`.
+
+        Nothing is synced and nothing is visible as media yet (the name is a temporary one:
+        ``stored_keys`` skips it, ``imgret.files.remove_stale_temps`` removes it once this
+        process is gone), so this may run without the gallery write lock: ingest's decode
+        workers stage a chunk's new files while the chunk before it is written.
+
+        Returns:
+            The temporary file's path.
+        """
+        folder = self.path(sha256).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{sha256}.", dir=folder)
+        try:
+            _write_all(fd, data)
+        except BaseException:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
+
+    def _holds(self, key: str, size: int) -> bool:
+        """Whether the file of ``key`` exists and holds exactly the bytes of that key."""
+        target = self.path(key)
+        try:
+            if target.stat().st_size != size:
+                return False
+        except OSError:
+            return False  # absent (the usual case), or not reachable: write it
+        try:
+            if file_sha256(target) == key:
+                return True
+        except OSError:
+            pass  # unreadable: write it again
+        logger.warning("media file %s does not hold its bytes; writing it again", target)
+        return False
+
+    def _write_batch(self, todo: dict[str, bytes], staged: Mapping[str, str]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Opened before anything is written here: syncfs reports the writeback errors that
+        # happened on the file system since, and those no one has seen before (a staged
+        # file's included).
+        anchor = os.open(self.root, os.O_RDONLY)
+        temps: list[tuple[str, Path]] = []
+        try:
+            folders: set[Path] = set()
+            created: set[Path] = set()  # folders that may be new: their parents get synced
+            for key, data in todo.items():
+                target = self.path(key)
+                tmp = staged.get(key)
+                if tmp is not None and _size(tmp) == len(data):
+                    temps.append((tmp, target))
+                    if target.parent not in folders:
+                        folders.add(target.parent)
+                        created.update((target.parent, target.parent.parent))
+                    continue
+                if target.parent not in folders:
+                    created.update(_make_folders(target.parent, self.root))
+                    folders.add(target.parent)
+                fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{key}.",
+                                           dir=target.parent)
+                temps.append((tmp, target))
+                try:
+                    _write_all(fd, data)
+                finally:
+                    os.close(fd)
+            use_syncfs = _syncfs_reports_errors()
+            # 1. the bytes, before any of them gets its final name
+            if use_syncfs:
+                _syncfs(anchor)
+            else:
+                _fsync_all([tmp for tmp, _ in temps])
+            for tmp, target in temps:
+                os.replace(tmp, target)
+            temps = []
+            # 2. the names: every renamed file's folder, every new folder's parent
+            if use_syncfs:
+                _syncfs(anchor)
+            else:
+                _fsync_all(sorted(folders | {folder.parent for folder in created}))
+        finally:
+            os.close(anchor)
+            for tmp, _ in temps:  # a failed batch leaves no temporary file
+                Path(tmp).unlink(missing_ok=True)
 
     def remove(self, sha256s: Iterable[str]) -> int:
         """Delete the files of these keys (missing ones are skipped); returns how many went.
@@ -149,3 +291,75 @@ class MediaStore:
         if self.root.resolve() not in path.parents:
             raise ValueError(f"media path {relative_path!r} is outside the store")
         return path
+
+
+# --------------------------------------------------------------------------- batch syncs
+
+
+def _make_folders(folder: Path, root: Path) -> list[Path]:
+    """Create ``folder`` (under ``root``) and any missing parent; returns those created."""
+    missing = []
+    while folder != root and not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    created = []
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile: synced all the same
+            path.mkdir()
+        created.append(path)
+    return created
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_all(paths: Sequence[str | Path]) -> None:
+    """fsync files and folders, several at a time (the journal commits them together)."""
+    def sync(path: str | Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(max_workers=min(_SYNC_THREADS, max(1, len(paths)))) as pool:
+        list(pool.map(sync, paths))  # re-raises the first OSError
+
+
+_SYNCFS: list = []  # [libc.syncfs or None], resolved once
+
+
+def _syncfs_reports_errors() -> bool:
+    """Whether ``syncfs(2)`` is there and reports writeback errors (Linux 5.8 and later)."""
+    if not _SYNCFS:
+        function = None
+        if sys.platform.startswith("linux") and _kernel_at_least(5, 8):
+            try:
+                function = ctypes.CDLL(None, use_errno=True).syncfs
+                function.argtypes = [ctypes.c_int]
+                function.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                function = None
+        _SYNCFS.append(function)
+    return _SYNCFS[0] is not None
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    match = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return bool(match) and (int(match[1]), int(match[2])) >= (major, minor)
+
+
+def _syncfs(fd: int) -> None:
+    if _SYNCFS[0](fd) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"syncfs of the media store failed: {os.strerror(errno)}")

@@ -21,16 +21,17 @@ from tests.support.images import write_image_folder
 CHUNK = 8
 TOTAL = 40
 
-# The real CLI, with each forward pass slowed down so that the kill lands mid-run.
+# The real CLI, with each forward pass slowed down so that the kill lands mid-run (the
+# ingest embeds decoded slices with Embedder.embed_tensors).
 SCRIPT = """
 import sys, time
 from imgret.embedder import Embedder
 delay = float(sys.argv[1])
-original = Embedder.embed
-def slow_embed(self, images):
+original = Embedder.embed_tensors
+def slow_embed(self, batch):
     time.sleep(delay)
-    return original(self, images)
-Embedder.embed = slow_embed
+    return original(self, batch)
+Embedder.embed_tensors = slow_embed
 sys.argv = ["imgret", *sys.argv[2:]]
 from cli.main import main
 main()
@@ -87,6 +88,11 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
         stored = session.execute(select(GalleryItem.sha256, GalleryItem.media_path)).all()
     for sha, path in stored:
         assert sha256_hex(media.read(path)) == sha  # every row's image is whole
+    # The decode workers see their parent gone (their pipe closes) and remove the temporary
+    # files they staged for the chunks in flight: wait for that (a second at most, usually).
+    deadline = time.monotonic() + 30
+    while [p for p in media.root.rglob(".tmp-*")] and time.monotonic() < deadline:
+        time.sleep(0.05)
     files = [p for p in media.root.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name.startswith(".tmp-")]
     # Files of the chunk in flight may exist without rows: harmless (see index.ingest).

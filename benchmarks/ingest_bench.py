@@ -1,0 +1,279 @@
+"""Ingest throughput against its floor: bare read + decode + embed of the same files.
+
+    python benchmarks/ingest_bench.py [--images 3000] [--batch-size 64] [--chunk-size 256]
+                                      [--repeat 3] [--postgres URL] [--out FILE.md]
+
+What it does, in one run (CPU; every database and data dir is fresh and temporary):
+
+1. writes ``--images`` Fashion-MNIST train images as PNG files in an ImageFolder
+   (``harness.fashion_mnist_pngs``, the demo's images; seeded 28 px images when Debian's
+   ``dataset-fashion-mnist`` is not installed);
+2. saves an *untrained* network with the demo model's architecture and preprocessing
+   (small_cnn, 64-d, 28 px, greyscale, Fashion-MNIST statistics) with
+   ``imgret.checkpoint.save_checkpoint``: the demo's work per image (nothing is trained);
+3. measures, ``--repeat`` times each, interleaved:
+
+   a. **the floor**: the same files read, decoded (``imgret.images.decode_for_embedding``,
+      the ingest's decoder) and embedded with the same ``Embedder`` at the same batch size,
+      in-process, one batch after the other (the issue's "bare embedding throughput");
+   b. **the pooled floor**: the same, with decoding and preprocessing in the ingest's own
+      decode worker processes (``index.ingest._Decoders``, same worker count) and the
+      forward passes here: what the ingest's pipeline does minus every storage step;
+   c. **ingest**: ``index.jobs.ingest`` of the folder into a fresh SQLite database and data
+      dir (and into a fresh PostgreSQL database with ``--postgres``): images/s over the
+      report's wall time (listing, reading, hashing, dedup, decoding, embedding, media
+      writes with their syncs, SQL commits; not the model load or the schema migration);
+
+   and, for reference, the forward pass alone on already preprocessed tensors.
+
+It prints a markdown table with the medians and the ratios ingest / floor (the issue's
+target is >= 0.80) and ingest / pooled floor, and the ingest's per-stage seconds of the
+median run (with decode workers, ``decode`` is the time the ingest waited for decoded
+inputs). Numbers are for this machine only, and noisy on a shared one: compare ratios from
+one run, not absolute rates. Run it against an older tree by copying this file into that
+tree's ``benchmarks/`` (it imports the tree it sits in); there the pooled floor is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from harness import fashion_mnist_pngs, write_image_folder  # noqa: E402
+
+logger = logging.getLogger("ingest_bench")
+
+# The demo's model (cli/demo.py, training/data/sources.py's model_spec_for on Fashion-MNIST).
+DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28, "grayscale": True,
+             "mean": (0.2860,) * 3, "std": (0.3530,) * 3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=3000, help="PNG files (<= 60000)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
+    parser.add_argument("--chunk-size", type=int, default=256, help="images per transaction")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement")
+    parser.add_argument("--postgres", metavar="URL",
+                        help="also ingest into PostgreSQL: an admin URL "
+                             "(postgresql+psycopg://postgres@127.0.0.1:5432/postgres); a "
+                             "database is created for each run and dropped after it")
+    parser.add_argument("--progress", action="store_true", help="show the ingest's tqdm bar")
+    parser.add_argument("--out", type=Path, help="also write the markdown here")
+    args = parser.parse_args()
+    if not 10 <= args.images <= 60000:
+        parser.error("--images: 10 to 60000")
+    if args.repeat < 1:
+        parser.error("--repeat: at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+    import torch
+
+    from imgret.embedder import Embedder
+
+    with tempfile.TemporaryDirectory(prefix="ingest-bench-") as tmp:
+        work = Path(tmp)
+        folder = work / "images"
+        images = fashion_mnist_pngs(args.images, 0)
+        write_image_folder(folder, images.gallery)
+        note = images.note
+        checkpoint = _checkpoint(work / "run")
+        embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size)
+        paths = sorted(p for p in folder.rglob("*.png"))
+        _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
+
+        floors, pooled, forwards = [], [], []
+        runs: dict[str, list] = {"sqlite": [], "postgresql": []}
+        for round_ in range(args.repeat):
+            floors.append(_floor(paths, embedder))
+            rate = _pooled_floor(paths, embedder)
+            if rate is not None:
+                pooled.append(rate)
+            forwards.append(_forward(paths, embedder))
+            runs["sqlite"].append(_ingest(folder, work / f"sqlite-{round_}", checkpoint, None,
+                                          args))
+            if args.postgres:
+                runs["postgresql"].append(_ingest(folder, work / f"pg-{round_}", checkpoint,
+                                                  args.postgres, args))
+            logger.info("round %d: floor %.0f img/s, pooled %s, sqlite ingest %.0f img/s%s",
+                        round_ + 1, floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
+                        runs["sqlite"][-1][0],
+                        f", postgresql {runs['postgresql'][-1][0]:.0f}" if args.postgres
+                        else "")
+
+    floor = statistics.median(floors)
+    pooled_floor = statistics.median(pooled) if pooled else None
+    lines = [
+        f"Ingest of {args.images} PNG files ({note}) with an UNTRAINED network of the demo "
+        f"model's architecture (small_cnn, 64-d, 28 px, greyscale); batch {args.batch_size}, "
+        f"chunk {args.chunk_size}; CPU, {os.cpu_count()} cores, torch threads "
+        f"{torch.get_num_threads()}; medians of {args.repeat} interleaved runs; "
+        f"{date.today().isoformat()}.",
+        "",
+        "| path | images/s (median) | runs | ratio to the floor (a) | to the pooled "
+        "floor (b) |",
+        "|---|---:|---|---:|---:|",
+        f"| (a) floor: read + decode + embed, in-process | {floor:.0f} | "
+        f"{_list(floors)} | 1.00 | {_ratio(floor, pooled_floor)} |",
+    ]
+    if pooled_floor:
+        lines.append(f"| (b) pooled floor: the same, decoded in the ingest's worker "
+                     f"processes | {pooled_floor:.0f} | {_list(pooled)} | "
+                     f"{pooled_floor / floor:.2f} | 1.00 |")
+    for name, results in runs.items():
+        if not results:
+            continue
+        rates = [rate for rate, _ in results]
+        rate = statistics.median(rates)
+        lines.append(f"| (c) `index.jobs.ingest`, {name} | {rate:.0f} | {_list(rates)} | "
+                     f"**{rate / floor:.2f}** | {_ratio(rate, pooled_floor)} |")
+    lines.append(f"| forward pass alone (preprocessed tensors) | "
+                 f"{statistics.median(forwards):.0f} | {_list(forwards)} | "
+                 f"{statistics.median(forwards) / floor:.2f} | "
+                 f"{_ratio(statistics.median(forwards), pooled_floor)} |")
+    for name, results in runs.items():
+        if not results:
+            continue
+        rate, report = sorted(results, key=lambda r: r[0])[len(results) // 2]
+        stages = ", ".join(f"{stage} {report.seconds[stage]:.2f}" for stage in report.seconds)
+        lines += ["", f"{name}, median run ({rate:.0f} img/s, {report.wall_seconds:.2f} s "
+                      f"wall): stage seconds {stages}"]
+    text = "\n".join(lines)
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+def _ratio(rate: float, floor: float | None) -> str:
+    return f"{rate / floor:.2f}" if floor else "-"
+
+
+def _list(rates: list[float]) -> str:
+    return " / ".join(f"{rate:.0f}" for rate in rates)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _checkpoint(run_dir: Path) -> Path:
+    import torch
+
+    from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+
+    torch.manual_seed(0)
+    save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**DEMO_SPEC)))
+    return run_dir
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def _floor(paths: list[Path], embedder) -> float:
+    """Read, decode and embed the files, one batch after the other: images/s."""
+    from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
+
+    size = embedder.spec.image_size
+    start = time.perf_counter()
+    n = 0
+    for at in range(0, len(paths), embedder.batch_size):
+        images = [decode_for_embedding(path.read_bytes(), size=size,
+                                       max_pixels=DEFAULT_MAX_PIXELS)
+                  for path in paths[at : at + embedder.batch_size]]
+        n += len(embedder.embed(images))
+    return n / (time.perf_counter() - start)
+
+
+def _pooled_floor(paths: list[Path], embedder) -> float | None:
+    """Read, decode and preprocess in the ingest's decode workers, embed here: images/s
+    (``None`` on a tree without them)."""
+    from types import SimpleNamespace
+
+    try:
+        from index.ingest import _Decoders
+    except ImportError:
+        return None
+    from imgret.images import DEFAULT_MAX_PIXELS
+    from index.media import sha256_hex
+
+    workers = min(4, os.cpu_count() or 1)
+    start = time.perf_counter()
+    n = 0
+    with _Decoders(embedder, DEFAULT_MAX_PIXELS, workers) as decoders:
+        tickets = []
+        for at in range(0, len(paths), embedder.batch_size):
+            work = []
+            for path in paths[at : at + embedder.batch_size]:
+                data = path.read_bytes()
+                work.append(SimpleNamespace(origin=str(path), sha256=sha256_hex(data),
+                                            data=data))
+            tickets.append(decoders.submit(work))
+        for ticket in tickets:
+            inputs = decoders.result(ticket)[0]
+            n += len(embedder.embed_tensors(inputs))
+            decoders.release(ticket)
+    return n / (time.perf_counter() - start)
+
+
+def _forward(paths: list[Path], embedder) -> float:
+    """The forward pass alone on preprocessed inputs of the same files: images/s."""
+    from imgret.images import decode_for_embedding
+
+    size = embedder.spec.image_size
+    tensors = embedder.preprocess([decode_for_embedding(p.read_bytes(), size=size)
+                                   for p in paths])
+    start = time.perf_counter()
+    n = len(embedder.embed_tensors(tensors))
+    return n / (time.perf_counter() - start)
+
+
+def _ingest(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args):
+    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report)."""
+    from imgret.settings import Settings
+    from index import jobs
+
+    db_url, drop = f"sqlite:///{data_dir}/gallery.db", None
+    if postgres:
+        db_url, drop = _create_pg_database(postgres)
+    data_dir.mkdir(parents=True)
+    try:
+        settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
+                            device="cpu")
+        report = jobs.ingest(settings, folder, batch_size=args.batch_size,
+                             chunk_size=args.chunk_size, progress=args.progress)
+    finally:
+        if drop:
+            drop()
+    if report.added != report.total or report.failed:
+        raise SystemExit(f"ingest did not add every image: {report.summary()}")
+    return report.total / report.wall_seconds, report
+
+
+def _create_pg_database(admin_url: str):
+    import psycopg
+
+    name = f"ingest_bench_{uuid.uuid4().hex[:10]}"
+    libpq = admin_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"{admin_url.rsplit('/', 1)[0]}/{name}", drop
+
+
+if __name__ == "__main__":
+    main()
