@@ -8,9 +8,15 @@ deep the relevant items rank.
 
 Per chunk of queries: one float32 GEMM gives the scores (torch, on the caller's ``device``),
 then a numba-compiled kernel, parallel over the chunk's rows, counts the ranks
-(:func:`rank_kernel`). The next chunk's GEMM runs in a helper thread while the kernel works on
-this one. Thread counts are whatever torch and numba are configured with: nothing process-wide
-is changed here.
+(:func:`rank_kernel`), one pass over each score row. GEMM and kernel run one after the other
+(each uses every core; overlapping them only oversubscribed the two cores this was measured
+on). Thread counts are whatever torch and numba are configured with: nothing process-wide is
+changed here.
+
+Issue 14: the kernel went from three to four passes over each row (cells, histogram, flagged
+items) to one (cells computed and compressed LANES at a time, AVX-512 where the CPU has it,
+then counted), writes each query's ranks already ascending (no sort of the chunk's ranks
+afterwards), and the GEMM no longer runs in a helper thread; see docs/metrics_bench.md.
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
@@ -25,16 +31,15 @@ kernel.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from imgret.metrics.relevance import RelevancePlan
 
-# Default size of one chunk of the float32 score matrix (chunk_size x gallery); two are held
-# (the next chunk's GEMM overlaps this chunk's rank counting).
+# Default size of one chunk of the float32 score matrix (chunk_size x gallery); one is held.
 CHUNK_BYTES = 256 << 20
 
 Consumer = Callable[[int, int, np.ndarray, np.ndarray], None]
@@ -58,139 +63,297 @@ def exact_ranks(
     kernel = compiled_kernel()
     n_g = g.shape[0]
     chunk = min(chunk_size, len(evaluated))
-    starts = list(range(0, len(evaluated), chunk))
-    bufs = [np.empty((chunk, n_g), np.float32) for _ in range(min(2, len(starts)))]
-
-    def gemm(i: int) -> None:
-        rows = torch.from_numpy(evaluated[starts[i] : starts[i] + chunk]).to(q.device)
-        out = torch.from_numpy(bufs[i % 2][: len(rows)])
+    buf = np.empty((chunk, n_g), np.float32)
+    for lo in range(0, len(evaluated), chunk):
+        qs = evaluated[lo : lo + chunk]
+        S = buf[: len(qs)]
+        rows = torch.from_numpy(qs).to(q.device)
         if q.device.type == "cpu":
-            torch.mm(q[rows], g.T, out=out)
+            torch.mm(q[rows], g.T, out=torch.from_numpy(S))
         else:  # the kernel runs on the host: bring the scores there
-            out.copy_(q[rows] @ g.T)
-
-    with ThreadPoolExecutor(max_workers=1) as helper:
-        gemm(0)
-        for i, lo in enumerate(starts):
-            pending = helper.submit(gemm, i + 1) if i + 1 < len(starts) else None
-            qs = evaluated[lo : lo + chunk]
-            S = bufs[i % 2][: len(qs)]
-            rel_row, rel_col, rm_row, rm_col = plan.pairs(qs)
-            if rm_row.size:
-                S.reshape(-1)[rm_row * n_g + rm_col] = -np.inf
-            offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(qs)))])
-            ranks = np.empty(len(rel_col), np.int64)
-            kernel(S, offsets, rel_col, ranks)
-            # The metrics read each query's ranks in ranking order.
-            key = rel_row * (n_g + 1)
-            consume(lo, lo + len(qs), np.sort(key + ranks) - key, offsets)
-            if pending is not None:
-                pending.result()
+            torch.from_numpy(S).copy_(q[rows] @ g.T)
+        rel_row, rel_col, rm_row, rm_col = plan.pairs(qs)
+        if rm_row.size:
+            S.reshape(-1)[rm_row * n_g + rm_col] = -np.inf
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(qs)))])
+        ranks = np.empty(len(rel_col), np.int64)
+        kernel(S, offsets, rel_col, ranks)  # each query's ranks in ascending order
+        consume(lo, lo + len(qs), ranks, offsets)
 
 
-# numba.prange once compiled_kernel has imported numba; plain range for the uncompiled kernel.
+# Names rank_kernel calls: the plain-Python versions here; compiled_kernel compiles a copy of
+# rank_kernel in which they are numba.prange and compiled functions.
 _prange = range
+
+# A row is scanned in blocks of BLOCK items, LANES at a time (one 512-bit vector of float32).
+BLOCK = 512
+LANES = 16
+# Cells per relevant item, and interleaved histograms.
+CELLS_PER_ITEM = 8
+WAYS = 2
+
+
+def cell_of(x, w, bias, top):
+    """The cell of score ``x`` (float32): ``trunc(clip(x * w + bias, 0, top))``."""
+    return np.int64(max(min(x * w + bias, top), np.float32(0.0)))
+
+
+def compress_cells(row, pos, cells, idx, k, w, bias, top):
+    """Cells of ``row[pos:pos + LANES]``; those >= 1 are appended, with their item indices, at
+    ``cells[k:]`` and ``idx[k:]`` (which have LANES - 1 spare slots). Returns the new ``k``.
+
+    Branch-free (an item in cell 0 is written and then overwritten). On CPUs with AVX-512,
+    :func:`compiled_kernel` replaces this with one vector compress (:func:`_avx512_compress`).
+    """
+    for i in range(pos, pos + LANES):
+        c = _cell(row[i], w, bias, top)
+        cells[k] = c
+        idx[k] = i
+        k += c >= 1
+    return k
+
+
+_cell = cell_of
+_compress = compress_cells
 
 
 def rank_kernel(S, rel_off, rel_col, out):
     """Exact 1-based ranks of the relevant items of score rows ``S`` (b, n) float32 into ``out``.
 
     Row ``r``'s relevant items are the gallery columns ``rel_col[rel_off[r]:rel_off[r + 1]]``
-    (every row has at least one; removed items are already -inf in ``S``); ``out`` receives
-    their ranks at the same positions.
+    (every row has at least one; removed items are already -inf in ``S``);
+    ``out[rel_off[r]:rel_off[r + 1]]`` receives their ranks in ascending order.
 
     rank(j) = 1 + #{items with a higher score} + #{items with an equal score and a lower
-    gallery index}. Per row, without a sort or a binary search:
+    gallery index}. Per row, one pass over the scores, without a sort or a binary search:
 
-    1. Cells: a monotone float32 map (multiply, add, clip, truncate) puts every score in one of
-       ``n_cells`` cells spanning the row's relevant scores; the relevant scores are read back
-       from the same cells, so a score in a higher cell than a relevant score is higher than
-       it, exactly.
-    2. A histogram of the cells and its suffix sums give "items in strictly higher cells".
-    3. Only items that share a cell with a relevant score are compared with it one by one,
-       ties included.
+    1. Cells: a monotone float32 map (:func:`cell_of`: multiply, add, clip, truncate) puts
+       every score in one of ``n_cells`` cells spanning the row's relevant scores; cell 0 holds
+       the items below every relevant score, which no rank counts. A score in a higher cell
+       than a relevant score is higher than it, exactly. The relevant scores' own cells are
+       computed first, with the same expression, and flag the cells that need a closer look.
+    2. One pass over the row, LANES items at a time: their cells are computed and the items
+       in cells >= 1 are compressed into a small buffer (:func:`compress_cells`; one AVX-512
+       compress where the CPU has it); each of those adds one to its cell's count (four
+       interleaved histograms, so that runs of one cell do not chain on one counter) and is
+       appended, without a branch, to a candidate list that only advances in a flagged cell.
+    3. Only the candidates are compared with the relevant scores of their cell one by one,
+       ties included; suffix sums of the histogram count the items in strictly higher cells.
 
-    Plain Python over NumPy scalars; :func:`compiled_kernel` is the same function compiled by
-    numba (parallel over rows). Run uncompiled it is far too slow for real use and only lets
-    the tests check the algorithm step by step.
+    Rows are split into contiguous segments, one per parallel task, each with its own scratch
+    buffers. Plain Python over NumPy scalars; :func:`compiled_kernel` is the same function
+    compiled by numba (parallel over segments). Run uncompiled it is far too slow for real use
+    and only lets the tests check the algorithm step by step.
     """
     b, n = S.shape
-    for r in _prange(b):
-        lo = rel_off[r]
-        n_rel = rel_off[r + 1] - lo
-        row = S[r]
-        umin = np.float32(np.inf)
-        umax = np.float32(-np.inf)
-        for j in range(n_rel):
-            x = row[rel_col[lo + j]]
-            umin = min(umin, x)
-            umax = max(umax, x)
-        n_cells = min(max(64, 8 * n_rel), max(64, n))
-        span = np.float64(umax) - np.float64(umin)
-        w64 = (n_cells - 2) / span if span > 0 else 1.0
-        # Cap the slope so that |umin * w| < 2**22: the float32 map then stays accurate to
-        # < 1 cell (a near-zero span only puts more items in the relevant scores' cells,
-        # which is slower, never wrong).
-        w = np.float32(min(w64, 2.0**22 / max(abs(np.float64(umin)), 1.0)))
-        bias = np.float32(1.5) - umin * w
-        top = np.float32(n_cells + 1)
-        cells = np.empty(n, np.int32)
-        for e in range(n):  # vectorised
-            cells[e] = np.int32(max(min(row[e] * w + bias, top), np.float32(0.0)))
-        # Relevant items grouped by cell (counting sort). Their cells are read from
-        # `cells`, so an item and its own score always agree.
-        tstart = np.zeros(n_cells + 3, np.int64)
-        for j in range(n_rel):
-            tstart[cells[rel_col[lo + j]] + 2] += 1
-        for c in range(2, n_cells + 3):
-            tstart[c] += tstart[c - 1]
-        torder = np.empty(n_rel, np.int64)
-        for j in range(n_rel):
-            c = cells[rel_col[lo + j]] + 1
-            torder[tstart[c]] = j
-            tstart[c] += 1
-        # Two interleaved histograms break the store-to-load chain of repeated cells.
-        hist = np.zeros(n_cells + 2, np.int64)
-        hist2 = np.zeros(n_cells + 2, np.int64)
-        for e in range(n // 2):
-            hist[cells[2 * e]] += 1
-            hist2[cells[2 * e + 1]] += 1
-        if n % 2:
-            hist[cells[n - 1]] += 1
-        flag = np.zeros(n_cells + 2, np.uint8)
-        for c in range(n_cells + 2):
-            hist[c] += hist2[c]
-            flag[c] = c > 0 and tstart[c + 1] > tstart[c]
-        beats = np.zeros(n_rel, np.int64)
-        for e in range(n):
-            c = cells[e]
-            if flag[c]:
-                s = row[e]
-                for p in range(tstart[c], tstart[c + 1]):
-                    t = torder[p]
-                    col = rel_col[lo + t]
-                    if s > row[col] or (s == row[col] and e < col):
-                        beats[t] += 1
-        acc = 0
-        for c in range(n_cells + 1, -1, -1):  # hist[c] := items in strictly higher cells
-            h = hist[c]
-            hist[c] = acc
-            acc += h
-        for j in range(n_rel):
-            out[lo + j] = 1 + hist[cells[rel_col[lo + j]]] + beats[j]
+    max_rel = 1
+    for r in range(b):
+        max_rel = max(max_rel, rel_off[r + 1] - rel_off[r])
+    max_cells = min(max(64, CELLS_PER_ITEM * max_rel), max(64, n))
+    stride = max_cells + 2
+    n_seg = min(b, 16)
+    for s in _prange(n_seg):
+        hist = np.empty(WAYS * stride, np.int32)
+        flag = np.empty(stride, np.uint8)
+        cells = np.empty(BLOCK + LANES, np.int32)
+        idx = np.empty(BLOCK + LANES, np.int32)
+        cand = np.empty(n, np.int32)
+        vals = np.empty(max_rel, np.float32)
+        rcell = np.empty(max_rel, np.int64)
+        tstart = np.empty(stride + 1, np.int64)
+        torder = np.empty(max_rel, np.int64)
+        beats = np.empty(max_rel, np.int64)
+        for r in range(s * b // n_seg, (s + 1) * b // n_seg):
+            lo = rel_off[r]
+            n_rel = rel_off[r + 1] - lo
+            row = S[r]
+            umin = np.float32(np.inf)
+            umax = np.float32(-np.inf)
+            for j in range(n_rel):
+                x = row[rel_col[lo + j]]
+                vals[j] = x
+                umin = min(umin, x)
+                umax = max(umax, x)
+            n_cells = min(max(64, CELLS_PER_ITEM * n_rel), max(64, n))
+            span = np.float64(umax) - np.float64(umin)
+            w64 = (n_cells - 2) / span if span > 0 else 1.0
+            # Cap the slope so that |umin * w| < 2**22: the float32 map then stays accurate to
+            # < 1 cell (a near-zero span only puts more items in the relevant scores' cells,
+            # which is slower, never wrong).
+            w = np.float32(min(w64, 2.0**22 / max(abs(np.float64(umin)), 1.0)))
+            bias = np.float32(1.5) - umin * w
+            top = np.float32(n_cells + 1)
+            # Relevant items grouped by cell (counting sort), and the cells they flag.
+            for c in range(n_cells + 3):
+                tstart[c] = 0
+            for c in range(n_cells + 2):
+                flag[c] = 0
+            for j in range(n_rel):
+                c = _cell(vals[j], w, bias, top)
+                rcell[j] = c
+                flag[c] = 1
+                tstart[c + 2] += 1
+            for c in range(2, n_cells + 3):
+                tstart[c] += tstart[c - 1]
+            for j in range(n_rel):
+                c = rcell[j] + 1
+                torder[tstart[c]] = j
+                tstart[c] += 1
+            for c in range(WAYS * stride):
+                hist[c] = 0
+            n_cand = 0
+            for b0 in range(0, n, BLOCK):
+                m = min(BLOCK, n - b0)
+                k = 0
+                for i in range(b0, b0 + m - LANES + 1, LANES):
+                    k = _compress(row, i, cells, idx, k, w, bias, top)
+                for i in range(b0 + m - m % LANES, b0 + m):
+                    c = _cell(row[i], w, bias, top)
+                    cells[k] = c
+                    idx[k] = i
+                    k += c >= 1
+                for i in range(0, k - 1, 2):
+                    c0 = np.uint32(cells[i])
+                    c1 = np.uint32(cells[i + 1])
+                    hist[c0] += 1
+                    hist[stride + c1] += 1
+                    cand[n_cand] = idx[i]
+                    n_cand += flag[c0]
+                    cand[n_cand] = idx[i + 1]
+                    n_cand += flag[c1]
+                if k % 2:
+                    c0 = np.uint32(cells[k - 1])
+                    hist[c0] += 1
+                    cand[n_cand] = idx[k - 1]
+                    n_cand += flag[c0]
+            for j in range(n_rel):
+                beats[j] = 0
+            for p in range(n_cand):
+                e = cand[p]
+                x = row[e]
+                c = _cell(x, w, bias, top)
+                for q in range(tstart[c], tstart[c + 1]):  # mostly one item: no branch inside
+                    t = torder[q]
+                    v = vals[t]
+                    beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+            # Ranks, cell by cell from the top: every relevant item in a higher cell ranks before
+            # every one in a lower cell, so they come out ascending; the few in one cell are
+            # sorted in place. acc: items in cells above the current one.
+            acc = 0
+            prev = n_cells + 1
+            o = lo
+            for q in range(n_rel - 1, -1, -1):
+                t = torder[q]
+                c = rcell[t]
+                if c < prev:
+                    for cc in range(c + 1, prev + 1):  # vectorised
+                        acc += hist[cc] + hist[stride + cc]
+                    prev = c
+                rank = 1 + acc + beats[t]
+                i = o
+                while i > lo and out[i - 1] > rank:
+                    out[i] = out[i - 1]
+                    i -= 1
+                out[i] = rank
+                o += 1
+
+
+def _avx512_compress():
+    """:func:`compress_cells` as one AVX-512 vector: the LANES cells are computed with the
+    same float32 operations (so each equals :func:`cell_of`'s), compressed in a register
+    (``vpcompressd``) and stored whole; the lanes past the new ``k`` are scratch. (A compress
+    straight to memory is microcoded and slow on some CPUs, AMD Zen 4 among them.)"""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def compress(typingctx, row, pos, cells, idx, k, w, bias, top):
+        sig = types.intp(
+            row, types.intp, cells, idx, types.intp, types.float32, types.float32, types.float32
+        )
+
+        def codegen(context, builder, sig, args):
+            row_a, pos_v, cells_a, idx_a, k_v, w_v, bias_v, top_v = args
+            i32 = ir.IntType(32)
+            vf = ir.VectorType(ir.FloatType(), LANES)
+            vi = ir.VectorType(i32, LANES)
+            vm = ir.VectorType(ir.IntType(1), LANES)
+
+            def data(i, a):
+                return context.make_array(sig.args[i])(context, builder, a).data
+
+            def splat(x, ty):
+                one = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(
+                    one, ir.Constant(ty, ir.Undefined), ir.Constant(vi, [0] * LANES)
+                )
+
+            src = builder.bitcast(builder.gep(data(0, row_a), [pos_v]), vf.as_pointer())
+            x = builder.fadd(
+                builder.fmul(builder.load(src, align=4), splat(w_v, vf)), splat(bias_v, vf)
+            )
+            top_s = splat(top_v, vf)
+            zero = ir.Constant(vf, [0.0] * LANES)
+            x = builder.select(builder.fcmp_ordered("<", x, top_s), x, top_s)
+            x = builder.select(builder.fcmp_ordered(">", x, zero), x, zero)
+            cell = builder.fptosi(x, vi)
+            keep = builder.fcmp_ordered(">=", x, ir.Constant(vf, [1.0] * LANES))
+            item = builder.add(
+                splat(builder.trunc(pos_v, i32), vi), ir.Constant(vi, list(range(LANES)))
+            )
+            fn = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(vi, [vi, vi, vm]),
+                "llvm.x86.avx512.mask.compress.v16i32",
+            )
+            undef = ir.Constant(vi, ir.Undefined)
+            for value, dst in ((cell, data(2, cells_a)), (item, data(3, idx_a))):
+                packed = builder.call(fn, [value, undef, keep])
+                builder.store(
+                    packed, builder.bitcast(builder.gep(dst, [k_v]), vi.as_pointer()), align=4
+                )
+            popcount = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.IntType(LANES), [ir.IntType(LANES)]),
+                f"llvm.ctpop.i{LANES}",
+            )
+            kept = builder.call(popcount, [builder.bitcast(keep, ir.IntType(LANES))])
+            return builder.add(k_v, builder.zext(kept, k_v.type))
+
+        return sig, codegen
+
+    return compress
 
 
 @functools.cache
 def compiled_kernel():
-    """:func:`rank_kernel` compiled by numba, parallel over rows; compiled on first use and
-    cached on disk when the package directory is writable."""
+    """:func:`rank_kernel` compiled by numba, parallel over row segments, with
+    :func:`compress_cells` as one AVX-512 compress where the CPU has AVX-512; compiled on
+    first use and cached on disk when the package directory is writable."""
     # Imported here: numba's import costs ~0.5 s, which only an evaluation should pay.
     import numba
+    from llvmlite import binding
 
-    global _prange
-    _prange = numba.prange  # resolved as a global when numba compiles rank_kernel
+    inline = numba.njit(inline="always")
+    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
+    if "+avx512f" in binding.get_host_cpu_features().flatten().split(","):
+        names["_compress"] = _avx512_compress()
+    else:
+        names["_compress"] = inline(_seeing(compress_cells, names))
+    fn = _seeing(rank_kernel, names)
     options = {"parallel": True, "nogil": True, "boundscheck": False}
     try:
-        return numba.njit(cache=True, **options)(rank_kernel)
+        return numba.njit(cache=True, **options)(fn)
     except RuntimeError:  # no writable cache location: compile without caching
-        return numba.njit(**options)(rank_kernel)
+        return numba.njit(**options)(fn)
+
+
+def _seeing(fn, names):
+    """A copy of ``fn`` whose globals ``names`` are replaced (the compiled versions), so that
+    the module's own functions stay plain Python."""
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__)
+    copy.__qualname__ = fn.__qualname__
+    copy.__doc__ = fn.__doc__
+    return copy

@@ -69,9 +69,9 @@ def retrieval_metrics(
             against itself). Needs ``n_queries == n_gallery`` and equal labels (and cameras).
         query_cameras: ``(n_queries,)`` camera ids, or None. Give both camera arrays or neither.
         gallery_cameras: ``(n_gallery,)`` camera ids, or None.
-        chunk_size: queries per chunk; default: as many as fit 256 MiB of float32 scores. Two
-            chunks of scores are held in host memory (``2 * chunk_size * n_gallery * 4``
-            bytes), plus ``n_gallery`` cell ids per rank-counting thread.
+        chunk_size: queries per chunk; default: as many as fit 256 MiB of float32 scores. One
+            chunk of scores is held in host memory (``chunk_size * n_gallery * 4`` bytes),
+            plus ``n_gallery`` candidate ids per rank-counting task (at most 16).
         device: where the query x gallery product runs: ``"cpu"`` or a torch CUDA device
             (``"cuda"``, ``"cuda:1"``). The ranks are counted on the CPU either way.
         bootstrap: number of bootstrap resamples of the queries for ``ci95``; 0 disables it.

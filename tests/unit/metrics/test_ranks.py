@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from imgret.metrics.ranks import compiled_kernel, exact_ranks, rank_kernel
+from imgret.metrics.ranks import (
+    BLOCK,
+    LANES,
+    _seeing,
+    cell_of,
+    compiled_kernel,
+    compress_cells,
+    exact_ranks,
+    rank_kernel,
+)
 from imgret.metrics.relevance import RelevancePlan
 from tests.unit.metrics.cases import clustered, integer_embeddings
 
@@ -45,6 +54,12 @@ def block(x, plan, evaluated):
     return S, offsets, rel_row, rel_col
 
 
+def ascending_per_row(ranks, offsets):
+    """The kernel's layout: each row's ranks in ascending order."""
+    bounds = zip(offsets[:-1], offsets[1:], strict=True)
+    return np.concatenate([np.sort(ranks[a:b]) for a, b in bounds])
+
+
 def kernel_output(kernel, S, offsets, rel_col):
     out = np.empty(len(rel_col), np.int64)
     kernel(S.copy(), offsets, rel_col, out)
@@ -74,7 +89,8 @@ def test_compiled_kernel_matches_a_full_sort(noise, rows):
     evaluated = np.flatnonzero(plan.num_relevant > 0)[:rows]
     S, offsets, rel_row, rel_col = block(x, plan, evaluated)
     got = kernel_output(compiled_kernel(), S, offsets, rel_col)
-    np.testing.assert_array_equal(got, sorted_ranks(S, rel_row, rel_col))
+    want = ascending_per_row(sorted_ranks(S, rel_row, rel_col), offsets)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("loo", [True, False])
@@ -85,7 +101,8 @@ def test_plain_python_kernel_matches_a_full_sort(loo):
     evaluated = np.flatnonzero(plan.num_relevant > 0)[:12]
     S, offsets, rel_row, rel_col = block(x, plan, evaluated)
     got = kernel_output(rank_kernel, S, offsets, rel_col)
-    np.testing.assert_array_equal(got, sorted_ranks(S, rel_row, rel_col))
+    want = ascending_per_row(sorted_ranks(S, rel_row, rel_col), offsets)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_compiled_kernel_matches_plain_python_kernel_on_ties():
@@ -94,5 +111,36 @@ def test_compiled_kernel_matches_plain_python_kernel_on_ties():
     plan = RelevancePlan(y, y, cam, cam, 120, 120, False)
     evaluated = np.flatnonzero(plan.num_relevant > 0)[:30]
     S, offsets, _, rel_col = block(x, plan, evaluated)
-    np.testing.assert_array_equal(kernel_output(compiled_kernel(), S, offsets, rel_col),
-                                  kernel_output(rank_kernel, S, offsets, rel_col))
+    np.testing.assert_array_equal(
+        kernel_output(compiled_kernel(), S, offsets, rel_col),
+        kernel_output(rank_kernel, S, offsets, rel_col),
+    )
+
+
+def scalar_compiled_kernel():
+    """The kernel compiled with the portable compress (what a CPU without AVX-512 runs)."""
+    import numba
+
+    inline = numba.njit(inline="always")
+    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
+    names["_compress"] = inline(_seeing(compress_cells, names))
+    return numba.njit(parallel=True, boundscheck=False)(_seeing(rank_kernel, names))
+
+
+@pytest.mark.parametrize("n", [2 * BLOCK + LANES + 3, 3 * BLOCK])  # several blocks, a tail
+@pytest.mark.parametrize("ties", [False, True])
+def test_long_rows_many_relevant_both_compress_paths(n, ties):
+    # Rows longer than a block, item counts that are no multiple of LANES, R in the hundreds
+    # (more cells than the 64 minimum), and with ties: integer scores.
+    rng = np.random.default_rng(n + ties)
+    if ties:
+        x, _ = integer_embeddings(n, d=6, seed=21)
+    else:
+        x, _ = clustered(n, d=8, classes=3, noise=1.0, seed=21)
+    y = rng.integers(0, 3, n)
+    plan = RelevancePlan(y, y, None, None, n, n, True)
+    evaluated = np.flatnonzero(plan.num_relevant > 0)[:40]
+    S, offsets, rel_row, rel_col = block(x, plan, evaluated)
+    want = ascending_per_row(sorted_ranks(S, rel_row, rel_col), offsets)
+    for kernel in (compiled_kernel(), scalar_compiled_kernel()):
+        np.testing.assert_array_equal(kernel_output(kernel, S, offsets, rel_col), want)
