@@ -32,7 +32,9 @@ Decisions (the contract is silent on these):
   (``write_pause_ms`` in the report: one query and a few links), then everything is copied
   from the pins and the pinned snapshot without any lock. Where a link is impossible (the
   store on another file system than the data dir), the file is copied under the lock instead,
-  which makes the pause longer (logged).
+  which makes the pause longer (logged). Image bytes kept in the database (the
+  ``media_blobs`` table of the database media backend) are part of the snapshot itself; only
+  hashes without a blob need a file.
 - **Indexes match the snapshot.** Each saved index (and the active version's, saved or not)
   is copied, then opened with :meth:`index.search.Searcher.open` against the snapshot itself:
   it is kept when its manifest and checksum hold and its ids, after replaying the snapshot's
@@ -367,9 +369,8 @@ class _Snapshot:
         rows = self.query("SELECT version_num FROM alembic_version")
         self.revision = rows[0][0] if rows else ""
         self.change_seq = int(self.query("SELECT COALESCE(MAX(seq), 0) FROM gallery_changes")[0][0])
-        self.media = {r[0] for r in self.query(
-            "SELECT sha256 FROM gallery_items WHERE deleted_at IS NULL "
-            "UNION SELECT sha256 FROM query_items")}
+        blobs = self.query(_BLOBS_TABLE_SQL[self.kind])[0][0]
+        self.media = {r[0] for r in self.query(_referenced_files_sql(bool(blobs)))}
         self.gallery_items = int(self.query(
             "SELECT COUNT(*) FROM gallery_items WHERE deleted_at IS NULL")[0][0])
         self.query_items = int(self.query("SELECT COUNT(*) FROM query_items")[0][0])
@@ -399,6 +400,21 @@ class _Snapshot:
                 _carry_pg_sequences(self.connection, target)
         finally:
             engine.dispose()
+
+
+# Image bytes kept in the database (``media_blobs``, the database media backend) travel with
+# the snapshot; only the hashes without a blob need a file.
+_BLOBS_TABLE_SQL = {
+    "sqlite": "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'media_blobs'",
+    "postgresql": "SELECT to_regclass('media_blobs') IS NOT NULL",
+}
+
+
+def _referenced_files_sql(with_blobs: bool) -> str:
+    """The hashes a live gallery item or a query item refers to whose bytes are files."""
+    unless = " AND sha256 NOT IN (SELECT sha256 FROM media_blobs)" if with_blobs else ""
+    return (f"SELECT sha256 FROM gallery_items WHERE deleted_at IS NULL{unless} "
+            f"UNION SELECT sha256 FROM query_items WHERE 1 = 1{unless}")
 
 
 @contextmanager
@@ -774,9 +790,8 @@ def verify_backup(src: str | Path) -> VerifiedBackup:
         if not rows or rows[0][0] != revision:
             raise BackupError(f"{root / DATABASE_FILE}: not at revision {revision} as "
                               f"{BACKUP_FILE} says; use another backup")
-        wanted = {r[0] for r in db.execute(
-            "SELECT sha256 FROM gallery_items WHERE deleted_at IS NULL "
-            "UNION SELECT sha256 FROM query_items")}
+        blobs = db.execute(_BLOBS_TABLE_SQL["sqlite"]).fetchone()[0]
+        wanted = {r[0] for r in db.execute(_referenced_files_sql(bool(blobs)))}
         missing = sorted(wanted - set(media))
         if missing:
             raise BackupError(f"{root}: {len(missing)} image files the snapshot refers to are "
