@@ -202,6 +202,27 @@ class LiveIndex:
                 hits[row] = row_hits
         return hits
 
+    def neighbours(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Unfiltered top ``min(k, live)`` over the live ids as arrays (no :class:`Hit`
+        objects: re-ranking reads thousands of these lists).
+
+        Returns:
+            ``(scores (n, w) float32, ids (n, w) int64)``, best first; ``-1`` ids (and
+            ``-inf`` scores) pad rows that came back short.
+        """
+        want = min(k, len(self.catalog))
+        if want == 0 or not len(queries):
+            return (np.zeros((len(queries), 0), np.float32),
+                    np.zeros((len(queries), 0), np.int64))
+        if not self.tombstones and self._gpu is None:
+            return self._search_cpu(queries, want)  # every stored id is live
+        scores = np.full((len(queries), want), -np.inf, dtype=np.float32)
+        ids = np.full((len(queries), want), -1, dtype=np.int64)
+        for row, hits in enumerate(self.search(queries, want, None)):
+            ids[row, : len(hits)] = [hit.id for hit in hits]
+            scores[row, : len(hits)] = [hit.score for hit in hits]
+        return scores, ids
+
     def _search_cpu(self, queries: np.ndarray, want: int) -> tuple[np.ndarray, np.ndarray]:
         """Unfiltered CPU search: an exact Flat index below FAISS's BLAS threshold goes to a
         BLAS product and FAISS's heaps; every other search to FAISS on one OpenMP thread per

@@ -210,9 +210,11 @@ def k_reciprocal_distances(
     half_size = half_reciprocal.sum(axis=1)
     # overlap[x, c] = |R(c, k1/2) ∩ R(x, k1)|; c expands x when it is in R(x, k1) and more
     # than 2/3 of its own set lies in R(x, k1).
-    overlap = reciprocal.astype(np.int64) @ half_reciprocal.T.astype(np.int64)
+    # (counts of at most n: exact in float64, and BLAS multiplies floats)
+    overlap = reciprocal.astype(np.float64) @ half_reciprocal.T.astype(np.float64)
     expands = reciprocal & (overlap > 2.0 / 3 * half_size[None, :])
-    expanded = reciprocal | ((expands.astype(np.int64) @ half_reciprocal.astype(np.int64)) > 0)
+    expanded = reciprocal | ((expands.astype(np.float64) @ half_reciprocal.astype(np.float64))
+                             > 0)
     weights = np.where(expanded, np.exp(-norm), 0.0)
     v = weights / np.maximum(weights.sum(axis=1, keepdims=True), np.finfo(np.float64).tiny)
     if k2 != 1:
@@ -326,9 +328,8 @@ def _k_reciprocal(live: LiveIndex, queries: np.ndarray, k: int,
     ids = np.array(sorted({hit.id for row in candidates for hit in row}), dtype=np.int64)
     vectors = live.vectors(ids)
     extra = max((len(g.exclude_ids) for g in graphs if g is not None), default=0)
-    width = options.k1 + 1 + extra
-    neighbours = live.search(vectors, width, None) if len(ids) else []
-    farthest = live.search(-np.concatenate([vectors, queries]), 1 + extra, None)
+    nb_scores, nb_ids = live.neighbours(vectors, options.k1 + 1 + extra)
+    far_scores, far_ids = live.neighbours(-np.concatenate([vectors, queries]), 1 + extra)
 
     out: list[list[Hit]] = []
     for row in range(n_queries):
@@ -337,11 +338,11 @@ def _k_reciprocal(live: LiveIndex, queries: np.ndarray, k: int,
         if not cand:
             out.append([])
             continue
-        at = np.searchsorted(ids, [hit.id for hit in cand])
-        local = _local_problem(queries[row], cand, vectors[at],
-                               [neighbours[i] for i in at.tolist()],
-                               [farthest[i] for i in at.tolist()],
-                               farthest[len(ids) + row], excluded, options.k1 + 1)
+        cand_ids = np.fromiter((hit.id for hit in cand), np.int64, len(cand))
+        at = np.searchsorted(ids, cand_ids)
+        rows = np.append(at, len(ids) + row)  # the candidates', then the query's farthest
+        local = _local_problem(queries[row], cand_ids, vectors[at], nb_ids[at], nb_scores[at],
+                               far_ids[rows], far_scores[rows], excluded, options.k1 + 1)
         final = k_reciprocal_distances(*local, k1=options.k1, k2=options.k2,
                                        lambda_value=options.lambda_value)
         order = np.argsort(final, kind="stable")
@@ -353,7 +354,7 @@ def _k_reciprocal(live: LiveIndex, queries: np.ndarray, k: int,
         if selects[row]:
             mask, _ = live.catalog.allowed(filters[row], has_tombstones=False)
             ranked = [hit for hit in ranked if mask[hit.id]]
-            in_u = {hit.id for hit in cand}
+            in_u = set(cand_ids.tolist())
             tail = [hit for hit in live.search(queries[row : row + 1], k + n_cand,
                                                filters[row])[0] if hit.id not in in_u]
         else:
@@ -369,54 +370,60 @@ def _sq(score: float) -> float:
 
 
 def _local_problem(
-    query: np.ndarray, cand: list[Hit], cand_vectors: np.ndarray,
-    cand_neighbours: list[list[Hit]], cand_farthest: list[list[Hit]],
-    query_farthest: list[Hit], excluded: frozenset[int], depth: int,
+    query: np.ndarray, cand_ids: np.ndarray, cand_vectors: np.ndarray,
+    nb_ids: np.ndarray, nb_scores: np.ndarray, far_ids: np.ndarray, far_scores: np.ndarray,
+    excluded: frozenset[int], depth: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dist, ranks, row_max)`` of :func:`k_reciprocal_distances` for U = {q} ∪ cand."""
-    n = len(cand) + 1
+    """``(dist, ranks, row_max)`` of :func:`k_reciprocal_distances` for U = {q} ∪ cand.
+
+    Args:
+        query: ``(d,)``; cand_ids ``(m,)`` and cand_vectors ``(m, d)``: its candidates, best
+            first.
+        nb_ids, nb_scores: ``(m, W)`` each candidate's nearest gallery items (``-1`` pads).
+        far_ids, far_scores: ``(m + 1, F)`` the top hits of each candidate's negated vector,
+            then of the query's (``-score`` is the smallest inner product).
+        excluded: ids outside the query's gallery.
+        depth: k1 + 1, the list length the algorithm reads.
+    """
+    m = len(cand_ids)
+    n = m + 1
     members = np.concatenate([query[None, :], cand_vectors]).astype(np.float64)
     dist = np.maximum(0.0, 2.0 - 2.0 * (members @ members.T))
     np.fill_diagonal(dist, 0.0)
-    position = {hit.id: i + 1 for i, hit in enumerate(cand)}
+    gone = np.fromiter(excluded, np.int64, len(excluded))
+
+    # Each candidate's list over {q} ∪ gallery: itself first (distance 0, whatever an
+    # approximate index says), its other live neighbours in order with q inserted after those
+    # at least as similar as q, as indexes into U (-1: outside U, still holding its rank).
+    valid = (nb_ids >= 0) & (nb_ids != cand_ids[:, None]) & ~np.isin(nb_ids, gone)
+    order = np.argsort(~valid, axis=1, kind="stable")  # valid entries first, in order
+    valid = np.take_along_axis(valid, order, axis=1)
+    listed = np.take_along_axis(nb_ids, order, axis=1)
+    scores = np.take_along_axis(nb_scores, order, axis=1)
+    by_id = np.argsort(cand_ids)
+    where = np.minimum(np.searchsorted(cand_ids[by_id], listed), m - 1)
+    inside = valid & (cand_ids[by_id][where] == listed)
+    local = np.where(inside, by_id[where] + 1, -1)
+    q_scores = members[1:] @ members[0]
+    before_q = (valid & (scores >= q_scores[:, None])).sum(axis=1)
+    width = listed.shape[1]
+    lists = np.full((m, width + 2), -1, dtype=np.int64)
+    lists[:, 0] = np.arange(1, n)
+    column = 1 + np.arange(width)[None, :] + (np.arange(width)[None, :] >= before_q[:, None])
+    lists[np.arange(m)[:, None], column] = local
+    lists[np.arange(m), 1 + before_q] = 0
     ranks = np.full((n, depth), -1, dtype=np.int64)
-    # The query: itself, then its candidates (they are its nearest items, in order).
-    own = np.arange(min(n, depth))
-    ranks[0, : len(own)] = own
-    query_scores = members[1:] @ members[0]
-    for i, hits in enumerate(cand_neighbours, start=1):
-        # The candidate's list over {q} ∪ gallery: itself first (distance 0, whatever an
-        # approximate index says), then q inserted at its similarity.
-        row: list[int] = [i]
-        own = cand[i - 1].id
-        q_score, q_placed = query_scores[i - 1], False
-        for hit in hits:
-            if hit.id in excluded or hit.id == own:
-                continue
-            if not q_placed and q_score > hit.score:
-                row.append(0)
-                q_placed = True
-            row.append(position.get(hit.id, -1))
-            if len(row) >= depth:
-                break
-        if not q_placed and len(row) < depth:
-            row.append(0)
-        row = row[:depth]
-        ranks[i, : len(row)] = row
-    row_max = np.empty(n)
-    row_max[0] = _farthest(query_farthest, excluded, dist[0])
-    for i, hits in enumerate(cand_farthest, start=1):
-        row_max[i] = max(_farthest(hits, excluded, dist[i]), dist[i, 0])
-    return dist, ranks, row_max
+    ranks[0, : min(n, depth)] = np.arange(min(n, depth))  # the query: itself, its candidates
+    ranks[1:, : min(depth, width + 2)] = lists[:, :depth]
 
-
-def _farthest(hits: list[Hit], excluded: frozenset[int], local_row: np.ndarray) -> float:
-    """The largest squared distance to a gallery item, from the search of the negated
-    vector (``-score`` is the smallest inner product); U's own row when nothing came back."""
-    for hit in hits:
-        if hit.id not in excluded:
-            return max(_sq(-hit.score), float(local_row.max()))
-    return float(local_row.max()) or 1.0
+    # Row maxima: the farthest live, non-excluded gallery item, and U's own row.
+    usable = (far_ids >= 0) & ~np.isin(far_ids, gone)
+    first = np.argmax(usable, axis=1)
+    farthest = np.where(usable.any(axis=1),
+                        np.maximum(0.0, 2.0 + 2.0 * far_scores[np.arange(n), first]), 0.0)
+    farthest = np.roll(farthest, 1)  # the query's row is the last one fetched
+    row_max = np.maximum(farthest, dist.max(axis=1))
+    return dist, ranks, np.where(row_max > 0, row_max, 1.0)
 
 
 def rerank_summary(options: Rerank | None) -> str:
