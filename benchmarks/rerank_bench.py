@@ -12,11 +12,11 @@ Two labelled sets, each embedded by a model trained the way its users would:
   identity and camera pair in ``query``, under the Market-1501 rule (same-camera matches
   removed).
 
-Each set is evaluated three times through the Searcher (exact ``Flat`` index,
+Each set is evaluated four times through the Searcher (exact ``Flat`` index,
 ``index.evaluation.evaluate``): plain, k-reciprocal re-ranking (paper defaults k1 = 20,
-k2 = 6, lambda = 0.3, N = 100 candidates, and N = 400, above the demo's R = 300) and average query
-expansion (top 5). Deltas are
-paired over the same queries (``index.evaluation.compare_versions``: bootstrap 95% interval).
+k2 = 6, lambda = 0.3 with N = 100 candidates, and with N = 400, above the demo's R = 300)
+and average query expansion (top 5). Deltas are paired over the same queries
+(``index.evaluation.compare_versions``: bootstrap 95% interval).
 Cost: single-query searches (k = 10, as /search serves them), median and p90 ms, beside the
 plain search of the same queries in the same run, and the peak Python/NumPy memory of one
 re-ranked query (tracemalloc) beside the (Q + G)^2 float32 matrix a full-matrix
