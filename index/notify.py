@@ -45,7 +45,6 @@ class ChangeListener:
         self.on_change = on_change
         self.retry_s = retry_s
         self.listening = threading.Event()  # set while a LISTEN connection is open
-        self.notifications = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="imgret-listen", daemon=True)
 
@@ -74,7 +73,6 @@ class ChangeListener:
                     while not self._stop.is_set():
                         # A timeout so that stop() is seen; a notification returns at once.
                         for notify in connection.notifies(timeout=0.5):
-                            self.notifications += 1
                             self.on_change(notify.payload)
             except Exception as exc:  # noqa: BLE001 - reconnect; the poll covers the gap
                 self.listening.clear()

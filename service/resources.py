@@ -22,7 +22,7 @@ from index import store, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
 from index.media import MediaStore
-from index.notify import ChangeListener, listen_for_changes
+from index.notify import listen_for_changes
 from index.search import Searcher
 from service.batching import DynamicBatcher
 from service.pipeline import Answer, ImageQuery, Serving, build_search_batcher
@@ -49,13 +49,6 @@ class FollowerState:
     last_ok_at: float = field(default_factory=time.time)
     failures: int = 0
     last_error: str | None = None
-    listener: ChangeListener | None = None  # PostgreSQL's wake-ups, when listening
-
-    @property
-    def wakeup(self) -> str:
-        """``notify`` while a LISTEN connection is open, else ``poll``."""
-        listening = self.listener is not None and self.listener.listening.is_set()
-        return "notify" if listening else "poll"
 
     def lag_seconds(self, now: float | None = None) -> float:
         """Seconds since the index last caught up with the database."""
@@ -373,7 +366,6 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
         listen_for_changes(resources.engine, notified)
         if resources.settings.change_notify else None
     )
-    state.listener = listener
     try:
         while True:
             with contextlib.suppress(TimeoutError):
