@@ -36,8 +36,6 @@ router = APIRouter(prefix="/search", tags=["search"])
 K_DEFAULT = 10
 SEARCH_OPTIONS = ("k", "label", "camera", "metadata", *RERANK_FIELDS)
 SEARCH_FIELDS = ("image", "images", "id", *SEARCH_OPTIONS)
-# Whether the image path (service.pipeline.ImageQuery) carries a re-ranking option yet.
-PIPELINE_RERANKS = "rerank" in {field.name for field in dataclasses.fields(ImageQuery)}
 
 _ERRORS = {
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
@@ -195,13 +193,6 @@ def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) 
 
 def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
     """The pipeline's query for an uploaded image."""
-    if options.rerank is None:
-        return ImageQuery(data, options.k, options.filters)
-    if not PIPELINE_RERANKS:
-        raise HTTPException(
-            501, "re-ranking a search by uploaded image is not available in this build (the "
-                 "query pipeline does not carry it yet); search by `id`, or use /evaluate"
-        )
     return ImageQuery(data, options.k, options.filters, rerank=options.rerank)
 
 

@@ -1,5 +1,5 @@
-"""Re-ranking through the API: /search by id, /evaluate (upload, named set, plain against
-re-ranked), and the 422s of bad options."""
+"""Re-ranking through the API: /search by id and by uploaded image, /evaluate (upload, named
+set, plain against re-ranked), and the 422s of bad options."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from imgret.images import decode_image
 from imgret.metrics import ranking_metrics
 from index import store
 from index.search.rerank import KReciprocal, QueryExpansion
-from service.routers.search import PIPELINE_RERANKS
 from tests.api.conftest import add_gallery, png, search
 from tests.support.images import write_image_folder
 from tests.unit.index.test_rerank import reference_one_query
@@ -65,16 +64,17 @@ def test_search_by_id_with_query_expansion(client) -> None:
 def test_search_by_uploaded_image_with_rerank(client) -> None:
     add_gallery(client, classes=3, per_class=4)
     response = search(client, png(1, 50), k=5, rerank="k_reciprocal")
-    if not PIPELINE_RERANKS:
-        # service/pipeline.py does not carry the option yet (patch in the issue notes).
-        assert response.status_code == 501, response.text
-        assert "search by `id`" in response.json()["detail"]
-        return
     assert response.status_code == 200, response.text
+    hits = response.json()["results"]
     resources = client.app.state.resources
     query = resources.embedder.embed([decode_image(png(1, 50))])
     want = resources.searcher.search(query, 5, rerank=KReciprocal())[0]
-    assert [hit["id"] for hit in response.json()["results"]] == [h.id for h in want]
+    assert [hit["id"] for hit in hits] == [h.id for h in want]
+    np.testing.assert_allclose([hit["score"] for hit in hits], [h.score for h in want],
+                               atol=1e-6)
+    # Re-ranked, not plain: k-reciprocal scores are 1 - its final distance, not cosines.
+    plain = resources.searcher.search(query, 5)[0]
+    assert not np.allclose([h.score for h in want], [h.score for h in plain], atol=1e-3)
 
 
 def test_evaluate_upload_ranks_with_the_reranked_search(client, tiny_checkpoint: Path) -> None:
