@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -20,6 +21,9 @@ from imgret.errors import CheckpointError, DatabaseError, GalleryError
 from imgret.settings import Settings
 from index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import IngestReport
+
+if TYPE_CHECKING:  # numpy and the search package load with the command that needs them
+    from index.search.rerank import Rerank
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +148,14 @@ def build(
 def evaluate_named(
     settings: Settings, name: str, *, ks: list[int] | None = None,
     exclude_same_camera: bool = False, model_version: str | None = None, worst: int = 0,
+    rerank: Rerank | None = None,
 ) -> dict:
     """`imgret evaluate`: the report of ``POST /evaluate {"query_set": name}``, same code.
 
     The index of the version is loaded (or rebuilt from SQL) like the service does; the model
     (``settings.model``) is needed only when the query set has no stored embeddings for it.
+    With ``rerank`` the results are re-ranked as ``/search`` does, and the report is not kept
+    as the version's last evaluation.
     """
     from imgret.embedder import Embedder
     from index import versions
@@ -163,10 +170,10 @@ def evaluate_named(
         model_version = embedder.model_version
     with open_gallery(settings) as sessions:
         searcher = Searcher.from_settings(sessions, settings, model_version)  # None: active
-        # On record as the version's last evaluation (GET /models shows it).
+        # On record as the version's last evaluation (GET /models shows it), unless re-ranked.
         return versions.evaluate_recorded(
             searcher, name, session_factory=sessions, embedder=embedder,
             media=MediaStore.in_data_dir(settings.data_dir),
             max_pixels=settings.max_image_pixels, k=ks,
-            exclude_same_camera=exclude_same_camera, worst=worst,
+            exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
         ).report

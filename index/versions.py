@@ -308,8 +308,12 @@ def _get(session: Session, version: str) -> ModelVersion:
 def record_evaluation(
     version: str, report: dict[str, Any], *, session_factory: sessionmaker[Session],
 ) -> None:
-    """Keep a summary of a named query set's evaluation as the version's last one."""
-    if not report.get("query_set"):
+    """Keep a summary of a named query set's evaluation as the version's last one.
+
+    Uploaded query sets (no name) and re-ranked evaluations (``report["rerank"]``: a search
+    option, not the model) are not kept.
+    """
+    if not report.get("query_set") or report.get("rerank"):
         return
     summary = {
         "query_set": report["query_set"], "at": utcnow().isoformat(),
@@ -324,8 +328,9 @@ def record_evaluation(
 def evaluate_recorded(searcher: Any, query_set: str, *,
                       session_factory: sessionmaker[Session], **options: Any) -> Evaluation:
     """:func:`index.evaluation.evaluate_query_set` through ``searcher`` (its version's index),
-    kept as that version's last evaluation: what ``/evaluate``, ``imgret evaluate`` and the
-    comparisons run. ``options`` as ``evaluate_query_set`` (embedder, media, k, ...)."""
+    kept as that version's last evaluation unless re-ranked (:func:`record_evaluation`): what
+    ``/evaluate``, ``imgret evaluate`` and the comparisons run. ``options`` as
+    ``evaluate_query_set`` (embedder, media, k, rerank, ...)."""
     result = evaluate_query_set(searcher, query_set, session_factory=session_factory, **options)
     record_evaluation(searcher.model_version, result.report, session_factory=session_factory)
     return result

@@ -38,10 +38,8 @@ def evaluate_version(
         media=resources.media, max_pixels=resources.settings.max_image_pixels, k=k,
         exclude_same_camera=exclude_same_camera, worst=worst,
     )
-    searcher = resources.searcher_for(version)
-    if rerank is not None:
-        return evaluation.evaluate_query_set(searcher, query_set, rerank=rerank, **options)
-    return versions.evaluate_recorded(searcher, query_set, **options)
+    return versions.evaluate_recorded(resources.searcher_for(version), query_set,
+                                      rerank=rerank, **options)
 
 
 def compare_named(

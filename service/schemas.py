@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from index.search.rerank import (
     ALPHA_MAX,
@@ -167,6 +175,29 @@ class RerankRequest(BaseModel):
                              f"rerank={self.rerank}")
         self.rerank_option()
         return self
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any]) -> Rerank | None:
+        """The re-ranking that ``rerank`` / ``rerank_*`` values name, checked by this model:
+        the one parser of ``/search``'s form, ``/evaluate``'s form and ``imgret evaluate``'s
+        options (``/evaluate``'s JSON validates the model itself).
+
+        Args:
+            values: field name -> value as sent (text or typed); ``None`` or blank text is
+                "not sent".
+
+        Raises:
+            ValueError: one line, ``field: reason; ...`` (the routers answer it with 422).
+        """
+        sent = {name: value.strip() if isinstance(value, str) else value
+                for name, value in values.items()}
+        try:
+            request = cls.model_validate(
+                {name: value for name, value in sent.items() if value not in (None, "")}
+            )
+        except ValidationError as exc:
+            raise ValueError(validation_message(exc)) from None
+        return request.rerank_option()
 
     def rerank_option(self) -> Rerank | None:
         """The ``index.search.rerank`` options these fields name (``None``: plain search).

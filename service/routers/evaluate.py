@@ -25,7 +25,6 @@ from service.schemas import (
     ModelComparison,
     RerankRequest,
     check_ks,
-    validation_message,
 )
 from service.validation import CAMERA_MAX, MODEL_VERSION_MAX, check_label
 
@@ -211,12 +210,11 @@ def parse_rerank_fields(form: FormData) -> Rerank | None:
         sent = form.getlist(name)
         if len(sent) > 1:
             raise HTTPException(422, f"{name} was sent more than once: send it once")
-        if sent and str(sent[0]).strip():
-            values[name] = str(sent[0]).strip()
+        values[name] = str(sent[0]) if sent else None
     try:
-        return RerankRequest.model_validate(values).rerank_option()
-    except ValidationError as exc:
-        raise HTTPException(422, validation_message(exc)) from None
+        return RerankRequest.parse(values)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
 
 
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:

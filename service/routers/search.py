@@ -9,7 +9,6 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
-from pydantic import ValidationError
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
@@ -27,7 +26,6 @@ from service.schemas import (
     SearchBatchResponse,
     SearchHit,
     SearchResponse,
-    validation_message,
 )
 from service.validation import LABEL_MAX, Camera, SafeText, form_fields, parse_json_object
 
@@ -83,16 +81,14 @@ def rerank_form(
     ] = None,
 ) -> RerankForm:
     """The re-ranking fields, checked as :class:`~service.schemas.RerankRequest` (422)."""
-    values = {
-        "rerank": rerank, "rerank_k1": rerank_k1, "rerank_k2": rerank_k2,
-        "rerank_lambda": rerank_lambda, "rerank_candidates": rerank_candidates,
-        "rerank_top_m": rerank_top_m, "rerank_alpha": rerank_alpha,
-    }
     try:
-        request = RerankRequest.model_validate({n: v for n, v in values.items() if v is not None})
-        return RerankForm(request.rerank_option())
-    except ValidationError as exc:
-        raise HTTPException(422, validation_message(exc)) from None
+        return RerankForm(RerankRequest.parse({
+            "rerank": rerank, "rerank_k1": rerank_k1, "rerank_k2": rerank_k2,
+            "rerank_lambda": rerank_lambda, "rerank_candidates": rerank_candidates,
+            "rerank_top_m": rerank_top_m, "rerank_alpha": rerank_alpha,
+        }))
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
 
 
 def search_options(

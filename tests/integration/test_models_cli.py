@@ -1,4 +1,5 @@
-"""`imgret models ...`: the CLI twins of /models on a real database (SQLite and PostgreSQL)."""
+"""`imgret models ...` (the CLI twins of /models) and `imgret evaluate`, on a real database
+(SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,55 @@ def test_cli_errors_are_domain_errors(env: Path) -> None:
         result = CliRunner().invoke(app, args)
         assert result.exit_code != 0
         assert isinstance(result.exception, ImgretError), (args, result.exception)
+
+
+def test_evaluate_rerank_is_the_endpoints_report_and_not_recorded(
+    env: Path, image_folder: Path, tmp_path: Path
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from imgret.settings import Settings
+    from service.app import create_app
+    from tests.support.images import write_image_folder
+
+    queries = write_image_folder(tmp_path / "queries", classes=4, per_class=3, seed=5)
+    run("ingest", str(image_folder), "--no-progress")
+    run("ingest", str(queries), "--query-set", "q", "--no-progress")
+    plain_path, reranked_path = tmp_path / "plain.json", tmp_path / "reranked.json"
+    run("evaluate", "--query-set", "q", "--json", str(plain_path))
+    recorded = json.loads(run("models", "list", "--json"))["models"][0]["last_evaluation"]
+    out = run("evaluate", "--query-set", "q", "--rerank", "k_reciprocal", "--rerank-k1", "5",
+              "--rerank-candidates", "50", "--json", str(reranked_path))
+    assert "re-ranked by k_reciprocal" in out
+    plain, reranked = (json.loads(p.read_text()) for p in (plain_path, reranked_path))
+    assert plain["rerank"] is None
+    assert reranked["rerank"] == {"method": "k_reciprocal", "k1": 5, "k2": 6,
+                                  "lambda_value": 0.3, "candidates": 50}
+    # The plain evaluation stays the version's last one.
+    assert json.loads(run("models", "list", "--json"))["models"][0]["last_evaluation"] == recorded
+
+    # The same numbers as POST /evaluate with the same options, on the same database.
+    with TestClient(create_app(Settings())) as client:
+        body = client.post("/evaluate", json={"query_set": "q", "rerank": "k_reciprocal",
+                                              "rerank_k1": 5, "rerank_candidates": 50}).json()
+    for name in ("map_at_r", "mean_average_precision", "precision_at_1", "recall_at_k"):
+        assert reranked[name] == body[name], name
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--rerank", "bogus"], "error: --rerank: Input should be 'k_reciprocal' or "
+                            "'query_expansion'"),
+    (["--rerank", "k_reciprocal", "--rerank-lambda", "1.5"],
+     "error: --rerank-lambda: Input should be less than or equal to 1"),
+    (["--rerank", "k_reciprocal", "--rerank-k1", "abc"],
+     "error: --rerank-k1: Input should be a valid integer"),
+    (["--rerank", "k_reciprocal", "--rerank-top-m", "3"],
+     "error: --rerank-top-m: a parameter of --rerank=query_expansion"),
+    (["--rerank-alpha", "1"], "error: --rerank-alpha: re-ranking parameters need --rerank="),
+])
+def test_evaluate_bad_rerank_options_are_one_line(env: Path, options: list[str],
+                                                  message: str) -> None:
+    result = CliRunner().invoke(app, ["evaluate", "--query-set", "q", *options])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
