@@ -14,7 +14,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from index.backup import ADMIN_BACKUPS_DIR, BACKUP_NAME, BackupReport
 from index.search.rerank import (
     ALPHA_MAX,
     CANDIDATES_MAX,
@@ -514,3 +516,23 @@ class QuerySetInfo(BaseModel):
 
 class QuerySetList(BaseModel):
     query_sets: list[QuerySetInfo]
+
+
+class BackupRequest(BaseModel):
+    """``POST /admin/backup``: what to call the backup (default ``imgret-<UTC time>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, pattern=BACKUP_NAME.pattern,
+        description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
+                    "digits, '.', '_' or '-', starting with a letter or digit",
+    )
+
+
+@pydantic_dataclass(frozen=True)
+class BackupCreated(BackupReport):
+    """A finished backup: what it holds (the fields of ``index.backup.BackupReport``, as
+    `imgret backup` reports them), its ``name``, and its ``path`` relative to the data dir."""
+
+    name: str

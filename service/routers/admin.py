@@ -16,51 +16,14 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, status
-from pydantic import BaseModel, ConfigDict, Field
 
-from index.backup import (
-    ADMIN_BACKUPS_DIR,
-    BACKUP_NAME,
-    BackupExists,
-    admin_backup_path,
-    create_backup,
-)
+from index.backup import ADMIN_BACKUPS_DIR, BackupExists, admin_backup_path, create_backup
 from service.deps import ResourcesDep, require_api_key
+from service.schemas import BackupCreated, BackupRequest
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_api_key)])
 
 _RUNNING = threading.Lock()
-
-
-class BackupRequest(BaseModel):
-    """What to call the backup (default ``imgret-<UTC time>``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = Field(
-        None, pattern=BACKUP_NAME.pattern,
-        description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
-                    "digits, '.', '_' or '-', starting with a letter or digit",
-    )
-
-
-class BackupCreated(BaseModel):
-    """A finished backup: where it is (relative to the data dir) and what it holds."""
-
-    name: str
-    path: str
-    database: str
-    alembic_revision: str
-    change_seq: int
-    gallery_items: int
-    query_items: int
-    media_files: int
-    model_versions: list[str]
-    active_version: str | None
-    indexes: list[str]
-    bytes: int
-    write_pause_ms: float
-    seconds: float
 
 
 @router.post(
@@ -85,5 +48,5 @@ def create_admin_backup(
                             f"a backup named {dest.name!r} exists; choose another name") from None
     finally:
         _RUNNING.release()
-    values = {k: v for k, v in asdict(report).items() if k != "path"}
-    return BackupCreated(name=dest.name, path=f"{ADMIN_BACKUPS_DIR}/{dest.name}", **values)
+    return BackupCreated(**{**asdict(report), "path": f"{ADMIN_BACKUPS_DIR}/{dest.name}"},
+                         name=dest.name)
