@@ -4,8 +4,9 @@ one dedicated thread, model on another, overlapped or not, and every caller answ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -88,33 +89,44 @@ def test_a_staged_function_runs_on_two_dedicated_threads_and_fails_items_alone()
     assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
 
 
+@contextlib.asynccontextmanager
+async def one_in_the_model(staged: Staged, *, max_size: int = 8, overlap: bool = True,
+                           ) -> AsyncIterator[tuple[DynamicBatcher, asyncio.Task]]:
+    """A started batcher whose first batch, ``[1]``, is held in the model stage (until
+    ``staged.hold`` is set): ``(batcher, the task of 1)``. Released and stopped on exit."""
+    batcher = DynamicBatcher(staged, max_size=max_size, max_wait_s=0.0, overlap=overlap)
+    await batcher.start()
+    try:
+        staged.hold.clear()
+        first = asyncio.create_task(batcher.submit(1))
+        await asyncio.to_thread(staged.in_model.wait, 10)
+        yield batcher, first
+    finally:
+        staged.hold.set()
+        await batcher.stop()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (up to 1 s) for ``condition``, which the batcher's threads make true."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_with_overlap_the_next_batch_is_decoded_and_grows_while_the_model_runs() -> None:
     staged = Staged()
 
     async def run() -> list[int]:
-        batcher = DynamicBatcher(staged, max_size=8, max_wait_s=0.0, overlap=True)
-        await batcher.start()
-        try:
-            staged.hold.clear()
-            first = asyncio.create_task(batcher.submit(1))
-            await asyncio.to_thread(staged.in_model.wait, 10)
+        async with one_in_the_model(staged, overlap=True) as (batcher, first):
             # The model is busy with [1]: these are decoded meanwhile, into one batch.
             second = asyncio.create_task(batcher.submit(2))
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if len(staged.prepare_calls) == 2:
-                    break
+            await until(lambda: len(staged.prepare_calls) == 2)
             third = [asyncio.create_task(batcher.submit(x)) for x in (3, 4)]
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if len(staged.prepare_calls) == 3:
-                    break
+            await until(lambda: len(staged.prepare_calls) == 3)
             assert staged.finished == []  # all that happened while [1] was in the model
             staged.hold.set()
             return await asyncio.wait_for(asyncio.gather(first, second, *third), 10)
-        finally:
-            staged.hold.set()
-            await batcher.stop()
 
     assert asyncio.run(run()) == [2, 4, 6, 8]
     assert staged.prepare_calls == [([1], False), ([2], False), ([3, 4], True)]
@@ -125,20 +137,12 @@ def test_without_overlap_the_next_batch_waits_for_the_model() -> None:
     staged = Staged()
 
     async def run() -> list[int]:
-        batcher = DynamicBatcher(staged, max_size=8, max_wait_s=0.0, overlap=False)
-        await batcher.start()
-        try:
-            staged.hold.clear()
-            first = asyncio.create_task(batcher.submit(1))
-            await asyncio.to_thread(staged.in_model.wait, 10)
+        async with one_in_the_model(staged, overlap=False) as (batcher, first):
             later = [asyncio.create_task(batcher.submit(x)) for x in (2, 3)]
             await asyncio.sleep(0.1)
             assert len(staged.prepare_calls) == 1  # nothing decoded while [1] is in the model
             staged.hold.set()
             return await asyncio.wait_for(asyncio.gather(first, *later), 10)
-        finally:
-            staged.hold.set()
-            await batcher.stop()
 
     assert asyncio.run(run()) == [2, 4, 6]
     assert staged.finished == [[1], [2, 3]]
@@ -148,19 +152,15 @@ def test_stop_answers_the_batch_in_the_model_and_503s_the_rest_then_ends_its_thr
     staged = Staged()
 
     async def run() -> tuple[object, list[object]]:
-        batcher = DynamicBatcher(staged, max_size=2, max_wait_s=0.0)
-        await batcher.start()
-        staged.hold.clear()
-        in_model = asyncio.create_task(batcher.submit(1))
-        await asyncio.to_thread(staged.in_model.wait, 10)
-        queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
-        await asyncio.sleep(0.05)
-        stopping = asyncio.create_task(batcher.stop())
-        await asyncio.sleep(0.05)
-        staged.hold.set()
-        await asyncio.wait_for(stopping, 10)
-        results = await asyncio.gather(in_model, *queued, return_exceptions=True)
-        return results[0], results[1:]
+        async with one_in_the_model(staged, max_size=2) as (batcher, in_model):
+            queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
+            await asyncio.sleep(0.05)
+            stopping = asyncio.create_task(batcher.stop())
+            await asyncio.sleep(0.05)
+            staged.hold.set()
+            await asyncio.wait_for(stopping, 10)
+            results = await asyncio.gather(in_model, *queued, return_exceptions=True)
+            return results[0], results[1:]
 
     finished, rest = asyncio.run(run())
     assert finished == 2
