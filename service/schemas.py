@@ -201,6 +201,13 @@ class RerankRequest(BaseModel):
             raise ValueError(validation_message(exc)) from None
         return request.rerank_option()
 
+    @classmethod
+    def field_schemas(cls) -> dict[str, dict[str, Any]]:
+        """Each field's JSON schema (type, range, description; no default): how the form
+        fields of ``/search`` and ``/evaluate`` appear in the OpenAPI document."""
+        return {name: {key: value for key, value in schema.items() if key != "default"}
+                for name, schema in cls.model_json_schema()["properties"].items()}
+
     def rerank_option(self) -> Rerank | None:
         """The ``index.search.rerank`` options these fields name (``None``: plain search).
 

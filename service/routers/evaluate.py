@@ -47,8 +47,7 @@ _MULTIPART_SCHEMA = {
         "compare": {"type": "array", "minItems": 2, "maxItems": 2,
                     "items": {"type": "string", "maxLength": MODEL_VERSION_MAX},
                     "description": "two versions: both reports and the paired difference"},
-        **{name: {key: value for key, value in schema.items() if key != "default"}
-           for name, schema in RerankRequest.model_json_schema()["properties"].items()},
+        **RerankRequest.field_schemas(),
     },
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Annotated
@@ -59,36 +60,21 @@ class RerankForm:
     option: Rerank | None
 
 
-def rerank_form(
-    rerank: Annotated[
-        str | None,
-        Form(description="re-rank the results: k_reciprocal (Zhong et al. 2017) or "
-                         "query_expansion (average query expansion); default none"),
-    ] = None,
-    rerank_k1: Annotated[int | None, Form(description="k_reciprocal: k1, 1..100 (20)")] = None,
-    rerank_k2: Annotated[int | None, Form(description="k_reciprocal: k2, 1..101 (6)")] = None,
-    rerank_lambda: Annotated[
-        float | None, Form(description="k_reciprocal: lambda, 0..1 (0.3)")
-    ] = None,
-    rerank_candidates: Annotated[
-        int | None, Form(description="k_reciprocal: candidates re-ranked, 1..1000 (100)")
-    ] = None,
-    rerank_top_m: Annotated[
-        int | None, Form(description="query_expansion: neighbours averaged, 1..100 (5)")
-    ] = None,
-    rerank_alpha: Annotated[
-        float | None, Form(description="query_expansion: weight exponent, 0..10 (0)")
-    ] = None,
-) -> RerankForm:
-    """The re-ranking fields, checked as :class:`~service.schemas.RerankRequest` (422)."""
+def rerank_form(**values: str | None) -> RerankForm:
+    """The re-ranking fields, checked by :meth:`~service.schemas.RerankRequest.parse` (422)."""
     try:
-        return RerankForm(RerankRequest.parse({
-            "rerank": rerank, "rerank_k1": rerank_k1, "rerank_k2": rerank_k2,
-            "rerank_lambda": rerank_lambda, "rerank_candidates": rerank_candidates,
-            "rerank_top_m": rerank_top_m, "rerank_alpha": rerank_alpha,
-        }))
+        return RerankForm(RerankRequest.parse(values))
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
+
+
+# FastAPI reads the form fields from the signature: one per RerankRequest field, taken as text
+# (the model parses it, as for /evaluate's form) and documented with the field's own schema.
+rerank_form.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                      annotation=Annotated[str | None, Form(json_schema_extra=schema)])
+    for name, schema in RerankRequest.field_schemas().items()
+])
 
 
 def search_options(
