@@ -37,6 +37,12 @@ class Settings(BaseSettings):
         None, ge=1, description="IVF lists visited per query (default nlist/16, at least 8)"
     )
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
+    # Where image bytes live (index.media_db.open_media_store): "files" under data_dir/media
+    # (replicas on several machines share the data dir as a volume), or "database": the
+    # media_blobs table, readable by every process that reaches the database (small images).
+    media_backend: Literal["files", "database"] = Field(
+        "files", description="image bytes: files (under data_dir) or database (media_blobs)"
+    )
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")
     batch_max_wait_ms: float = Field(5.0, ge=0)
 

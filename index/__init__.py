@@ -6,6 +6,8 @@ Modules and what the service uses from them:
 - ``index.models``: the SQLAlchemy tables (gallery items, embeddings per model version, model
   versions, query sets, the gallery change log).
 - ``index.media``: ``MediaStore.in_data_dir(data_dir)`` — content-addressed image files.
+- ``index.media_db``: ``open_media_store(settings, sessions)`` — the store of
+  ``IMGRET_MEDIA_BACKEND``: those files, or the ``media_blobs`` table (``DatabaseMediaStore``).
 - ``index.store``: repository functions (``session`` keyword-only, never commit).
 - ``index.ingest``: ``add_items(items, *, session, media, embedder)`` for uploads and
   ``ingest_source(path, ...)`` for ``imgret ingest``.

@@ -59,7 +59,8 @@ from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from imgret.metrics import ranking_metrics
 from imgret.stats import paired_bootstrap_ci
 from index import store
-from index.media import MediaStore
+from index.media import MediaBackend
+from index.models import QueryItem
 from index.search import Hit, Searcher, SearchFilter
 from index.search.rerank import Rerank, rerank_options, rerank_summary
 
@@ -152,7 +153,7 @@ def embed_queries(
 
 def load_query_batch(
     name: str, *, session: Session, model_version: str, embedder: Embedder | None = None,
-    media: MediaStore | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
+    media: MediaBackend | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> QueryBatch:
     """A named query set (``imgret ingest --query-set NAME``) with its vectors for a version.
 
@@ -179,7 +180,7 @@ def load_query_batch(
         # Stored images were checked at ingest: no request budget, but still one image decoded
         # at a time (memory bounded by one image, not by the set).
         vectors = embed_encoded(
-            [media.read(item.media_path) for item in items], embedder=embedder,
+            [_read_stored(media, item) for item in items], embedder=embedder,
             limits=DecodeLimits(image_pixels=max_pixels, request_pixels=2**62),
             names=[f"query item {item.id}" for item in items],
         )
@@ -195,9 +196,21 @@ def load_query_batch(
     )
 
 
+def _read_stored(media: MediaBackend, item: QueryItem) -> bytes:
+    try:
+        return media.read(item.media_path)
+    except FileNotFoundError:
+        # The store lost bytes a row still refers to (files removed by hand, a backend
+        # switched without moving the images): the set cannot be evaluated as it is.
+        raise EvaluationError(
+            f"the stored image of query item {item.id} is missing from the {media.backend} "
+            f"media store (IMGRET_MEDIA_BACKEND); ingest the query set again"
+        ) from None
+
+
 def evaluate_query_set(
     searcher: Searcher, name: str, *, session_factory: sessionmaker[Session],
-    embedder: Embedder | None = None, media: MediaStore | None = None,
+    embedder: Embedder | None = None, media: MediaBackend | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, worst: int = 0, rerank: Rerank | str | None = None,
 ) -> Evaluation:

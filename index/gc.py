@@ -11,6 +11,11 @@ that a new row is about to point to (the same image uploaded again at that momen
 between 1 and 2 leaves unreferenced files behind; so does a crash of an upload after its file
 was written and before its rows committed. :func:`sweep_media` removes both kinds at
 start-up of every API process, together with temporary files of writes that were killed.
+
+With the database backend (``index.media_db``) step 2 deletes the ``media_blobs`` rows in its
+own transaction, the one that found them unreferenced: when it commits, the bytes are gone
+for every process. An upload's blobs commit or roll back with its rows, so only a crash
+between 1 and 2 leaves something for the sweep.
 """
 
 from __future__ import annotations
@@ -20,20 +25,19 @@ from collections.abc import Iterable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from imgret.files import remove_stale_temps
 from index import store
-from index.media import MediaStore
+from index.media import MediaBackend
 
 logger = logging.getLogger(__name__)
 
 
 def purge_media(
-    sha256s: Iterable[str], *, session_factory: sessionmaker[Session], media: MediaStore
+    sha256s: Iterable[str], *, session_factory: sessionmaker[Session], media: MediaBackend
 ) -> int:
-    """Remove the files of these hashes if no row refers to them any more.
+    """Remove the stored bytes of these hashes if no row refers to them any more.
 
     Returns:
-        How many files were removed.
+        How many images were removed.
     """
     wanted = set(sha256s)
     if not wanted:
@@ -41,26 +45,26 @@ def purge_media(
     with session_factory.begin() as session:
         store.lock_gallery_writes(session=session)
         gone = store.unreferenced_media(wanted, session=session)
-        return media.remove(gone)
+        return media.remove(gone, session=session)
 
 
-def sweep_media(*, session_factory: sessionmaker[Session], media: MediaStore) -> int:
-    """Remove every stored file no row refers to, and temporary files of killed writes.
+def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) -> int:
+    """Remove every stored image no row refers to, and temporary files of killed writes.
 
     The store is listed without the lock (it may be large); the database is asked, and the
-    files removed, under it.
+    images removed, under it.
 
     Returns:
-        How many image files were removed.
+        How many images were removed.
     """
-    remove_stale_temps(media.root)
+    media.sweep_temporaries()
     candidates = set(media.stored_keys())
     if not candidates:
         return 0
     with session_factory.begin() as session:
         store.lock_gallery_writes(session=session)
         unreferenced = candidates - store.referenced_media(session=session)
-        removed = media.remove(unreferenced)
+        removed = media.remove(unreferenced, session=session)
     if removed:
-        logger.info("removed %d image files that no gallery or query item refers to", removed)
+        logger.info("removed %d stored images that no gallery or query item refers to", removed)
     return removed

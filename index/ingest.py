@@ -21,8 +21,9 @@ again), and two uploads of the same new bytes cannot both insert (no unique-key 
 
 Crash safety (what an interrupted chunk can leave behind): the media file is written (under
 the lock) before the rows commit, so a killed ingest may leave a media file that no row
-points to; ``index.gc.sweep_media`` removes it at the next start. Rows are written in one
-transaction per chunk, so there is never an item without its embedding and change row.
+points to; ``index.gc.sweep_media`` removes it at the next start (with the database media
+backend the bytes are written in the rows' transaction, so nothing is left). Rows are written
+in one transaction per chunk, so there is never an item without its embedding and change row.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from imgret.images import (
 )
 from imgret.timing import timed
 from index import store
-from index.media import MediaStore, sha256_hex, sniff_content_type
+from index.media import MediaBackend, MediaStore, sha256_hex, sniff_content_type
 from index.models import ModelVersion, QuerySet
 from index.store import ItemInfo, NewRow
 
@@ -203,7 +204,7 @@ class _Timer:
 
 
 def add_items(
-    items: Sequence[NewItem], *, session_factory: sessionmaker[Session], media: MediaStore,
+    items: Sequence[NewItem], *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, limits: DecodeLimits | None = None, require_active: bool = False,
 ) -> AddedItems:
     """Add uploaded images to the gallery in one transaction (all or nothing).
@@ -301,7 +302,7 @@ def add_items(
 
 
 def ingest_source(
-    source: str | Path, *, session_factory: sessionmaker[Session], media: MediaStore,
+    source: str | Path, *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, query_set: str | None = None, chunk_size: int = 256,
     max_pixels: int = DEFAULT_MAX_PIXELS, workers: int | None = None, progress: bool = True,
 ) -> IngestReport:
@@ -356,7 +357,7 @@ def ingest_source(
               for start in range(0, len(records), chunk_size)]
     # The workers are forked first, before tqdm's monitor thread exists.
     with _Decoders(embedder, max_pixels, workers if len(records) else 0,
-                   media=media if isinstance(media, MediaStore) else None) as decoders, tqdm(
+                   media=media if media.stages_files else None) as decoders, tqdm(
         total=len(records), unit="img", desc="ingest", disable=not progress
     ) as bar:
         run = _ChunkRun(root, timer=timer, decoders=decoders, session_factory=session_factory,
@@ -392,8 +393,8 @@ class _ChunkRun:
     """The two halves of a chunk's work: :meth:`prepare` and :meth:`finish`."""
 
     def __init__(self, root: Path, *, timer: _Timer, decoders: _Decoders,
-                 session_factory: sessionmaker[Session], media: MediaStore, embedder: Embedder,
-                 model_version: ModelVersion, query_set: QuerySet | None):
+                 session_factory: sessionmaker[Session], media: MediaBackend,
+                 embedder: Embedder, model_version: ModelVersion, query_set: QuerySet | None):
         self.root = root
         self.timer = timer
         self.report = timer.report
@@ -844,7 +845,7 @@ def _split(cands: list[_Candidate], existing: dict[str, int], embedded: set[int]
 
 def _write_planned(
     cands: list[_Candidate], vectors_by_sha: Mapping[str, np.ndarray], *, session: Session,
-    media: MediaStore, model_version: ModelVersion, query_set: QuerySet | None,
+    media: MediaBackend, model_version: ModelVersion, query_set: QuerySet | None,
 ) -> tuple[_Plan, dict[str, int] | None]:
     """Take the gallery write lock, plan again under it, and write the plan.
 
@@ -869,7 +870,7 @@ def _stack(vectors_by_sha: Mapping[str, np.ndarray], work: Sequence[_Candidate],
 
 
 def _write(
-    plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaStore,
+    plan: _Plan, vectors: np.ndarray, *, session: Session, media: MediaBackend,
     model_version: ModelVersion, query_set: QuerySet | None,
 ) -> dict[str, int]:
     """Store media and rows (gallery items, or items of ``query_set``); returns sha256 -> id
@@ -878,8 +879,9 @@ def _write(
     The caller holds the gallery write lock (:func:`_write_planned`).
     """
     n_create = len(plan.create)
-    # Every file durable before the rows that point to it commit; one batch of syncs.
-    paths = media.put_many([(c.data, c.sha256) for c in plan.create],
+    # The bytes are stored before the rows that point to them commit: files made durable now
+    # (one batch of syncs), database blobs in this very transaction (session).
+    paths = media.put_many([(c.data, c.sha256) for c in plan.create], session=session,
                            staged={c.sha256: c.staged for c in plan.create if c.staged})
     rows = [
         NewRow(sha256=c.sha256, media_path=path, content_type=sniff_content_type(c.data),

@@ -83,7 +83,7 @@ def ingest(
     from imgret.embedder import Embedder
     from index import versions
     from index.ingest import ingest_source
-    from index.media import MediaStore
+    from index.media_db import open_media_store
 
     checkpoint = model or settings.model
     if checkpoint is None:
@@ -99,7 +99,7 @@ def ingest(
         versions.register_checkpoint(checkpoint, session_factory=sessions,
                                      data_dir=settings.data_dir)
         return ingest_source(
-            path, session_factory=sessions, media=MediaStore.in_data_dir(settings.data_dir),
+            path, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, query_set=query_set, chunk_size=chunk_size,
             max_pixels=settings.max_image_pixels, workers=workers, progress=progress,
         )
@@ -159,7 +159,7 @@ def evaluate_named(
     """
     from imgret.embedder import Embedder
     from index import versions
-    from index.media import MediaStore
+    from index.media_db import open_media_store
     from index.search import Searcher
 
     embedder = (
@@ -173,7 +173,7 @@ def evaluate_named(
         # On record as the version's last evaluation (GET /models shows it), unless re-ranked.
         return versions.evaluate_recorded(
             searcher, name, session_factory=sessions, embedder=embedder,
-            media=MediaStore.in_data_dir(settings.data_dir),
+            media=open_media_store(settings, sessions),
             max_pixels=settings.max_image_pixels, k=ks,
             exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
         ).report

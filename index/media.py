@@ -24,8 +24,12 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from imgret.files import TEMP_PREFIX, file_sha256, fsync_dir, write_atomic
+from imgret.files import TEMP_PREFIX, file_sha256, fsync_dir, remove_stale_temps, write_atomic
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +72,52 @@ def sniff_content_type(data: bytes) -> str:
     return "application/octet-stream"
 
 
+class MediaBackend(Protocol):
+    """What the gallery needs from a media store, whichever holds the bytes: the files of
+    :class:`MediaStore` or the database rows of ``index.media_db.DatabaseMediaStore`` (built
+    for the settings in force by ``index.media_db.open_media_store``).
+
+    Writes and removals take the session of the caller's transaction, always under the gallery
+    write lock: the database store writes in it (the bytes commit or roll back with the rows
+    that point to them); the file store ignores it (its files are durable before the rows
+    commit, and a crash's leftovers are swept at start-up).
+    """
+
+    backend: ClassVar[str]
+    # Whether ingest's decode workers may write new bytes ahead of the write transaction
+    # (:meth:`MediaStore.stage`): only files can be made durable later in one batch.
+    stages_files: ClassVar[bool]
+
+    @staticmethod
+    def relative_path(sha256: str) -> str: ...
+
+    def exists(self, sha256: str) -> bool: ...
+
+    def put_many(self, items: Sequence[tuple[bytes, str]], *, session: Session,
+                 staged: Mapping[str, str] | None = None) -> list[str]: ...
+
+    def read(self, relative_path: str) -> bytes:
+        """The bytes of a stored relative path; ``FileNotFoundError`` when they are gone."""
+        ...
+
+    def remove(self, sha256s: Iterable[str], *, session: Session) -> int: ...
+
+    def stored_keys(self) -> Iterator[str]: ...
+
+    def sweep_temporaries(self) -> int:
+        """Remove what killed writes left behind; returns how many things went."""
+        ...
+
+
 class MediaStore:
     """Image bytes on disk, keyed by content hash.
 
     Args:
         root: the folder holding the files (``<data_dir>/media`` by default).
     """
+
+    backend: ClassVar[str] = "files"
+    stages_files: ClassVar[bool] = True
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -121,7 +165,8 @@ class MediaStore:
         return self.relative_path(key)
 
     def put_many(
-        self, items: Sequence[tuple[bytes, str]], *, staged: Mapping[str, str] | None = None
+        self, items: Sequence[tuple[bytes, str]], *, session: Session | None = None,
+        staged: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Store several files; every one is durable when this returns (like :meth:`put`).
 
@@ -143,6 +188,7 @@ class MediaStore:
             staged: sha256 -> a temporary file from :meth:`stage` holding those bytes: it is
                 synced and renamed instead of writing the bytes again (or removed, when the
                 store holds the key already).
+            session: the caller's transaction (:class:`MediaBackend`); files do not use it.
 
         Returns:
             The relative paths, in the order of ``items``.
@@ -254,11 +300,12 @@ class MediaStore:
             for tmp, _ in temps:  # a failed batch leaves no temporary file
                 Path(tmp).unlink(missing_ok=True)
 
-    def remove(self, sha256s: Iterable[str]) -> int:
+    def remove(self, sha256s: Iterable[str], *, session: Session | None = None) -> int:
         """Delete the files of these keys (missing ones are skipped); returns how many went.
 
         Call only with keys that no row refers to, under the gallery write lock
-        (``index.store.unreferenced_media``).
+        (``index.store.unreferenced_media``); ``session`` (that lock's transaction) is not
+        used by files.
         """
         removed, folders = 0, set()
         for key in sha256s:
@@ -280,6 +327,10 @@ class MediaStore:
         for path in self.root.glob("??/??/*"):
             if _SHA256.match(path.name) and path.is_file():
                 yield path.name
+
+    def sweep_temporaries(self) -> int:
+        """Remove the temporary files of writes that were killed (``write_atomic``, ``stage``)."""
+        return remove_stale_temps(self.root)
 
     def read(self, relative_path: str) -> bytes:
         """The bytes at a relative path from :meth:`put` (as stored in the database)."""

@@ -14,7 +14,7 @@ from typing import Any
 from imgret.settings import Settings
 from index import versions
 from index.jobs import open_gallery
-from index.media import MediaStore
+from index.media_db import open_media_store
 
 
 def list_models(settings: Settings) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def embed(settings: Settings, version: str, *,
         embedder = versions.load_embedder(version, session_factory=sessions,
                                           data_dir=settings.data_dir, device=settings.device)
         report = versions.run_embed_job(
-            version, session_factory=sessions, media=MediaStore.in_data_dir(settings.data_dir),
+            version, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, throttle=versions.Throttle(duty=duty),
             max_pixels=settings.max_image_pixels, progress=progress,
         )
@@ -74,7 +74,7 @@ def activate(settings: Settings, version: str, *, require: str | None = None,
     with open_gallery(settings) as sessions:
         return versions.activate(
             version, session_factory=sessions, data_dir=settings.data_dir,
-            media=MediaStore.in_data_dir(settings.data_dir),
+            media=open_media_store(settings, sessions),
             embedder=versions.load_embedder(version, session_factory=sessions,
                                             data_dir=settings.data_dir,
                                             device=settings.device),
@@ -97,7 +97,7 @@ def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
     from imgret.errors import GalleryError
     from index.search import Searcher
 
-    media = MediaStore.in_data_dir(settings.data_dir)
+    media = open_media_store(settings, sessions)
     results = []
     for version in (a, b):
         try:

@@ -258,3 +258,15 @@ class QueryEmbedding(StoredVector, Base):
     query_item_id: Mapped[int] = mapped_column(
         IdType, ForeignKey("query_items.id", ondelete="CASCADE"), primary_key=True, index=True
     )
+
+
+class MediaBlob(Base):
+    """Image bytes kept in the database itself (``IMGRET_MEDIA_BACKEND=database``): every
+    replica reads them without a shared volume (galleries of small images: faces, re-ID
+    crops). Keyed by content hash, like the files of the default store."""
+
+    __tablename__ = "media_blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

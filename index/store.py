@@ -756,6 +756,10 @@ def _page(rows: Sequence, dim: int, with_vectors: bool) -> VectorPage:
     return VectorPage(ids, vectors, infos)
 
 
-def _chunks(values: Sequence) -> Iterator[Sequence]:
+def chunks(values: Sequence) -> Iterator[Sequence]:
+    """Slices of ``values`` short enough for one ``IN (...)`` list on every database."""
     for start in range(0, len(values), _IN_CHUNK):
         yield values[start : start + _IN_CHUNK]
+
+
+_chunks = chunks  # this module's own call sites

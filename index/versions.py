@@ -61,7 +61,7 @@ from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from index import store
 from index.evaluation import Evaluation, compare_versions, evaluate_query_set, gate
 from index.manifest import Manifest, index_dir
-from index.media import MediaStore
+from index.media import MediaBackend
 from index.models import (
     Embedding,
     GalleryItem,
@@ -428,7 +428,7 @@ def _finish_job(version: str, session_factory: sessionmaker[Session], state: str
 
 
 def run_embed_job(
-    version: str, *, session_factory: sessionmaker[Session], media: MediaStore,
+    version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
     max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None, claimed: bool = False,
@@ -470,7 +470,7 @@ def run_embed_job(
 
 
 def embed_missing(
-    version: str, *, session_factory: sessionmaker[Session], media: MediaStore,
+    version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
     max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
     stop: threading.Event | None = None, heartbeat: bool = False,
@@ -554,7 +554,7 @@ def _missing(session: Session, version_id: int, after: int, limit: int, *,
     return [(int(i), path) for i, path in rows]
 
 
-def _embed_stored(batch: list[tuple[int, str]], media: MediaStore, embedder: Embedder,
+def _embed_stored(batch: list[tuple[int, str]], media: MediaBackend, embedder: Embedder,
                   limits: DecodeLimits) -> tuple[list[int], np.ndarray, list[int]]:
     """Vectors of stored images; an unreadable one is left out (its id in the third list)."""
     ids, blobs, broken = [], [], []
@@ -625,7 +625,7 @@ Compare = Callable[[str, str, str], dict[str, Any]]
 
 def activate(
     version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
-    media: MediaStore, embedder: Embedder, require: str | None = None,
+    media: MediaBackend, embedder: Embedder, require: str | None = None,
     query_set: str | None = None, compare: Compare | None = None,
     prepare_index: Callable[[str], Any] | None = None, reason: str = "activate",
     max_pixels: int = DEFAULT_MAX_PIXELS,

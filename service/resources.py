@@ -21,7 +21,8 @@ from imgret.settings import Settings
 from index import store, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
-from index.media import MediaStore
+from index.media import MediaBackend
+from index.media_db import open_media_store
 from index.notify import listen_for_changes
 from index.search import Searcher
 from service.batching import DynamicBatcher
@@ -65,7 +66,8 @@ class Resources:
     Attributes:
         settings: the settings the app was built with.
         engine, sessions: the database (one session per request, from ``sessions``).
-        media: the image store under the data dir.
+        media: the image store of ``IMGRET_MEDIA_BACKEND`` (files under the data dir, or
+            the database).
         serving: the served version (model + index, swapped together by :meth:`serve`).
         batcher: the dynamic batcher in front of :class:`SearchPipeline`.
         metrics: the app's Prometheus metrics.
@@ -76,7 +78,7 @@ class Resources:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    media: MediaStore
+    media: MediaBackend
     serving: Serving
     batcher: DynamicBatcher[ImageQuery, Answer]
     metrics: ServiceMetrics
@@ -286,7 +288,7 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
             active = configured
     embedder = embedders[active]
     logger.info("model %s loaded on %s", embedder.model_version, embedder.device)
-    media = MediaStore.in_data_dir(settings.data_dir)
+    media = open_media_store(settings, sessions)
     # Finish what a crash interrupted: bytes of deleted items, files of uploads that never
     # committed, temporary files.
     sweep_media(session_factory=sessions, media=media)

@@ -6,12 +6,13 @@ import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Path, Query, UploadFile, status
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 
 from imgret.images import DecodeLimits, check_request_pixels
 from index import store
 from index.gc import purge_media
 from index.ingest import AddedItems, NewItem, add_items
+from index.media import MediaBackend
 from index.models import GalleryItem
 from service.deps import ResourcesDep, SessionDep, require_api_key
 from service.schemas import (
@@ -164,18 +165,35 @@ def read_gallery_item(item_id: ItemId, session: SessionDep) -> GalleryItemPublic
 
 @router.get(
     "/{item_id}/image",
-    response_class=FileResponse,
+    response_class=Response,
     responses={200: {"content": {"image/*": {}}}, 404: {"description": "no such item"}},
 )
 def read_gallery_image(item_id: ItemId, session: SessionDep, resources: ResourcesDep):
     """The stored image bytes, with the content type found at upload."""
     item = _get_or_404(item_id, session)
-    path = resources.media.resolve(item.media_path)  # the path is ours, from the row
-    if not path.is_file():
-        raise HTTPException(404, f"the image file of item {item_id} is missing from the store")
-    return FileResponse(
-        path,
-        media_type=item.content_type,
+    return stored_image(resources.media, item.media_path, item.content_type,
+                        missing=f"the image of gallery item {item_id}")
+
+
+def stored_image(media: MediaBackend, media_path: str, content_type: str, *,
+                 missing: str) -> Response:
+    """The response carrying a stored image (gallery or query set), read through the media
+    store of the settings in force; 404 naming ``missing`` when its bytes are not there.
+
+    The bytes are read whole (uploads are capped by ``IMGRET_MAX_UPLOAD_BYTES``), the same way
+    for files and database blobs.
+    """
+    try:
+        data = media.read(media_path)  # the path is ours, from the row
+    except (FileNotFoundError, ValueError):
+        # Gone (a delete in between, files removed by hand) or never stored in this backend
+        # (IMGRET_MEDIA_BACKEND switched, a replica without the shared volume).
+        raise HTTPException(
+            404, f"{missing} is missing from the {media.backend} media store"
+        ) from None
+    return Response(
+        data,
+        media_type=content_type,
         headers={
             # Gallery images may be faces: no shared cache keeps a copy, and none outlives a
             # delete (a browser's own cache included).
@@ -199,8 +217,8 @@ def delete_gallery_item(item_id: ItemId, resources: ResourcesDep) -> Response:
 
     Order: the delete commits in SQL (the source of truth: a crash after this point still
     deletes), the local index drops the id (other processes drop it before their next search
-    starts), then the image file is removed if no other row refers to the same bytes (a crash
-    before that is finished by the start-up sweep).
+    starts), then the image bytes (file, or database blob) are removed if no other row refers
+    to them (a crash before that is finished by the start-up sweep).
     """
     with resources.sessions.begin() as session:
         deleted = store.delete_items([item_id], session=session)

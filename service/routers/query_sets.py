@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path
-from fastapi.responses import FileResponse
+from fastapi.responses import Response
 from sqlalchemy import func, select
 
 from index.models import QueryItem, QuerySet
 from service.deps import ResourcesDep, SessionDep
+from service.routers.gallery import stored_image
 from service.schemas import QuerySetInfo, QuerySetList
 from service.validation import NAME_MAX
 
@@ -29,7 +30,7 @@ def list_query_sets(session: SessionDep) -> QuerySetList:
 
 
 @router.get(
-    "/{name}/items/{item_id}/image", response_class=FileResponse,
+    "/{name}/items/{item_id}/image", response_class=Response,
     responses={200: {"content": {"image/*": {}}}, 404: {"description": "no such query item"}},
 )
 def read_query_image(
@@ -44,9 +45,5 @@ def read_query_image(
     )
     if item is None:
         raise HTTPException(404, f"query set {name!r} has no item {item_id}")
-    path = resources.media.resolve(item.media_path)
-    if not path.is_file():
-        raise HTTPException(404, f"the image file of query item {item_id} is missing")
-    return FileResponse(path, media_type=item.content_type,
-                        headers={"Cache-Control": "private, no-store",
-                                 "X-Content-Type-Options": "nosniff"})
+    return stored_image(resources.media, item.media_path, item.content_type,
+                        missing=f"the image of query item {item_id}")

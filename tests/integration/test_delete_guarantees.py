@@ -17,8 +17,9 @@ import numpy as np
 from index import store
 from index.gc import purge_media, sweep_media
 from index.ingest import NewItem, add_items
-from index.media import MediaStore, sha256_hex
+from index.media import sha256_hex
 from index.search import Searcher
+from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
 
 
@@ -171,15 +172,7 @@ def test_a_delete_removes_the_bytes_and_the_embeddings(sessions, media, embedder
 def test_bytes_still_referenced_by_a_query_item_are_kept(sessions, media, embedder):
     data = image_bytes(class_image(8, 0))
     (item_id,) = _add(sessions, media, embedder, data).ids
-    with sessions.begin() as session:
-        version = store.get_model_version(session=session, version=embedder.model_version)
-        query_set = store.get_or_create_query_set("q", session=session)
-        store.insert_items(
-            [store.NewRow(sha256_hex(data), MediaStore.relative_path(sha256_hex(data)),
-                          "image/png", "x")],
-            np.zeros((1, embedder.dim), np.float32), session=session, model_version=version,
-            query_set=query_set,
-        )
+    add_query_item(sessions, data, model_version=embedder.model_version, dim=embedder.dim)
     deleted = _delete(sessions, [item_id])
     assert purge_media([d.sha256 for d in deleted], session_factory=sessions, media=media) == 0
     assert media.exists(sha256_hex(data))

@@ -18,7 +18,7 @@ from index import store
 from index.db import make_engine, make_sessionmaker
 from index.faiss_index import read_index, stored_ids
 from index.manifest import Manifest, ids_checksum, index_dir
-from index.media import MediaStore
+from index.media import MediaStore, sha256_hex
 from index.models import GalleryItem
 from tests.support.images import class_image, image_bytes
 
@@ -144,3 +144,18 @@ def manifest_problems(data_dir: Path, db_url: str, model_version: str) -> list[s
             f"extra {sorted(ids - truth)[:20]}"
         )
     return problems
+
+
+def add_query_item(sessions, data: bytes, *, model_version: str, dim: int,
+                   query_set: str = "q") -> None:
+    """Store ``data`` as an item of a query set (a zero vector), referring to the same media
+    key as a gallery item with those bytes: the bytes then outlive that item's delete."""
+    key = sha256_hex(data)
+    with sessions.begin() as session:
+        version = store.get_model_version(session=session, version=model_version)
+        target = store.get_or_create_query_set(query_set, session=session)
+        store.insert_items(
+            [store.NewRow(key, MediaStore.relative_path(key), "image/png", "x")],
+            np.zeros((1, dim), np.float32), session=session, model_version=version,
+            query_set=target,
+        )

@@ -1,0 +1,128 @@
+"""Image bytes kept in the gallery database (``IMGRET_MEDIA_BACKEND=database``).
+
+The default store (:class:`index.media.MediaStore`) is a folder: replicas on several machines
+must share it as a volume. This one keeps the bytes in ``media_blobs`` (``bytea`` on
+PostgreSQL, a BLOB on SQLite), so every process that reaches the database can serve every
+image: meant for galleries of small images (faces, re-ID crops, thumbnails), not for
+terabytes of photos.
+
+Same keys and the same guarantees as the files, with the database's transactions instead of
+fsync and rename: the bytes are written *in the caller's transaction* (the one that writes
+the rows pointing to them, under the gallery write lock), so a row never commits without its
+bytes and a rolled-back upload leaves nothing behind; a hard delete removes the blob in the
+transaction that finds it unreferenced, so once the delete's 204 is sent no process can read
+the bytes through the database. (PostgreSQL reclaims the dead tuple's disk space at the next
+VACUUM, SQLite reuses its pages: as with a deleted file, the bytes are gone from every reader,
+not scrubbed from the disk.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import ClassVar
+
+from sqlalchemy import delete, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from imgret.settings import Settings
+from index import store
+from index.media import MediaBackend, MediaStore
+from index.models import MediaBlob, utcnow
+
+
+class DatabaseMediaStore:
+    """Image bytes in ``media_blobs``, keyed by content hash (a :class:`MediaBackend`).
+
+    Args:
+        session_factory: sessions on the gallery database, for reads (writes and removals
+            use the caller's session).
+    """
+
+    backend: ClassVar[str] = "database"
+    stages_files: ClassVar[bool] = False
+
+    def __init__(self, session_factory: sessionmaker[Session]):
+        self.session_factory = session_factory
+
+    relative_path = staticmethod(MediaStore.relative_path)  # the same keys as the files
+
+    def put_many(self, items: Sequence[tuple[bytes, str]], *, session: Session,
+                 staged: Mapping[str, str] | None = None) -> list[str]:
+        """Store images in ``session``'s transaction (one statement); returns their relative
+        paths in the order of ``items``.
+
+        Bytes already stored under a key are kept: the key is their hash, and the database
+        checks what it stores, unlike a file system after a crash. Call under the gallery
+        write lock, like the files. ``staged`` is never set for this store
+        (``stages_files`` is false).
+        """
+        paths = [self.relative_path(sha) for _, sha in items]  # refuses a malformed key
+        rows = {sha: data for data, sha in items}
+        if rows:
+            insert = pg_insert if session.get_bind().dialect.name == "postgresql" \
+                else sqlite_insert
+            now = utcnow()
+            session.execute(
+                insert(MediaBlob).on_conflict_do_nothing(index_elements=["sha256"]),
+                [{"sha256": sha, "data": data, "created_at": now} for sha, data in rows.items()],
+            )
+        return paths
+
+    def exists(self, sha256: str) -> bool:
+        with self.session_factory() as session:
+            return session.scalar(
+                select(MediaBlob.sha256).where(MediaBlob.sha256 == sha256)
+            ) is not None
+
+    def read(self, relative_path: str) -> bytes:
+        """The bytes at a relative path from :meth:`put_many` (as stored in the gallery rows).
+
+        Raises:
+            FileNotFoundError: no blob under that key (deleted, or never stored here: a
+                gallery written with the files backend), as a missing file would.
+            ValueError: not a path this store makes (as the files refuse a path outside).
+        """
+        key = relative_path.rsplit("/", 1)[-1]
+        if self.relative_path(key) != relative_path:
+            raise ValueError(f"media path {relative_path!r} is not a stored image's")
+        with self.session_factory() as session:
+            data = session.scalar(select(MediaBlob.data).where(MediaBlob.sha256 == key))
+        if data is None:
+            raise FileNotFoundError(f"no stored image under {relative_path!r}")
+        return bytes(data)
+
+    def remove(self, sha256s: Iterable[str], *, session: Session) -> int:
+        """Delete these keys' blobs in ``session``'s transaction; returns how many went.
+
+        Call only with keys no row refers to, under the gallery write lock (as the files):
+        once that transaction commits, no process reads the bytes any more.
+        """
+        removed = 0
+        for chunk in store.chunks(sorted(set(sha256s))):
+            result = session.execute(delete(MediaBlob).where(MediaBlob.sha256.in_(chunk)))
+            removed += int(result.rowcount or 0)
+        return removed
+
+    def stored_keys(self) -> Iterator[str]:
+        with self.session_factory() as session:
+            yield from session.scalars(select(MediaBlob.sha256)).all()
+
+    def sweep_temporaries(self) -> int:
+        """Nothing to sweep: a killed write rolls back with its transaction."""
+        return 0
+
+
+def open_media_store(settings: Settings, session_factory: sessionmaker[Session]) -> MediaBackend:
+    """The media store of the settings in force (``IMGRET_MEDIA_BACKEND``): the one place that
+    chooses it, for the service, the CLI jobs and the demo.
+
+    Args:
+        settings: ``media_backend`` and ``data_dir``.
+        session_factory: sessions on the gallery database (the database store reads with
+            them).
+    """
+    if settings.media_backend == "database":
+        return DatabaseMediaStore(session_factory)
+    return MediaStore.in_data_dir(settings.data_dir)

@@ -1,0 +1,89 @@
+"""The database media store (``IMGRET_MEDIA_BACKEND=database``) on SQLite and PostgreSQL: bytes
+stored once per hash, in the writer's transaction, and gone with the transaction that finds
+them unreferenced (issue 15)."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from imgret.settings import Settings
+from index import store
+from index.gc import purge_media, sweep_media
+from index.ingest import NewItem, add_items
+from index.media import MediaStore, sha256_hex
+from index.media_db import DatabaseMediaStore, open_media_store
+from index.models import MediaBlob
+from tests.support.gallery_state import add_query_item
+from tests.support.images import class_image, image_bytes
+
+
+def _blob_count(sessions) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(MediaBlob))
+
+
+def test_settings_pick_the_store(sessions, tmp_path) -> None:
+    files = open_media_store(Settings(data_dir=tmp_path), sessions)
+    assert isinstance(files, MediaStore) and files.root == tmp_path / "media"
+    assert isinstance(open_media_store(Settings(data_dir=tmp_path, media_backend="database"),
+                                       sessions), DatabaseMediaStore)
+    with pytest.raises(ValueError, match="media_backend"):
+        Settings(media_backend="s3")
+
+
+def test_same_bytes_are_stored_once_and_read_back(sessions) -> None:
+    media = DatabaseMediaStore(sessions)
+    a, b = image_bytes(class_image(1, 0)), image_bytes(class_image(2, 0))
+    with sessions.begin() as session:
+        paths = media.put_many([(a, sha256_hex(a)), (b, sha256_hex(b)), (a, sha256_hex(a))],
+                               session=session)
+    assert paths == [MediaStore.relative_path(sha256_hex(x)) for x in (a, b, a)]
+    with sessions.begin() as session:  # stored again: kept, no conflict
+        media.put_many([(a, sha256_hex(a))], session=session)
+    assert _blob_count(sessions) == 2
+    assert media.read(paths[0]) == a and media.read(paths[1]) == b
+    assert media.exists(sha256_hex(b))
+    assert sorted(media.stored_keys()) == sorted([sha256_hex(a), sha256_hex(b)])
+
+
+def test_a_rolled_back_write_leaves_no_bytes(sessions) -> None:
+    media = DatabaseMediaStore(sessions)
+    data = image_bytes(class_image(3, 0))
+    with pytest.raises(RuntimeError), sessions.begin() as session:
+        (path,) = media.put_many([(data, sha256_hex(data))], session=session)
+        raise RuntimeError("the rows failed")
+    assert not media.exists(sha256_hex(data))
+    with pytest.raises(FileNotFoundError):
+        media.read(path)
+    with pytest.raises(ValueError):  # a path that is not one of ours, as with files
+        media.read(f"../{sha256_hex(data)}")
+
+
+def test_a_delete_removes_the_blob_only_when_unreferenced(sessions, embedder) -> None:
+    """A gallery item and a query item with the same bytes share one blob: deleting the item
+    keeps it; once nothing refers to it, the purge's transaction deletes it."""
+    media = DatabaseMediaStore(sessions)
+    shared, alone = image_bytes(class_image(4, 0)), image_bytes(class_image(5, 0))
+    added = add_items([NewItem(shared, "x"), NewItem(alone, "y")], session_factory=sessions,
+                      media=media, embedder=embedder)
+    assert _blob_count(sessions) == 2
+    add_query_item(sessions, shared, model_version=embedder.model_version, dim=embedder.dim)
+    assert _blob_count(sessions) == 2  # the query item reuses the gallery item's blob
+    with sessions.begin() as session:
+        deleted = store.delete_items(added.ids, session=session)
+    assert purge_media([d.sha256 for d in deleted], session_factory=sessions, media=media) == 1
+    assert media.exists(sha256_hex(shared)) and not media.exists(sha256_hex(alone))
+    with pytest.raises(FileNotFoundError):
+        media.read(MediaStore.relative_path(sha256_hex(alone)))
+
+
+def test_the_start_up_sweep_finishes_an_interrupted_delete(sessions, embedder) -> None:
+    media = DatabaseMediaStore(sessions)
+    kept, deleted = image_bytes(class_image(6, 0)), image_bytes(class_image(6, 1))
+    ids = add_items([NewItem(kept, "x"), NewItem(deleted, "x")], session_factory=sessions,
+                    media=media, embedder=embedder).ids
+    with sessions.begin() as session:
+        store.delete_items([ids[1]], session=session)  # a crash here: never purged
+    assert sweep_media(session_factory=sessions, media=media) == 1
+    assert media.exists(sha256_hex(kept)) and not media.exists(sha256_hex(deleted))
