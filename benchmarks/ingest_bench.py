@@ -89,7 +89,7 @@ def main() -> None:
         images = fashion_mnist_pngs(args.images, 0)
         write_image_folder(folder, images.gallery)
         note = images.note
-        checkpoint = _checkpoint(work / "run")
+        checkpoint = demo_checkpoint(work / "run")
         embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size)
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
@@ -102,10 +102,10 @@ def main() -> None:
             if rate is not None:
                 pooled.append(rate)
             forwards.append(_forward(paths, embedder))
-            runs["sqlite"].append(_ingest(folder, work / f"sqlite-{round_}", checkpoint, None,
+            runs["sqlite"].append(ingest_fresh(folder, work / f"sqlite-{round_}", checkpoint, None,
                                           args))
             if args.postgres:
-                runs["postgresql"].append(_ingest(folder, work / f"pg-{round_}", checkpoint,
+                runs["postgresql"].append(ingest_fresh(folder, work / f"pg-{round_}", checkpoint,
                                                   args.postgres, args))
             logger.info("round %d: floor %.0f img/s, pooled %s, sqlite ingest %.0f img/s%s",
                         round_ + 1, floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
@@ -167,7 +167,7 @@ def _list(rates: list[float]) -> str:
 # --------------------------------------------------------------------------- inputs
 
 
-def _checkpoint(run_dir: Path) -> Path:
+def demo_checkpoint(run_dir: Path) -> Path:
     import torch
 
     from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
@@ -238,8 +238,10 @@ def _forward(paths: list[Path], embedder) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _ingest(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args):
-    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report)."""
+def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
+                 *, ray: str | None = None):
+    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report);
+    with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``)."""
     from imgret.settings import Settings
     from index import jobs
 
@@ -251,7 +253,7 @@ def _ingest(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None
         settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
                             device="cpu")
         report = jobs.ingest(settings, folder, batch_size=args.batch_size,
-                             chunk_size=args.chunk_size, progress=args.progress)
+                             chunk_size=args.chunk_size, progress=args.progress, ray=ray)
     finally:
         if drop:
             drop()

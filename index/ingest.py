@@ -128,6 +128,9 @@ class IngestReport:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
     wall_seconds: float = 0.0
+    # Seconds before the first chunk reached the writer on Ray (its actors starting and
+    # loading the model); 0 for the plain ingest, whose start-up is in its stages.
+    startup_seconds: float = 0.0
 
     def rate(self, stage: str) -> float:
         """Images per second through ``stage`` (0 when it processed nothing)."""
@@ -141,7 +144,9 @@ class IngestReport:
             f"{self.source} -> {target} (model version {self.model_version}): "
             f"{self.total} images, {self.added} added, {self.embedded} existing items "
             f"embedded, {self.duplicates} already present, {len(self.failed)} failed, "
-            f"in {self.wall_seconds:.1f}s",
+            f"in {self.wall_seconds:.1f}s"
+            + (f" ({self.startup_seconds:.1f}s of it starting Ray actors)"
+               if self.startup_seconds else ""),
             "stage      images   seconds   images/s",
         ]
         for stage in STAGES:

@@ -275,6 +275,8 @@ def ingest_with_ray(
         with tqdm(total=len(records), unit="img", desc="ingest (ray)",
                   disable=not progress) as bar:
             for batch in dataset.iter_batches(batch_size=chunk_size, batch_format="numpy"):
+                if not report.startup_seconds:
+                    report.startup_seconds = time.perf_counter() - started
                 chunk = _chunk(batch, EmbeddedChunk)
                 for stage in ("read", "dedup", "decode", "embed"):
                     report.seconds[stage] += float(batch[f"t_{stage}"].sum())
