@@ -60,7 +60,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         workers: int | None = typer.Option(
             None, "--workers", min=1,
             help="processes decoding files beside the forward pass (default: min(4, cores)); "
-            "with --ray: embed actors (default: one per GPU, else per CPU of the cluster)",
+            "with --ray: embed actors (default: one per GPU, else per free CPU of the cluster)",
         ),
         ray: str | None = typer.Option(
             None, "--ray", metavar="[ADDRESS]",

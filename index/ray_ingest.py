@@ -44,6 +44,7 @@ from imgret.errors import ImgretError
 logger = logging.getLogger(__name__)
 
 _NO_CAMERA = -1  # Ray columns are typed: a missing camera travels as -1
+_KNOWN_CPUS = 0.25  # the known stage mostly waits on files and SQL
 
 
 class RayUnavailable(ImgretError):
@@ -205,7 +206,8 @@ def ingest_with_ray(
         address: a Ray cluster (``ray://host:10001`` or ``auto``). ``None``: the Ray
             instance this process already started, else a local one sized to this machine
             (shut down again at the end).
-        actors: embed actors (default: the cluster's GPUs, else its CPUs, at least 1).
+        actors: embed actors (default: the cluster's GPUs, else the CPUs the known stage
+            leaves, at least 1).
         progress: a tqdm bar (images/s).
 
     Returns:
@@ -246,7 +248,10 @@ def ingest_with_ray(
     try:
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
-        n_actors = actors or (gpus if gpus else max(1, int(resources.get("CPU", 1))))
+        # On CPUs: the slots the known stage leaves (an actor that cannot be placed would
+        # only wait). On GPUs: one actor per GPU.
+        n_actors = actors or (gpus if gpus else
+                              max(1, int(resources.get("CPU", 1) - _KNOWN_CPUS)))
         sources = SourceNames(root)
         items = [
             {"position": i, "path": str(r.path), "label": str(r.label),
@@ -263,7 +268,7 @@ def ingest_with_ray(
             ray.data.from_items(items, override_num_blocks=max(1, len(items) // chunk_size))
             .map_batches(KnownFilter, fn_constructor_kwargs={"plan": plan},
                          compute=ray.data.ActorPoolStrategy(size=1),
-                         batch_size=chunk_size, num_cpus=0.25)
+                         batch_size=chunk_size, num_cpus=_KNOWN_CPUS)
             .map_batches(EmbedActor, fn_constructor_kwargs={"plan": plan},
                          compute=ray.data.ActorPoolStrategy(size=n_actors),
                          batch_size=batch_size,
