@@ -59,18 +59,25 @@ DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28, "grayscale": 
              "mean": (0.2860,) * 3, "std": (0.3530,) * 3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=3000, help="PNG files (<= 60000)")
+def ingest_arguments(description: str, *, images: int, repeat: int) -> argparse.ArgumentParser:
+    """The options this benchmark shares with ``ray_ingest_bench.py`` (checked by
+    :func:`check_arguments`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--images", type=int, default=images, help="PNG files (<= 60000)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
     parser.add_argument("--chunk-size", type=int, default=256, help="images per transaction")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement")
+    parser.add_argument("--repeat", type=int, default=repeat, help="runs of each measurement")
     parser.add_argument("--postgres", metavar="URL",
                         help="also ingest into PostgreSQL: an admin URL "
                              "(postgresql+psycopg://postgres@127.0.0.1:5432/postgres); a "
                              "database is created for each run and dropped after it")
     parser.add_argument("--progress", action="store_true", help="show the ingest's tqdm bar")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse and check the shared options; set up logging."""
     args = parser.parse_args()
     if not 10 <= args.images <= 60000:
         parser.error("--images: 10 to 60000")
@@ -78,6 +85,11 @@ def main() -> None:
         parser.error("--repeat: at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    return args
+
+
+def main() -> None:
+    args = check_arguments(ingest_arguments(__doc__.split("\n\n")[0], images=3000, repeat=3))
 
     import torch
 

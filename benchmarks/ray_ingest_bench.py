@@ -27,7 +27,6 @@ machine only, and noisy on a shared one.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import statistics
@@ -41,34 +40,23 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from harness import fashion_mnist_pngs, write_image_folder  # noqa: E402
-from ingest_bench import demo_checkpoint, ingest_fresh  # noqa: E402
+from ingest_bench import (  # noqa: E402
+    check_arguments,
+    demo_checkpoint,
+    ingest_arguments,
+    ingest_fresh,
+)
 
 logger = logging.getLogger("ray_ingest_bench")
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=2000, help="PNG files (<= 60000)")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
-    parser.add_argument("--chunk-size", type=int, default=256, help="images per transaction")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each path")
-    parser.add_argument("--postgres", metavar="URL",
-                        help="also ingest into PostgreSQL: an admin URL "
-                             "(postgresql+psycopg://postgres@127.0.0.1:5432/postgres); a "
-                             "database is created for each run and dropped after it")
+    parser = ingest_arguments(__doc__.split("\n\n")[0], images=2000, repeat=1)
     parser.add_argument("--ray", metavar="ADDRESS",
                         help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--num-cpus", type=int, default=2, help="the local Ray's CPUs")
     parser.add_argument("--object-store-mb", type=int, default=400,
                         help="the local Ray's object store")
-    parser.add_argument("--out", type=Path, help="also write the markdown here")
-    args = parser.parse_args()
-    args.progress = False
-    if not 10 <= args.images <= 60000:
-        parser.error("--images: 10 to 60000")
-    if args.repeat < 1:
-        parser.error("--repeat: at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    args = check_arguments(parser)
 
     import ray
 
