@@ -59,18 +59,25 @@ DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28, "grayscale": 
              "mean": (0.2860,) * 3, "std": (0.3530,) * 3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=3000, help="PNG files (<= 60000)")
+def ingest_arguments(description: str, *, images: int, repeat: int) -> argparse.ArgumentParser:
+    """The options this benchmark shares with ``ray_ingest_bench.py`` (checked by
+    :func:`check_arguments`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--images", type=int, default=images, help="PNG files (<= 60000)")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass")
     parser.add_argument("--chunk-size", type=int, default=256, help="images per transaction")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement")
+    parser.add_argument("--repeat", type=int, default=repeat, help="runs of each measurement")
     parser.add_argument("--postgres", metavar="URL",
                         help="also ingest into PostgreSQL: an admin URL "
                              "(postgresql+psycopg://postgres@127.0.0.1:5432/postgres); a "
                              "database is created for each run and dropped after it")
     parser.add_argument("--progress", action="store_true", help="show the ingest's tqdm bar")
     parser.add_argument("--out", type=Path, help="also write the markdown here")
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse and check the shared options; set up logging."""
     args = parser.parse_args()
     if not 10 <= args.images <= 60000:
         parser.error("--images: 10 to 60000")
@@ -78,6 +85,11 @@ def main() -> None:
         parser.error("--repeat: at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    return args
+
+
+def main() -> None:
+    args = check_arguments(ingest_arguments(__doc__.split("\n\n")[0], images=3000, repeat=3))
 
     import torch
 
@@ -89,7 +101,7 @@ def main() -> None:
         images = fashion_mnist_pngs(args.images, 0)
         write_image_folder(folder, images.gallery)
         note = images.note
-        checkpoint = _checkpoint(work / "run")
+        checkpoint = demo_checkpoint(work / "run")
         embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size)
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
@@ -102,10 +114,10 @@ def main() -> None:
             if rate is not None:
                 pooled.append(rate)
             forwards.append(_forward(paths, embedder))
-            runs["sqlite"].append(_ingest(folder, work / f"sqlite-{round_}", checkpoint, None,
+            runs["sqlite"].append(ingest_fresh(folder, work / f"sqlite-{round_}", checkpoint, None,
                                           args))
             if args.postgres:
-                runs["postgresql"].append(_ingest(folder, work / f"pg-{round_}", checkpoint,
+                runs["postgresql"].append(ingest_fresh(folder, work / f"pg-{round_}", checkpoint,
                                                   args.postgres, args))
             logger.info("round %d: floor %.0f img/s, pooled %s, sqlite ingest %.0f img/s%s",
                         round_ + 1, floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
@@ -167,7 +179,7 @@ def _list(rates: list[float]) -> str:
 # --------------------------------------------------------------------------- inputs
 
 
-def _checkpoint(run_dir: Path) -> Path:
+def demo_checkpoint(run_dir: Path) -> Path:
     import torch
 
     from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
@@ -238,8 +250,10 @@ def _forward(paths: list[Path], embedder) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _ingest(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args):
-    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report)."""
+def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
+                 *, ray: str | None = None):
+    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report);
+    with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``)."""
     from imgret.settings import Settings
     from index import jobs
 
@@ -251,7 +265,7 @@ def _ingest(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None
         settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
                             device="cpu")
         report = jobs.ingest(settings, folder, batch_size=args.batch_size,
-                             chunk_size=args.chunk_size, progress=args.progress)
+                             chunk_size=args.chunk_size, progress=args.progress, ray=ray)
     finally:
         if drop:
             drop()

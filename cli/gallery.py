@@ -58,7 +58,15 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
             256, "--chunk-size", min=1, help="images per transaction (lost if interrupted)"
         ),
         workers: int | None = typer.Option(
-            None, "--workers", min=1, help="threads reading and decoding files"
+            None, "--workers", min=1,
+            help="processes decoding files beside the forward pass (default: min(4, cores)); "
+            "with --ray: embed actors (default: one per GPU, else per free CPU of the cluster)",
+        ),
+        ray: str | None = typer.Option(
+            None, "--ray", metavar="[ADDRESS]",
+            help="ingest on Ray Data (extra `ray`): alone (after PATH), a local Ray instance; "
+            "with ADDRESS, that cluster (auto, ray://host:10001); files and model must be on "
+            "a path every node sees",
         ),
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
@@ -68,7 +76,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
 
         report = jobs.ingest(get_settings(), path, model=model, query_set=query_set,
                              batch_size=batch_size, chunk_size=chunk_size, workers=workers,
-                             progress=progress)
+                             progress=progress, ray=ray)
         for line in report.summary():
             typer.echo(line)
         if not query_set and report.added + report.embedded:

@@ -31,13 +31,31 @@ for module in (train, gallery, models, serve, demo, backup):
     module.register(app, db_app=db_app, index_app=index_app)
 
 
+# Options whose value may be left out (`imgret ingest PATH --ray [ADDRESS]`), and the value
+# they then take. Typer has no optional-value options, so the command line is completed
+# before it parses it.
+OPTIONAL_VALUES = {"--ray": "local"}
+
+
+def complete_optional_values(args: list[str]) -> list[str]:
+    """``args`` with the value of each :data:`OPTIONAL_VALUES` option filled in where it is
+    left out (the option ends the line or another option follows it)."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else None
+        if arg in OPTIONAL_VALUES and (following is None or following.startswith("-")):
+            out.append(OPTIONAL_VALUES[arg])
+    return out
+
+
 def main() -> None:
     """Console-script entry point."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        app()
+        app(args=complete_optional_values(sys.argv[1:]))
     except ImgretError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)

@@ -129,6 +129,9 @@ class IngestReport:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
     wall_seconds: float = 0.0
+    # Seconds before the first chunk reached the writer on Ray (its actors starting and
+    # loading the model); 0 for the plain ingest, whose start-up is in its stages.
+    startup_seconds: float = 0.0
 
     def rate(self, stage: str) -> float:
         """Images per second through ``stage`` (0 when it processed nothing)."""
@@ -142,7 +145,9 @@ class IngestReport:
             f"{self.source} -> {target} (model version {self.model_version}): "
             f"{self.total} images, {self.added} added, {self.embedded} existing items "
             f"embedded, {self.duplicates} already present, {len(self.failed)} failed, "
-            f"in {self.wall_seconds:.1f}s",
+            f"in {self.wall_seconds:.1f}s"
+            + (f" ({self.startup_seconds:.1f}s of it starting Ray actors)"
+               if self.startup_seconds else ""),
             "stage      images   seconds   images/s",
         ]
         for stage in STAGES:
@@ -339,12 +344,10 @@ def ingest_source(
     source = Path(source)
     records = list_records(source)
     root = source if source.is_dir() else source.parent
-    with session_factory.begin() as session:
-        model_version = store.register_model_version(
-            session=session, version=embedder.model_version, dim=embedder.dim,
-            config=embedder.spec.to_dict(),
-        )
-        target = store.get_or_create_query_set(query_set, session=session) if query_set else None
+    model_version, target = register_target(
+        session_factory, version=embedder.model_version, dim=embedder.dim,
+        config=embedder.spec.to_dict(), query_set=query_set,
+    )
     report = IngestReport(str(source), model_version.version, query_set, total=len(records))
     timer = _Timer(report)
     if workers is None:
@@ -395,7 +398,6 @@ class _ChunkRun:
     def __init__(self, root: Path, *, timer: _Timer, decoders: _Decoders,
                  session_factory: sessionmaker[Session], media: MediaBackend,
                  embedder: Embedder, model_version: ModelVersion, query_set: QuerySet | None):
-        self.root = root
         self.timer = timer
         self.report = timer.report
         self.decoders = decoders
@@ -404,7 +406,9 @@ class _ChunkRun:
         self.embedder = embedder
         self.model_version = model_version
         self.query_set = query_set
-        self._folders: dict[Path, str | None] = {}  # folder -> its path relative to root
+        self.writer = _ChunkWriter(timer=timer, session_factory=session_factory, media=media,
+                                   model_version=model_version, query_set=query_set)
+        self.sources = SourceNames(root)
 
     def prepare(self, records: Sequence[Any], offset: int) -> _Prepared:
         """Read and hash the files, plan against the database, submit the decoding."""
@@ -418,7 +422,7 @@ class _ChunkRun:
                                                f"cannot read file ({exc.strerror})"))
                     continue
                 cands.append(_Candidate(position, data, sha256_hex(data), record.label,
-                                        record.camera, None, self._relative(record.path),
+                                        record.camera, None, self.sources(record.path),
                                         origin=str(record.path)))
         with self.timer.stage("dedup", len(cands)), self.session_factory() as session:
             plan = _make_plan(cands, session=session, model_version=self.model_version,
@@ -427,7 +431,7 @@ class _ChunkRun:
 
     def finish(self, chunk: _Prepared) -> None:
         """Embed what the decoders return and write the chunk in one transaction."""
-        report, cands, plan, tickets = self.report, chunk.cands, chunk.plan, chunk.tickets
+        cands, plan, tickets = chunk.cands, chunk.plan, chunk.tickets
         vectors_by_sha: dict[str, np.ndarray] = {}
         for _ in range(_PLAN_ROUNDS):
             errors: dict[str, str] = {}
@@ -444,19 +448,8 @@ class _ChunkRun:
                                else np.zeros((0, self.embedder.dim), dtype=np.float32))
                 self.decoders.release(ticket)
                 vectors_by_sha.update(zip((c.sha256 for c in done), vectors, strict=True))
-            # Copies of a corrupt file (same bytes) fail with it, each under its own name.
-            failed = {c.position for c in cands if c.sha256 in errors
-                      and c.position not in plan.resolved}
-            report.failed.extend((c.origin, errors[c.sha256]) for c in cands
-                                 if c.position in failed)
-            if failed:
-                cands = [c for c in cands if c.position not in failed]
-            with self.timer.stage("write", len(plan.work)), \
-                    self.session_factory.begin() as session:
-                plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
-                                                  media=self.media,
-                                                  model_version=self.model_version,
-                                                  query_set=self.query_set)
+            cands, plan, ids_by_sha = self.writer.write(cands, vectors_by_sha, errors,
+                                                        planned=plan)
             if ids_by_sha is not None:
                 break
             # Another writer deleted an item this chunk meant to re-use: embed it too.
@@ -469,9 +462,6 @@ class _ChunkRun:
         for cand in chunk.cands:  # staged for nothing: the bytes were stored meanwhile
             if cand.staged and id(cand) not in created:
                 Path(cand.staged).unlink(missing_ok=True)
-        report.added += len(plan.create)
-        report.embedded += len(plan.embed_existing)
-        report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
 
     def _submit(self, work: list[_Candidate], stage: Sequence[_Candidate] = ()
                 ) -> list[tuple[int, list[_Candidate]]]:
@@ -480,20 +470,6 @@ class _ChunkRun:
         new = {id(c) for c in stage}
         return [(self.decoders.submit(part, stage=[id(c) in new for c in part]), part)
                 for part in slices]
-
-    def _relative(self, path: Path) -> str:
-        # The folder's resolution is cached: resolve() is a few system calls per file.
-        path = Path(path)
-        folder = self._folders.get(path.parent, ...)
-        if folder is ...:
-            try:
-                folder = str(path.parent.resolve().relative_to(self.root.resolve()))
-            except ValueError:
-                folder = None
-            self._folders[path.parent] = folder
-        if folder is None:
-            return str(path)
-        return path.name if folder == "." else f"{folder}/{path.name}"
 
 
 # --------------------------------------------------------------------------- decoders
@@ -715,7 +691,7 @@ class _Decoders:
     def _local(self, work: list[_Candidate]) -> _Decoded:
         import torch
 
-        inputs, errors = _decode_slice([(c.data, c.sha256, None) for c in work], self.embedder,
+        inputs, errors = decode_slice([(c.data, c.sha256, None) for c in work], self.embedder,
                                        self.max_pixels)
         return torch.from_numpy(inputs), errors, [None] * len(work)
 
@@ -758,7 +734,7 @@ def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedd
                     blobs.append((Path(path).read_bytes(), sha, None))
                 except OSError as exc:
                     blobs.append((None, sha, f"cannot read file ({exc.strerror})"))
-            inputs, errors = _decode_slice(blobs, embedder, max_pixels)
+            inputs, errors = decode_slice(blobs, embedder, max_pixels)
             staged: list[str | None] = [None] * len(items)
             if media is not None:
                 for index, ((data, _, _), (_, sha, stage)) in enumerate(zip(blobs, items,
@@ -781,7 +757,7 @@ def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedd
                 os.unlink(temp)
 
 
-def _decode_slice(blobs: Sequence[tuple[bytes | None, str, str | None]], embedder: Embedder,
+def decode_slice(blobs: Sequence[tuple[bytes | None, str, str | None]], embedder: Embedder,
                   max_pixels: int) -> tuple[np.ndarray, list[str | None]]:
     """Decode and preprocess encoded images: ``(k, 3, S, S)`` float32 inputs of those that
     worked, in order, and per image ``None`` or why it failed."""
@@ -815,6 +791,165 @@ def _decode_slice(blobs: Sequence[tuple[bytes | None, str, str | None]], embedde
 
 
 # --------------------------------------------------------------------------- shared stages
+
+
+def register_target(
+    session_factory: sessionmaker[Session], *, version: str, dim: int,
+    config: Mapping[str, Any], query_set: str | None,
+) -> tuple[ModelVersion, QuerySet | None]:
+    """Register the model version being ingested (the first one registered becomes active)
+    and find or make the named query set; what the bulk writers write against."""
+    with session_factory.begin() as session:
+        model_version = store.register_model_version(session=session, version=version, dim=dim,
+                                                     config=dict(config))
+        target = store.get_or_create_query_set(query_set, session=session) if query_set else None
+    return model_version, target
+
+
+class SourceNames:
+    """An image's ``source`` as stored: its path relative to the ingested folder (the path
+    itself when it lies outside)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._folders: dict[Path, str | None] = {}  # folder -> its path relative to root
+
+    def __call__(self, path: str | Path) -> str:
+        # The folder's resolution is cached: resolve() is a few system calls per file.
+        path = Path(path)
+        folder = self._folders.get(path.parent, ...)
+        if folder is ...:
+            try:
+                folder = str(path.parent.resolve().relative_to(self.root.resolve()))
+            except ValueError:
+                folder = None
+            self._folders[path.parent] = folder
+        if folder is None:
+            return str(path)
+        return path.name if folder == "." else f"{folder}/{path.name}"
+
+
+@dataclass(frozen=True)
+class EmbeddedChunk:
+    """Images decoded and embedded elsewhere (the Ray path's actors), ready to be written by
+    :func:`write_embedded`. One entry per image, in source order.
+
+    Attributes:
+        positions: each image's index in the source (orders copies of the same bytes).
+        paths: the file read (the failure report names it).
+        labels, cameras: what the source says (camera ``None`` when it has none).
+        sources: the stored ``source`` (:class:`SourceNames`).
+        data: the encoded bytes, or ``None`` when the file could not be read.
+        sha256: hex digest of ``data`` (ignored where ``data`` is ``None``).
+        vectors: ``(n, d)`` float32; rows of failed images are ignored.
+        errors: ``None``, or why the image failed (unreadable, corrupt, changed).
+    """
+
+    positions: Sequence[int]
+    paths: Sequence[str]
+    labels: Sequence[str]
+    cameras: Sequence[int | None]
+    sources: Sequence[str]
+    data: Sequence[bytes | None]
+    sha256: Sequence[str]
+    vectors: np.ndarray
+    errors: Sequence[str | None]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+
+def write_embedded(
+    chunk: EmbeddedChunk, *, report: IngestReport, session_factory: sessionmaker[Session],
+    media: MediaBackend, model_version: ModelVersion, query_set: QuerySet | None,
+) -> None:
+    """Write one chunk of already embedded images exactly as :func:`ingest_source` writes its
+    chunks (the same :class:`_ChunkWriter`): failures reported, media bytes durable, then the
+    rows in one transaction under the gallery write lock, planned again under it, so an image
+    stored meanwhile (by this run or another writer) counts as already present.
+
+    Args:
+        chunk: the images, their vectors and per-image errors.
+        report: counts (added, embedded, duplicates, failed) and the write time go here.
+        session_factory, media: the gallery database and media store.
+        model_version, query_set: from :func:`register_target`.
+
+    Raises:
+        GalleryError: the plan under the lock needs a vector the chunk lacks (cannot happen
+            when every image of the chunk that did not fail was embedded).
+    """
+    cands: list[_Candidate] = []
+    errors: dict[str, str] = {}
+    vectors_by_sha: dict[str, np.ndarray] = {}
+    for i, position in enumerate(chunk.positions):
+        data, error, path = chunk.data[i], chunk.errors[i], str(chunk.paths[i])
+        if data is None:  # unreadable: reported like the plain ingest's read stage does
+            report.failed.append((path, error or "cannot read file"))
+            continue
+        sha = chunk.sha256[i]
+        cands.append(_Candidate(int(position), data, sha, chunk.labels[i], chunk.cameras[i],
+                                None, chunk.sources[i], origin=path))
+        if error:
+            errors[sha] = error
+        else:
+            vectors_by_sha[sha] = chunk.vectors[i]
+    writer = _ChunkWriter(timer=_Timer(report), session_factory=session_factory, media=media,
+                          model_version=model_version, query_set=query_set)
+    _, _, ids_by_sha = writer.write(cands, vectors_by_sha, errors, planned=None)
+    if ids_by_sha is None:
+        raise GalleryError("an image to write has no vector; run ingest again")
+
+
+@dataclass
+class _ChunkWriter:
+    """The write half of a bulk chunk, shared by :func:`ingest_source` and
+    :func:`write_embedded` (the Ray path)."""
+
+    timer: _Timer
+    session_factory: sessionmaker[Session]
+    media: MediaBackend
+    model_version: ModelVersion
+    query_set: QuerySet | None
+
+    def write(
+        self, cands: list[_Candidate], vectors_by_sha: Mapping[str, np.ndarray],
+        errors: Mapping[str, str], *, planned: _Plan | None,
+    ) -> tuple[list[_Candidate], _Plan, dict[str, int] | None]:
+        """Report the failed candidates, then write the rest under the lock.
+
+        Args:
+            cands: the chunk's readable images.
+            vectors_by_sha: the vectors embedded so far.
+            errors: sha256 -> why decoding failed.
+            planned: the plan made before decoding (its already-present items are not
+                failures even when their bytes would not decode); ``None``: no plan yet.
+
+        Returns:
+            The candidates left (failures dropped), the plan made under the lock, and
+            sha256 -> id of its work, or ``None`` (nothing written, counts untouched) when
+            that plan needs a vector ``vectors_by_sha`` lacks: embed those and call again.
+        """
+        report = self.timer.report
+        resolved = planned.resolved if planned is not None else {}
+        # Copies of a corrupt file (same bytes) fail with it, each under its own name.
+        failed = {c.position for c in cands if c.sha256 in errors
+                  and c.position not in resolved}
+        report.failed.extend((c.origin, errors[c.sha256]) for c in cands
+                             if c.position in failed)
+        if failed:
+            cands = [c for c in cands if c.position not in failed]
+        count = len(planned.work) if planned is not None else len(cands)
+        with self.timer.stage("write", count), self.session_factory.begin() as session:
+            plan, ids_by_sha = _write_planned(cands, vectors_by_sha, session=session,
+                                              media=self.media,
+                                              model_version=self.model_version,
+                                              query_set=self.query_set)
+        if ids_by_sha is not None:
+            report.added += len(plan.create)
+            report.embedded += len(plan.embed_existing)
+            report.duplicates += len(cands) - len(plan.create) - len(plan.embed_existing)
+        return cands, plan, ids_by_sha
+
 
 
 def _make_plan(

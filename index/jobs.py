@@ -62,7 +62,7 @@ def downgrade_to(settings: Settings, revision: str, *, confirmed: bool) -> None:
 def ingest(
     settings: Settings, path: str | Path, *, model: Path | None = None,
     query_set: str | None = None, batch_size: int = 64, chunk_size: int = 256,
-    workers: int | None = None, progress: bool = True,
+    workers: int | None = None, progress: bool = True, ray: str | None = None,
 ) -> IngestReport:
     """`imgret ingest`: embed a data set into the gallery or a named query set (idempotent).
 
@@ -73,12 +73,15 @@ def ingest(
         query_set: store the images in this named query set instead of the gallery.
         batch_size: images per forward pass.
         chunk_size: images per transaction.
-        workers: threads reading and decoding files.
+        workers: processes decoding files (with ``ray``: embed actors).
         progress: a tqdm bar.
+        ray: ingest on Ray Data (``index.ray_ingest``): ``"local"`` for a local Ray
+            instance, else a cluster address (``auto``, ``ray://host:10001``).
 
     Raises:
         CheckpointError: no model given or configured.
         GalleryError: an empty query-set name.
+        RayUnavailable: ``ray`` given but Ray Data is not installed or not reachable.
     """
     from imgret.embedder import Embedder
     from index import versions
@@ -91,13 +94,27 @@ def ingest(
                               "IMGRET_MODEL")
     if query_set is not None and not query_set.strip():
         raise GalleryError("the query set name is empty (--query-set)")
-    embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
-                                        batch_size=batch_size)
+    if ray is not None:
+        from index.ray_ingest import import_ray
+
+        import_ray()  # a missing extra is said before any work is done
     with open_gallery(settings) as sessions:
         # Keep the checkpoint under the data dir: any server can then load this version
         # (compare it, switch to it) without the run directory.
         versions.register_checkpoint(checkpoint, session_factory=sessions,
                                      data_dir=settings.data_dir)
+        if ray is not None:
+            from index.ray_ingest import ingest_with_ray
+
+            return ingest_with_ray(
+                path, session_factory=sessions, media=open_media_store(settings, sessions),
+                database_url=settings.db_url, checkpoint=checkpoint, device=settings.device,
+                query_set=query_set, batch_size=batch_size, chunk_size=chunk_size,
+                max_pixels=settings.max_image_pixels, address=None if ray == "local" else ray,
+                actors=workers, progress=progress,
+            )
+        embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
+                                            batch_size=batch_size)
         return ingest_source(
             path, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, query_set=query_set, chunk_size=chunk_size,
