@@ -52,19 +52,27 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
     """Remove every stored image no row refers to, and temporary files of killed writes.
 
     The store is listed without the lock (it may be large); the database is asked, and the
-    images removed, under it.
+    images removed, under it. Images that rows refer to but the store lacks are only counted
+    and logged as an error: nothing here can bring them back, and the usual cause is a
+    changed ``IMGRET_MEDIA_BACKEND`` on a gallery filled under the other one (its images then
+    answer 404), which the operator must hear about at start-up rather than from users.
 
     Returns:
         How many images were removed.
     """
     media.sweep_temporaries()
-    candidates = set(media.stored_keys())
-    if not candidates:
-        return 0
+    stored = set(media.stored_keys())
     with session_factory.begin() as session:
         store.lock_gallery_writes(session=session)
-        unreferenced = candidates - store.referenced_media(session=session)
-        removed = media.remove(unreferenced, session=session)
+        referenced = store.referenced_media(session=session)
+        removed = media.remove(stored - referenced, session=session) if stored else 0
     if removed:
         logger.info("removed %d stored images that no gallery or query item refers to", removed)
+    missing = len(referenced - stored)
+    if missing:
+        logger.error(
+            "%d of the %d images that gallery or query items refer to are not in the %s media "
+            "store (IMGRET_MEDIA_BACKEND=%s): they answer 404. If the gallery was filled with "
+            "the other backend, set IMGRET_MEDIA_BACKEND back to it (images are not moved "
+            "between backends)", missing, len(referenced), media.backend, media.backend)
     return removed

@@ -87,3 +87,22 @@ def test_the_start_up_sweep_finishes_an_interrupted_delete(sessions, embedder) -
         store.delete_items([ids[1]], session=session)  # a crash here: never purged
     assert sweep_media(session_factory=sessions, media=media) == 1
     assert media.exists(sha256_hex(kept)) and not media.exists(sha256_hex(deleted))
+
+
+def test_a_switched_backend_is_reported_at_start_up_and_deletes_nothing(
+    sessions, embedder, tmp_path, caplog
+) -> None:
+    """A gallery filled under the files backend, then started with the database one: the sweep
+    says how many images are missing and why, and removes nothing from either store."""
+    files = MediaStore.in_data_dir(tmp_path / "data")
+    images = [image_bytes(class_image(7, i)) for i in range(3)]
+    add_items([NewItem(data, "x") for data in images], session_factory=sessions, media=files,
+              embedder=embedder)
+    with caplog.at_level("ERROR", logger="index.gc"):
+        assert sweep_media(session_factory=sessions, media=DatabaseMediaStore(sessions)) == 0
+    assert "3 of the 3 images" in caplog.text and "IMGRET_MEDIA_BACKEND" in caplog.text
+    assert sorted(files.stored_keys()) == sorted(sha256_hex(data) for data in images)
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="index.gc"):
+        assert sweep_media(session_factory=sessions, media=files) == 0
+    assert not caplog.text  # the right backend: nothing missing, nothing said
