@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
 
 # Percentiles of the resampled means that bound a 95% percentile interval.
 _TAILS_95 = [2.5, 97.5]
@@ -38,6 +37,10 @@ def mean_ci(values: Sequence[float] | np.ndarray,
     mean = float(x.mean())
     if len(x) < 2:
         return mean, [mean, mean]
+    # Imported here: scipy.stats costs ~0.5 s of start-up to every server and CLI process,
+    # and only seed-level summaries (training reports, benchmarks) need the t quantile.
+    from scipy import stats
+
     t = float(stats.t.ppf((1 + confidence) / 2, df=len(x) - 1))
     half = t * float(x.std(ddof=1)) / math.sqrt(len(x))
     return mean, [mean - half, mean + half]
