@@ -60,7 +60,7 @@ class RerankForm:
     option: Rerank | None
 
 
-def rerank_form(**values: str | None) -> RerankForm:
+async def rerank_form(**values: str | None) -> RerankForm:
     """The re-ranking fields, checked by :meth:`~service.schemas.RerankRequest.parse` (422)."""
     try:
         return RerankForm(RerankRequest.parse(values))
@@ -77,7 +77,7 @@ rerank_form.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
 ])
 
 
-def search_options(
+async def search_options(
     k_form: Annotated[
         int | None, Form(alias="k", ge=1, le=K_MAX, description="neighbours (default 10)")
     ] = None,
@@ -97,7 +97,8 @@ def search_options(
     _fields: Annotated[None, Depends(form_fields(known=SEARCH_FIELDS, single=SEARCH_OPTIONS))]
     = None,
 ) -> SearchOptions:
-    """``k`` from the form or the query string, the optional filters and re-ranking."""
+    """``k`` from the form or the query string, the optional filters and re-ranking (on the
+    event loop: it only checks values, see ``service.deps``)."""
     if k_form is not None and k_query is not None and k_form != k_query:
         raise HTTPException(422, f"k is {k_form} in the form but {k_query} in the query string")
     k = k_form if k_form is not None else k_query if k_query is not None else K_DEFAULT
