@@ -303,6 +303,21 @@ class BatchHistogram:
         )
 
 
+def server_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by a server process's main thread (uvicorn's
+    event loop: HTTP parsing, routing, form fields, responses) and by the whole process, from
+    /proc (Linux); (nan, nan) where that cannot be read."""
+    def read(path: str) -> float:
+        # Fields after the command name: utime and stime are the 12th and 13th.
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    try:
+        return read(f"/proc/{pid}/task/{pid}/stat"), read(f"/proc/{pid}/stat")
+    except (OSError, ValueError, IndexError):
+        return float("nan"), float("nan")
+
+
 def batch_histogram(base: str) -> BatchHistogram:
     """Read the server's batch-size histogram from ``GET /metrics``."""
     text = httpx.get(f"{base}/metrics", timeout=30).text

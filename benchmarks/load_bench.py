@@ -60,6 +60,7 @@ from harness import (
     run_wrk,
     running_server,
     search_bodies,
+    server_cpu_seconds,
 )
 
 logger = logging.getLogger("load_bench")
@@ -120,22 +121,29 @@ def main() -> None:
             "IMGRET_DEVICE": "cpu",
             "IMGRET_API_KEY": secrets.token_hex(16),
         }
-        with running_server(env, log_path=work / "serve.log", workers=args.workers) as server:
-            base = server.url
+        with running_server(env, log_path=work / "serve.log", workers=args.workers) as live:
+            base = live.url
             _fill_gallery(base, gallery, env["IMGRET_API_KEY"])
             logger.info("warming up for %.0f s", WARMUP_S)
             run_wrk(base, bodies, levels[len(levels) // 2], WARMUP_S)
-            server, batches = [], []
+            server, batches, cpu = [], [], []
+            # With one worker the served process is the one started; with more, uvicorn's
+            # supervisor, whose CPU says nothing about the requests.
+            pid = live.process.pid if args.workers == 1 else None
             for connections in levels:
                 before = batch_histogram(base)
+                cpu_before = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
                 server.append(run_wrk(base, bodies, connections, args.seconds))
+                cpu_after = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
                 batches.append(batch_histogram(base) - before)
+                cpu.append(tuple((b - a) / max(1, server[-1].requests) * 1e6
+                                 for a, b in zip(cpu_before, cpu_after, strict=True)))
                 logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, "
                             "%d socket errors, mean batch %.1f", connections, server[-1].rps,
                             server[-1].p99_ms, server[-1].non_2xx, server[-1].socket_errors,
                             batches[-1].mean)
         floors = floor_levels(env, queries, [b.mean for b in batches], args.floor_seconds)
-    _print_table(server, batches, floors, args, model_note, data_note, len(gallery))
+    _print_table(server, batches, cpu, floors, args, model_note, data_note, len(gallery))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -280,8 +288,8 @@ def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
 # --------------------------------------------------------------------------- report
 
 
-def _print_table(server: list[Level], batches: list, floors: list[Floor],
-                 args: argparse.Namespace, model_note: str, data_note: str,
+def _print_table(server: list[Level], batches: list, cpu: list[tuple[float, float]],
+                 floors: list[Floor], args: argparse.Namespace, model_note: str, data_note: str,
                  gallery: int) -> None:
     out = io.StringIO()
     out.write(
@@ -293,15 +301,18 @@ def _print_table(server: list[Level], batches: list, floors: list[Floor],
         f"HTTP, on the same query images in batches of the size the server formed (mean of "
         f"its imgret_batch_size histogram at that level, rounded), back to back for "
         f"{args.floor_seconds:.0f} s, the better of the service's torch threads and every "
-        f"core.\n\n"
+        f"core. CPU per request: the server's event-loop thread / the whole server process, "
+        f"from /proc, over the level's requests.\n\n"
         "| connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server batch "
-        "(mean) | floor batch | floor img/s (service threads / all cores) | server/floor |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "(mean) | CPU us/request (event loop / process) | floor batch "
+        "| floor img/s (service threads / all cores) | server/floor |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
-    for s, b, f in zip(server, batches, floors, strict=True):
+    for s, b, c, f in zip(server, batches, cpu, floors, strict=True):
         out.write(
             f"| {s.connections} | {s.rps:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} | {s.non_2xx} "
-            f"| {s.socket_errors} | {b.mean:.1f} | {f.batch} | {f.best:.1f} "
+            f"| {s.socket_errors} | {b.mean:.1f} | {c[0]:.0f} / {c[1]:.0f} | {f.batch} "
+            f"| {f.best:.1f} "
             f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
             f"| {s.rps / f.best:.2f} |\n"
         )
