@@ -1,7 +1,8 @@
 """Ingest throughput against its floor: bare read + decode + embed of the same files.
 
     python benchmarks/ingest_bench.py [--images 3000] [--batch-size 64] [--chunk-size 256]
-                                      [--repeat 3] [--postgres URL] [--out FILE.md]
+                                      [--repeat 3] [--postgres URL]
+                                      [--media-backend files,database] [--out FILE.md]
 
 What it does, in one run (CPU; every database and data dir is fresh and temporary):
 
@@ -20,9 +21,12 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
       decode worker processes (``index.ingest._Decoders``, same worker count) and the
       forward passes here: what the ingest's pipeline does minus every storage step;
    c. **ingest**: ``index.jobs.ingest`` of the folder into a fresh SQLite database and data
-      dir (and into a fresh PostgreSQL database with ``--postgres``): images/s over the
-      report's wall time (listing, reading, hashing, dedup, decoding, embedding, media
-      writes with their syncs, SQL commits; not the model load or the schema migration);
+      dir (and into a fresh PostgreSQL database with ``--postgres``), once per media backend
+      of ``--media-backend`` (``IMGRET_MEDIA_BACKEND``: ``files``, the bytes as files in
+      the data dir; ``database``, the bytes as ``media_blobs`` rows in the chunk's
+      transaction): images/s over the report's wall time (listing, reading, hashing, dedup,
+      decoding, embedding, media writes with their syncs, SQL commits; not the model load
+      or the schema migration);
 
    and, for reference, the forward pass alone on already preprocessed tensors.
 
@@ -88,8 +92,19 @@ def check_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+MEDIA_BACKENDS = ("files", "database")
+
+
 def main() -> None:
-    args = check_arguments(ingest_arguments(__doc__.split("\n\n")[0], images=3000, repeat=3))
+    parser = ingest_arguments(__doc__.split("\n\n")[0], images=3000, repeat=3)
+    parser.add_argument("--media-backend", default=",".join(MEDIA_BACKENDS),
+                        help="comma-separated media backends to ingest with (default: both)")
+    args = check_arguments(parser)
+    backends = [b.strip() for b in args.media_backend.split(",") if b.strip()]
+    if not backends or set(backends) - set(MEDIA_BACKENDS):
+        parser.error(f"--media-backend: one or more of {', '.join(MEDIA_BACKENDS)}")
+    databases = ["sqlite", "postgresql"] if args.postgres else ["sqlite"]
+    targets = [(db, backend) for db in databases for backend in backends]
 
     import torch
 
@@ -107,23 +122,22 @@ def main() -> None:
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
 
         floors, pooled, forwards = [], [], []
-        runs: dict[str, list] = {"sqlite": [], "postgresql": []}
+        runs: dict[tuple[str, str], list] = {target: [] for target in targets}
         for round_ in range(args.repeat):
             floors.append(_floor(paths, embedder))
             rate = _pooled_floor(paths, embedder)
             if rate is not None:
                 pooled.append(rate)
             forwards.append(_forward(paths, embedder))
-            runs["sqlite"].append(ingest_fresh(folder, work / f"sqlite-{round_}", checkpoint, None,
-                                          args))
-            if args.postgres:
-                runs["postgresql"].append(ingest_fresh(folder, work / f"pg-{round_}", checkpoint,
-                                                  args.postgres, args))
-            logger.info("round %d: floor %.0f img/s, pooled %s, sqlite ingest %.0f img/s%s",
-                        round_ + 1, floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
-                        runs["sqlite"][-1][0],
-                        f", postgresql {runs['postgresql'][-1][0]:.0f}" if args.postgres
-                        else "")
+            for db, backend in targets:
+                runs[db, backend].append(ingest_fresh(
+                    folder, work / f"{db}-{backend}-{round_}", checkpoint,
+                    args.postgres if db == "postgresql" else None, args,
+                    media_backend=backend))
+            logger.info("round %d: floor %.0f img/s, pooled %s, ingest %s", round_ + 1,
+                        floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
+                        ", ".join(f"{db}/{backend} {runs[db, backend][-1][0]:.0f} img/s"
+                                  for db, backend in targets))
 
     floor = statistics.median(floors)
     pooled_floor = statistics.median(pooled) if pooled else None
@@ -144,24 +158,21 @@ def main() -> None:
         lines.append(f"| (b) pooled floor: the same, decoded in the ingest's worker "
                      f"processes | {pooled_floor:.0f} | {_list(pooled)} | "
                      f"{pooled_floor / floor:.2f} | 1.00 |")
-    for name, results in runs.items():
-        if not results:
-            continue
+    for (db, backend), results in runs.items():
         rates = [rate for rate, _ in results]
         rate = statistics.median(rates)
-        lines.append(f"| (c) `index.jobs.ingest`, {name} | {rate:.0f} | {_list(rates)} | "
+        lines.append(f"| (c) `index.jobs.ingest`, {db}, media {backend} | {rate:.0f} | "
+                     f"{_list(rates)} | "
                      f"**{rate / floor:.2f}** | {_ratio(rate, pooled_floor)} |")
     lines.append(f"| forward pass alone (preprocessed tensors) | "
                  f"{statistics.median(forwards):.0f} | {_list(forwards)} | "
                  f"{statistics.median(forwards) / floor:.2f} | "
                  f"{_ratio(statistics.median(forwards), pooled_floor)} |")
-    for name, results in runs.items():
-        if not results:
-            continue
+    for (db, backend), results in runs.items():
         rate, report = sorted(results, key=lambda r: r[0])[len(results) // 2]
         stages = ", ".join(f"{stage} {report.seconds[stage]:.2f}" for stage in report.seconds)
-        lines += ["", f"{name}, median run ({rate:.0f} img/s, {report.wall_seconds:.2f} s "
-                      f"wall): stage seconds {stages}"]
+        lines += ["", f"{db}, media {backend}, median run ({rate:.0f} img/s, "
+                      f"{report.wall_seconds:.2f} s wall): stage seconds {stages}"]
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:
@@ -251,9 +262,10 @@ def _forward(paths: list[Path], embedder) -> float:
 
 
 def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
-                 *, ray: str | None = None):
+                 *, ray: str | None = None, media_backend: str = "files"):
     """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report);
-    with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``)."""
+    with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``); the image bytes go to
+    ``media_backend`` (``IMGRET_MEDIA_BACKEND``)."""
     from imgret.settings import Settings
     from index import jobs
 
@@ -263,7 +275,7 @@ def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str |
     data_dir.mkdir(parents=True)
     try:
         settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
-                            device="cpu")
+                            device="cpu", media_backend=media_backend)
         report = jobs.ingest(settings, folder, batch_size=args.batch_size,
                              chunk_size=args.chunk_size, progress=args.progress, ray=ray)
     finally:

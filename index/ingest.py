@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -319,8 +320,10 @@ def ingest_source(
     resumes where it stopped.
 
     The stages overlap (see :class:`_Decoders`): worker processes decode and preprocess the
-    next chunk's images while this process embeds the current one and writes it (media files
-    made durable as one batch, then the rows, under the gallery write lock, as before).
+    next chunk's images while this process embeds the current one, and a writer thread writes
+    the one before it (media made durable as one batch, then the rows, under the gallery write
+    lock); one write at a time, so chunks commit in source order. The report's stage seconds
+    therefore add up to more than the wall time.
 
     Args:
         source: what ``imgret.datasets.list_records`` accepts.
@@ -367,15 +370,27 @@ def ingest_source(
                         media=media, embedder=embedder, model_version=model_version,
                         query_set=target)
         # One chunk prepared ahead (read, hashed, planned, handed to the decoders) while the
-        # one before it is embedded and written.
-        ahead: _Prepared | None = run.prepare(chunks[0], 0) if chunks else None
-        for number in range(len(chunks)):
-            current = ahead
-            ahead = (run.prepare(chunks[number + 1], (number + 1) * chunk_size)
-                     if number + 1 < len(chunks) else None)
-            assert current is not None
-            run.finish(current)
-            bar.update(len(current.records))
+        # one before it is embedded, and the one before that written on the writer thread:
+        # a write mostly waits (media syncs, the database's own work), and the forward pass
+        # here runs with the GIL released, so the two overlap. One write in flight at a
+        # time, so chunks still commit in source order; leaving the block (an error, Ctrl-C)
+        # waits for it, before the decoders and their staged files go.
+        with ThreadPoolExecutor(1, thread_name_prefix="imgret-ingest-writer") as writes:
+            pending: tuple[_Prepared, _Embedded, Future] | None = None
+            ahead: _Prepared | None = run.prepare(chunks[0], 0) if chunks else None
+            for number in range(len(chunks)):
+                current = ahead
+                ahead = (run.prepare(chunks[number + 1], (number + 1) * chunk_size)
+                         if number + 1 < len(chunks) else None)
+                assert current is not None
+                embedded = run.embed(current)
+                if pending is not None:
+                    run.settle(*pending)
+                    bar.update(len(pending[0].records))
+                pending = (current, embedded, writes.submit(run.write, embedded))
+            if pending is not None:
+                run.settle(*pending)
+                bar.update(len(pending[0].records))
     report.wall_seconds = time.perf_counter() - started
     for path, reason in report.failed:
         logger.warning("skipped %s: %s", path, reason)
@@ -392,8 +407,19 @@ class _Prepared:
     tickets: list[tuple[int, list[_Candidate]]]  # decoder ticket, the candidates it decodes
 
 
+@dataclass
+class _Embedded:
+    """A chunk's vectors, ready to be written."""
+
+    cands: list[_Candidate]
+    plan: _Plan
+    vectors_by_sha: dict[str, np.ndarray] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # sha256 -> why decoding failed
+
+
 class _ChunkRun:
-    """The two halves of a chunk's work: :meth:`prepare` and :meth:`finish`."""
+    """The stages of a chunk's work: :meth:`prepare`, :meth:`embed`, :meth:`write` (on the
+    writer thread) and :meth:`settle`."""
 
     def __init__(self, root: Path, *, timer: _Timer, decoders: _Decoders,
                  session_factory: sessionmaker[Session], media: MediaBackend,
@@ -429,39 +455,60 @@ class _ChunkRun:
                               query_set=self.query_set)
         return _Prepared(records, cands, plan, self._submit(plan.work, stage=plan.create))
 
-    def finish(self, chunk: _Prepared) -> None:
-        """Embed what the decoders return and write the chunk in one transaction."""
-        cands, plan, tickets = chunk.cands, chunk.plan, chunk.tickets
-        vectors_by_sha: dict[str, np.ndarray] = {}
-        for _ in range(_PLAN_ROUNDS):
-            errors: dict[str, str] = {}
-            for ticket, work in tickets:
-                with self.timer.stage("decode", len(work)):
-                    inputs, slice_errors, staged = self.decoders.result(ticket)
-                for cand, temp in zip(work, staged, strict=True):
-                    cand.staged = temp or cand.staged
-                done = [c for c, error in zip(work, slice_errors, strict=True) if error is None]
-                errors.update((c.sha256, error) for c, error in zip(work, slice_errors,
-                                                                      strict=True) if error)
-                with self.timer.stage("embed", len(done)):
-                    vectors = (self.embedder.embed_tensors(inputs) if done
-                               else np.zeros((0, self.embedder.dim), dtype=np.float32))
-                self.decoders.release(ticket)
-                vectors_by_sha.update(zip((c.sha256 for c in done), vectors, strict=True))
-            cands, plan, ids_by_sha = self.writer.write(cands, vectors_by_sha, errors,
-                                                        planned=plan)
+    def embed(self, chunk: _Prepared) -> _Embedded:
+        """Embed what the decoders return for the chunk (this process's forward passes)."""
+        embedded = _Embedded(chunk.cands, chunk.plan)
+        for ticket, work in chunk.tickets:
+            with self.timer.stage("decode", len(work)):
+                inputs, slice_errors, staged = self.decoders.result(ticket)
+            for cand, temp in zip(work, staged, strict=True):
+                cand.staged = temp or cand.staged
+            self._embed(work, inputs, slice_errors, embedded)
+            self.decoders.release(ticket)
+        return embedded
+
+    def write(self, embedded: _Embedded) -> tuple[list[_Candidate], _Plan, dict[str, int] | None]:
+        """Write the embedded chunk in one transaction (:meth:`_ChunkWriter.write`); runs on
+        the writer thread, which touches no decoder and no model."""
+        return self.writer.write(embedded.cands, embedded.vectors_by_sha, embedded.errors,
+                                 planned=embedded.plan)
+
+    def settle(self, chunk: _Prepared, embedded: _Embedded, written: Future) -> None:
+        """Wait for the chunk's write; when the gallery changed under it (an item it meant to
+        re-use was deleted), embed what the new plan needs and write again, here."""
+        cands, plan, ids_by_sha = written.result()
+        for _ in range(_PLAN_ROUNDS - 1):
             if ids_by_sha is not None:
                 break
-            # Another writer deleted an item this chunk meant to re-use: embed it too.
             logger.info("the gallery changed under this chunk; planning it again")
-            tickets = self._submit([c for c in plan.work if c.sha256 not in vectors_by_sha])
-        else:
+            # Decoded in this process: the decoders' tickets of later chunks are already out,
+            # and they must be collected in order.
+            again = _Embedded(cands, plan, dict(embedded.vectors_by_sha))
+            work = [c for c in plan.work if c.sha256 not in again.vectors_by_sha]
+            for at in range(0, len(work), self.embedder.batch_size):
+                part = work[at : at + self.embedder.batch_size]
+                with self.timer.stage("decode", len(part)):
+                    inputs, slice_errors, _ = self.decoders.decode_here(part)
+                self._embed(part, inputs, slice_errors, again)
+            embedded = again
+            cands, plan, ids_by_sha = self.write(again)
+        if ids_by_sha is None:
             raise GalleryError("the gallery changed under this chunk too often; "
                                "run ingest again")
         created = {id(c) for c in plan.create}
         for cand in chunk.cands:  # staged for nothing: the bytes were stored meanwhile
             if cand.staged and id(cand) not in created:
                 Path(cand.staged).unlink(missing_ok=True)
+
+    def _embed(self, work: list[_Candidate], inputs: torch.Tensor,
+               slice_errors: list[str | None], into: _Embedded) -> None:
+        done = [c for c, error in zip(work, slice_errors, strict=True) if error is None]
+        into.errors.update((c.sha256, error) for c, error in zip(work, slice_errors,
+                                                                 strict=True) if error)
+        with self.timer.stage("embed", len(done)):
+            vectors = (self.embedder.embed_tensors(inputs) if done
+                       else np.zeros((0, self.embedder.dim), dtype=np.float32))
+        into.vectors_by_sha.update(zip((c.sha256 for c in done), vectors, strict=True))
 
     def _submit(self, work: list[_Candidate], stage: Sequence[_Candidate] = ()
                 ) -> list[tuple[int, list[_Candidate]]]:
@@ -637,7 +684,7 @@ class _Decoders:
                 return torch.from_numpy(view), errors, staged
         if task.done is None:
             self._queue.remove(ticket)
-            task.done = self._local(task.work)
+            task.done = self.decode_here(task.work)
         return task.done
 
     def release(self, ticket: int) -> None:
@@ -688,7 +735,8 @@ class _Decoders:
             [t for t, task in self._tasks.items() if task.worker is None and task.done is None]
         ))
 
-    def _local(self, work: list[_Candidate]) -> _Decoded:
+    def decode_here(self, work: list[_Candidate]) -> _Decoded:
+        """Decode and preprocess a slice in this process, outside the ticket order."""
         import torch
 
         inputs, errors = decode_slice([(c.data, c.sha256, None) for c in work], self.embedder,

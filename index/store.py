@@ -348,7 +348,7 @@ def insert_items(
                  "FROM generate_series(1, :n)"), {"t": table.name, "n": len(rows)}))
         for param, item_id in zip(params, ids, strict=True):
             param["id"] = item_id
-        _copy(session, table, params)
+        copy_rows(session, table, params)
     else:
         # One Core executemany with RETURNING, ids handed back in parameter order (cached
         # single-row INSERTs on SQLite), instead of one ORM object per row: 3,072 rows in
@@ -697,7 +697,7 @@ def _insert_changes(item_ids: Sequence[int], op: str, session: Session) -> None:
     now = utcnow()
     params = [{"item_id": int(i), "op": op, "created_at": now} for i in item_ids]
     if _is_postgresql(session):
-        _copy(session, GalleryChange.__table__, params)
+        copy_rows(session, GalleryChange.__table__, params)
     else:
         session.execute(insert(GalleryChange.__table__), params)
 
@@ -718,7 +718,7 @@ def _insert_embeddings(tables: _Tables, ids, vectors, session, model_version) ->
         for item_id, vector in zip(ids, vectors, strict=True)
     ]
     if _is_postgresql(session):
-        _copy(session, tables.embedding.__table__, params)
+        copy_rows(session, tables.embedding.__table__, params)
     else:
         session.execute(tables.embedding.__table__.insert(), params)
 
@@ -727,7 +727,7 @@ def _is_postgresql(session: Session) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
-def _copy(session: Session, table, params: Sequence[Mapping[str, Any]]) -> None:
+def copy_rows(session: Session, table, params: Sequence[Mapping[str, Any]]) -> None:
     """PostgreSQL: insert rows with one ``COPY ... FROM STDIN`` on the session's connection
     (same transaction; statement-level triggers fire as for an INSERT). Every row has the
     same keys; JSON columns are given as dicts."""

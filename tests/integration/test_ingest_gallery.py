@@ -38,7 +38,10 @@ def test_ingest_twice_adds_nothing_and_skips_corrupt_files(sessions, media, embe
     assert sorted(Path(p).name for p, _ in first.failed) == ["corrupt.png", "truncated.png"]
     assert all("corrupt" in why or "truncated" in why or "recognised" in why
                for _, why in first.failed)
-    assert first.counts["embed"] == 20 and first.rate("embed") > 0
+    # 20 new images embedded, plus the copy when its first copy had not committed by the
+    # time its chunk was planned (a chunk is planned before the two before it commit; it is found
+    # under the write lock, so it is still stored once).
+    assert first.counts["embed"] in (20, 21) and first.rate("embed") > 0
     text = "\n".join(first.summary())
     assert "corrupt.png" in text and "images/s" in text
 
