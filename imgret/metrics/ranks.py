@@ -90,7 +90,7 @@ BLOCK = 512
 LANES = 16
 # Cells per relevant item, and interleaved histograms.
 CELLS_PER_ITEM = 8
-WAYS = 2
+WAYS = 4
 
 
 def cell_of(x, w, bias, top):
@@ -212,19 +212,17 @@ def rank_kernel(S, rel_off, rel_col, out):
                     cells[k] = c
                     idx[k] = i
                     k += c >= 1
-                for i in range(0, k - 1, 2):
+                k4 = k - k % WAYS
+                for i in range(0, k4, WAYS):
+                    for u in range(WAYS):  # unrolled: WAYS independent counters
+                        c0 = np.uint32(cells[i + u])
+                        hist[u * stride + c0] += 1
+                        cand[n_cand] = idx[i + u]
+                        n_cand += flag[c0]
+                for i in range(k4, k):
                     c0 = np.uint32(cells[i])
-                    c1 = np.uint32(cells[i + 1])
                     hist[c0] += 1
-                    hist[stride + c1] += 1
                     cand[n_cand] = idx[i]
-                    n_cand += flag[c0]
-                    cand[n_cand] = idx[i + 1]
-                    n_cand += flag[c1]
-                if k % 2:
-                    c0 = np.uint32(cells[k - 1])
-                    hist[c0] += 1
-                    cand[n_cand] = idx[k - 1]
                     n_cand += flag[c0]
             for j in range(n_rel):
                 beats[j] = 0
@@ -232,7 +230,11 @@ def rank_kernel(S, rel_off, rel_col, out):
                 e = cand[p]
                 x = row[e]
                 c = _cell(x, w, bias, top)
-                for q in range(tstart[c], tstart[c + 1]):  # mostly one item: no branch inside
+                q0 = tstart[c]
+                t = torder[q0]  # a flagged cell holds at least one relevant item
+                v = vals[t]
+                beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+                for q in range(q0 + 1, tstart[c + 1]):  # mostly none: predictable
                     t = torder[q]
                     v = vals[t]
                     beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
@@ -247,7 +249,8 @@ def rank_kernel(S, rel_off, rel_col, out):
                 c = rcell[t]
                 if c < prev:
                     for cc in range(c + 1, prev + 1):  # vectorised
-                        acc += hist[cc] + hist[stride + cc]
+                        for u in range(WAYS):
+                            acc += hist[u * stride + cc]
                     prev = c
                 rank = 1 + acc + beats[t]
                 i = o
