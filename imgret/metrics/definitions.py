@@ -9,11 +9,11 @@ NumPy and one numba loop over a CSR layout (each query's relevant ranks, ascendi
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import numpy as np
 
+from imgret.metrics.jit import compile_loop
 from imgret.stats import bootstrap_ci
 
 SCALAR_METRICS = ("map_at_r", "r_precision", "precision_at_1", "mean_average_precision", "mrr")
@@ -105,17 +105,8 @@ _prange = range
 
 @functools.cache
 def compiled_values():
-    """:func:`fill_values` compiled by numba, parallel over queries (cached on disk when the
-    package directory is writable)."""
-    import numba  # imported here: an evaluation pays numba's import, not every importer
-
-    fn = types.FunctionType(
-        fill_values.__code__, {**fill_values.__globals__, "_prange": numba.prange}, "fill_values"
-    )
-    try:
-        return numba.njit(cache=True, parallel=True, nogil=True, boundscheck=False)(fn)
-    except RuntimeError:  # no writable cache location: compile without caching
-        return numba.njit(parallel=True, nogil=True, boundscheck=False)(fn)
+    """:func:`fill_values` compiled by numba, parallel over queries."""
+    return compile_loop(fill_values, parallel=True)
 
 
 def build_report(

@@ -31,12 +31,12 @@ kernel.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from imgret.metrics.jit import compile_loop, with_globals
 from imgret.metrics.relevance import RelevancePlan
 
 # Default size of one chunk of the float32 score matrix (chunk_size x gallery); one is held.
@@ -335,28 +335,13 @@ def compiled_kernel():
     """:func:`rank_kernel` compiled by numba, parallel over row segments, with
     :func:`compress_cells` as one AVX-512 compress where the CPU has AVX-512; compiled on
     first use and cached on disk when the package directory is writable."""
-    # Imported here: numba's import costs ~0.5 s, which only an evaluation should pay.
     import numba
     from llvmlite import binding
 
     inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
+    names = {"_cell": inline(cell_of)}
     if "+avx512f" in binding.get_host_cpu_features().flatten().split(","):
         names["_compress"] = _avx512_compress()
     else:
-        names["_compress"] = inline(_seeing(compress_cells, names))
-    fn = _seeing(rank_kernel, names)
-    options = {"parallel": True, "nogil": True, "boundscheck": False}
-    try:
-        return numba.njit(cache=True, **options)(fn)
-    except RuntimeError:  # no writable cache location: compile without caching
-        return numba.njit(**options)(fn)
-
-
-def _seeing(fn, names):
-    """A copy of ``fn`` whose globals ``names`` are replaced (the compiled versions), so that
-    the module's own functions stay plain Python."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__)
-    copy.__qualname__ = fn.__qualname__
-    copy.__doc__ = fn.__doc__
-    return copy
+        names["_compress"] = inline(with_globals(compress_cells, names))
+    return compile_loop(rank_kernel, names, parallel=True)
