@@ -16,7 +16,10 @@ changed here.
 Issue 14: the kernel went from three to four passes over each row (cells, histogram, flagged
 items) to one (cells computed and compressed LANES at a time, AVX-512 where the CPU has it,
 then counted), writes each query's ranks already ascending (no sort of the chunk's ranks
-afterwards), and the GEMM no longer runs in a helper thread; see docs/metrics_bench.md.
+afterwards), and the GEMM no longer runs in a helper thread. Later: four interleaved
+histograms, a branch-free first comparison per candidate, and an L2 prefetch of the next score
+row while one is counted (the chunk comes back from DRAM: -20% kernel time); see
+docs/metrics_bench.md.
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
@@ -117,6 +120,14 @@ _cell = cell_of
 _compress = compress_cells
 
 
+def prefetch(row, pos):
+    """Hint that ``row[pos]`` will be read soon (a no-op here; :func:`compiled_kernel` makes
+    it an L2 prefetch)."""
+
+
+_prefetch = prefetch
+
+
 def rank_kernel(S, rel_off, rel_col, out):
     """Exact 1-based ranks of the relevant items of score rows ``S`` (b, n) float32 into ``out``.
 
@@ -167,6 +178,7 @@ def rank_kernel(S, rel_off, rel_col, out):
             lo = rel_off[r]
             n_rel = rel_off[r + 1] - lo
             row = S[r]
+            ahead = S[min(r + 1, b - 1)]  # the next row, fetched while this one is counted
             umin = np.float32(np.inf)
             umax = np.float32(-np.inf)
             for j in range(n_rel):
@@ -204,6 +216,8 @@ def rank_kernel(S, rel_off, rel_col, out):
             n_cand = 0
             for b0 in range(0, n, BLOCK):
                 m = min(BLOCK, n - b0)
+                for i in range(b0, b0 + m, LANES):  # one cache line each
+                    _prefetch(ahead, i)
                 k = 0
                 for i in range(b0, b0 + m - LANES + 1, LANES):
                     k = _compress(row, i, cells, idx, k, w, bias, top)
@@ -344,4 +358,35 @@ def compiled_kernel():
         names["_compress"] = _avx512_compress()
     else:
         names["_compress"] = inline(with_globals(compress_cells, names))
+    names["_prefetch"] = _prefetch_l2()
     return compile_loop(rank_kernel, names, parallel=True)
+
+
+def _prefetch_l2():
+    """:func:`prefetch` as ``llvm.prefetch`` (read, keep in L2)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch_l2(typingctx, row, pos):
+        sig = types.none(row, types.intp)
+
+        def codegen(context, builder, sig, args):
+            row_a, pos_v = args
+            data = context.make_array(sig.args[0])(context, builder, row_a).data
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0i8",
+            )
+            addr = builder.bitcast(builder.gep(data, [pos_v]), i8p)
+            builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch_l2

@@ -14,6 +14,7 @@ from imgret.metrics.ranks import (
     compiled_kernel,
     compress_cells,
     exact_ranks,
+    prefetch,
     rank_kernel,
 )
 from imgret.metrics.relevance import RelevancePlan
@@ -122,7 +123,7 @@ def scalar_compiled_kernel():
     import numba
 
     inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
+    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch)}
     names["_compress"] = inline(with_globals(compress_cells, names))
     return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
