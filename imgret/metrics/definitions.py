@@ -1,6 +1,6 @@
 """The metric definitions: from the ranks of each query's relevant items to the report.
 
-Pure NumPy over a CSR layout (each query's relevant ranks, ascending, delimited by
+NumPy and one numba loop over a CSR layout (each query's relevant ranks, ascending, delimited by
 ``offsets``), shared by both entry points of :mod:`imgret.metrics`. The formulas are stated in
 :func:`imgret.metrics.ranking_metrics`'s docstring; ``ci95`` is
 :func:`imgret.stats.bootstrap_ci` over the per-query values.
@@ -8,10 +8,12 @@ Pure NumPy over a CSR layout (each query's relevant ranks, ascending, delimited 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
+from imgret.metrics.jit import compile_loop
 from imgret.stats import bootstrap_ci
 
 SCALAR_METRICS = ("map_at_r", "r_precision", "precision_at_1", "mean_average_precision", "mrr")
@@ -30,45 +32,81 @@ def per_query_values(ranks, offsets, R, ks):
     """Per-query metric values, columns as :func:`value_names`, and first relevant ranks.
 
     ``ranks`` holds each query's relevant ranks in ascending order, CSR by ``offsets``;
-    ``R`` (> 0) the number of relevant items. Returns ``(values (n, m) float64, first (n,))``
-    with ``first`` = inf where no relevant item is ranked.
+    ``R`` (> 0) the number of relevant items; ``ks`` the sorted cut-offs. Returns
+    ``(values (n, m) float64, first (n,))`` with ``first`` = inf where no relevant item is
+    ranked. One pass over each query's ranks (:func:`fill_values`, compiled by numba).
     """
     n = len(R)
-    counts = np.diff(offsets)
-    qid = np.repeat(np.arange(n), counts)
-    # Position of each relevant item among the query's relevant items: P(rank) = pos / rank.
-    pos = np.arange(1, len(ranks) + 1) - np.repeat(offsets[:-1], counts)
-    prec = pos / ranks
-    Rf = R.astype(np.float64)
-    first = np.full(n, np.inf)
-    has = counts > 0
-    first[has] = ranks[offsets[:-1][has]]
+    ks = np.asarray(ks, np.int64)
+    # ideal[m]: DCG of m relevant items at the top.
+    ideal = np.concatenate([[0.0], np.cumsum(1.0 / np.log2(np.arange(2, ks.max() + 2)))])
     out = np.empty((n, len(SCALAR_METRICS) + len(K_METRICS) * len(ks)))
-    # Only ranks <= R matter for MAP@R and R-precision, only ranks <= max(k) for @k metrics:
-    # filter once, so that the many per-k sums run on short arrays.
-    in_r = ranks <= R[qid]
-    q_r, p_r = qid[in_r], prec[in_r]
-    out[:, 0] = np.bincount(q_r, p_r, minlength=n) / Rf  # map_at_r
-    out[:, 1] = np.bincount(q_r, minlength=n) / Rf  # r_precision
-    out[:, 2] = first == 1  # precision_at_1
-    out[:, 3] = np.bincount(qid, prec, minlength=n) / Rf  # mean_average_precision
-    out[:, 4] = np.where(has, 1.0 / first, 0.0)  # mrr
-    top = ranks <= max(ks)
-    q_k, r_k, p_k = qid[top], ranks[top], prec[top]
-    gain = 1.0 / np.log2(r_k + 1.0)
-    ideal = np.concatenate([[0.0], np.cumsum(1.0 / np.log2(np.arange(2, max(ks) + 2)))])
-    col = len(SCALAR_METRICS)
-    for kk in ks:  # columns in K_METRICS order
-        in_k = r_k <= kk
-        hits = np.bincount(q_k[in_k], minlength=n)
-        out[:, col] = first <= kk  # recall_at_k
-        ap_k = np.bincount(q_k[in_k], p_k[in_k], minlength=n)
-        out[:, col + 1] = np.divide(ap_k, hits, out=np.zeros(n), where=hits > 0)  # map_at_k
-        dcg = np.bincount(q_k[in_k], gain[in_k], minlength=n)
-        out[:, col + 2] = dcg / ideal[np.minimum(R, kk)]  # ndcg_at_k
-        out[:, col + 3] = hits / Rf  # recall_fraction_at_k
-        col += len(K_METRICS)
+    first = np.empty(n)
+    compiled_values()(
+        np.ascontiguousarray(ranks, np.int64),
+        np.ascontiguousarray(offsets, np.int64),
+        np.ascontiguousarray(R, np.int64),
+        ks,
+        ideal,
+        out,
+        first,
+    )
     return out, first
+
+
+def fill_values(ranks, offsets, R, ks, ideal, out, first):
+    """:func:`per_query_values`'s loop: row ``i`` of ``out`` and ``first[i]`` for query ``i``.
+
+    Sums run in rank order (P(i) = position / rank), so each value is the same float64 sum
+    however it is computed. Plain Python; :func:`compiled_values` compiles it.
+    """
+    n_k = len(K_METRICS)
+    for i in _prange(len(R)):
+        a = offsets[i]
+        b = offsets[i + 1]
+        r_q = R[i]
+        rf = np.float64(r_q)
+        s_r = 0.0
+        c_r = 0
+        s_all = 0.0
+        for p in range(a, b):
+            prec = (p - a + 1) / ranks[p]
+            s_all += prec
+            if ranks[p] <= r_q:
+                s_r += prec
+                c_r += 1
+        f = np.float64(ranks[a]) if b > a else np.inf
+        first[i] = f
+        out[i, 0] = s_r / rf  # map_at_r
+        out[i, 1] = c_r / rf  # r_precision
+        out[i, 2] = f == 1.0  # precision_at_1
+        out[i, 3] = s_all / rf  # mean_average_precision
+        out[i, 4] = 1.0 / f if b > a else 0.0  # mrr
+        for j in range(len(ks)):  # columns in K_METRICS order
+            kk = ks[j]
+            hits = 0
+            ap = 0.0
+            dcg = 0.0
+            p = a
+            while p < b and ranks[p] <= kk:
+                ap += (p - a + 1) / ranks[p]
+                dcg += 1.0 / np.log2(ranks[p] + 1.0)
+                hits += 1
+                p += 1
+            col = len(SCALAR_METRICS) + n_k * j
+            out[i, col] = f <= kk  # recall_at_k
+            out[i, col + 1] = ap / hits if hits > 0 else 0.0  # map_at_k
+            out[i, col + 2] = dcg / ideal[min(r_q, kk)]  # ndcg_at_k
+            out[i, col + 3] = hits / rf  # recall_fraction_at_k
+
+
+_prange = range
+
+
+@functools.cache
+def compiled_values():
+    """:func:`fill_values` compiled by numba, parallel over queries."""
+    return compile_loop(fill_values, parallel=True)
 
 
 def build_report(

@@ -16,7 +16,10 @@ changed here.
 Issue 14: the kernel went from three to four passes over each row (cells, histogram, flagged
 items) to one (cells computed and compressed LANES at a time, AVX-512 where the CPU has it,
 then counted), writes each query's ranks already ascending (no sort of the chunk's ranks
-afterwards), and the GEMM no longer runs in a helper thread; see docs/metrics_bench.md.
+afterwards), and the GEMM no longer runs in a helper thread. Later: four interleaved
+histograms, a branch-free first comparison per candidate, and an L2 prefetch of the next score
+row while one is counted (the chunk comes back from DRAM: -20% kernel time); see
+docs/metrics_bench.md.
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
@@ -31,12 +34,12 @@ kernel.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from imgret.metrics.jit import compile_loop, with_globals
 from imgret.metrics.relevance import RelevancePlan
 
 # Default size of one chunk of the float32 score matrix (chunk_size x gallery); one is held.
@@ -90,7 +93,7 @@ BLOCK = 512
 LANES = 16
 # Cells per relevant item, and interleaved histograms.
 CELLS_PER_ITEM = 8
-WAYS = 2
+WAYS = 4
 
 
 def cell_of(x, w, bias, top):
@@ -115,6 +118,14 @@ def compress_cells(row, pos, cells, idx, k, w, bias, top):
 
 _cell = cell_of
 _compress = compress_cells
+
+
+def prefetch(row, pos):
+    """Hint that ``row[pos]`` will be read soon (a no-op here; :func:`compiled_kernel` makes
+    it an L2 prefetch)."""
+
+
+_prefetch = prefetch
 
 
 def rank_kernel(S, rel_off, rel_col, out):
@@ -167,6 +178,7 @@ def rank_kernel(S, rel_off, rel_col, out):
             lo = rel_off[r]
             n_rel = rel_off[r + 1] - lo
             row = S[r]
+            ahead = S[min(r + 1, b - 1)]  # the next row, fetched while this one is counted
             umin = np.float32(np.inf)
             umax = np.float32(-np.inf)
             for j in range(n_rel):
@@ -204,6 +216,8 @@ def rank_kernel(S, rel_off, rel_col, out):
             n_cand = 0
             for b0 in range(0, n, BLOCK):
                 m = min(BLOCK, n - b0)
+                for i in range(b0, b0 + m, LANES):  # one cache line each
+                    _prefetch(ahead, i)
                 k = 0
                 for i in range(b0, b0 + m - LANES + 1, LANES):
                     k = _compress(row, i, cells, idx, k, w, bias, top)
@@ -212,19 +226,17 @@ def rank_kernel(S, rel_off, rel_col, out):
                     cells[k] = c
                     idx[k] = i
                     k += c >= 1
-                for i in range(0, k - 1, 2):
+                k4 = k - k % WAYS
+                for i in range(0, k4, WAYS):
+                    for u in range(WAYS):  # unrolled: WAYS independent counters
+                        c0 = np.uint32(cells[i + u])
+                        hist[u * stride + c0] += 1
+                        cand[n_cand] = idx[i + u]
+                        n_cand += flag[c0]
+                for i in range(k4, k):
                     c0 = np.uint32(cells[i])
-                    c1 = np.uint32(cells[i + 1])
                     hist[c0] += 1
-                    hist[stride + c1] += 1
                     cand[n_cand] = idx[i]
-                    n_cand += flag[c0]
-                    cand[n_cand] = idx[i + 1]
-                    n_cand += flag[c1]
-                if k % 2:
-                    c0 = np.uint32(cells[k - 1])
-                    hist[c0] += 1
-                    cand[n_cand] = idx[k - 1]
                     n_cand += flag[c0]
             for j in range(n_rel):
                 beats[j] = 0
@@ -232,7 +244,11 @@ def rank_kernel(S, rel_off, rel_col, out):
                 e = cand[p]
                 x = row[e]
                 c = _cell(x, w, bias, top)
-                for q in range(tstart[c], tstart[c + 1]):  # mostly one item: no branch inside
+                q0 = tstart[c]
+                t = torder[q0]  # a flagged cell holds at least one relevant item
+                v = vals[t]
+                beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+                for q in range(q0 + 1, tstart[c + 1]):  # mostly none: predictable
                     t = torder[q]
                     v = vals[t]
                     beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
@@ -247,7 +263,8 @@ def rank_kernel(S, rel_off, rel_col, out):
                 c = rcell[t]
                 if c < prev:
                     for cc in range(c + 1, prev + 1):  # vectorised
-                        acc += hist[cc] + hist[stride + cc]
+                        for u in range(WAYS):
+                            acc += hist[u * stride + cc]
                     prev = c
                 rank = 1 + acc + beats[t]
                 i = o
@@ -332,28 +349,44 @@ def compiled_kernel():
     """:func:`rank_kernel` compiled by numba, parallel over row segments, with
     :func:`compress_cells` as one AVX-512 compress where the CPU has AVX-512; compiled on
     first use and cached on disk when the package directory is writable."""
-    # Imported here: numba's import costs ~0.5 s, which only an evaluation should pay.
     import numba
     from llvmlite import binding
 
     inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
+    names = {"_cell": inline(cell_of)}
     if "+avx512f" in binding.get_host_cpu_features().flatten().split(","):
         names["_compress"] = _avx512_compress()
     else:
-        names["_compress"] = inline(_seeing(compress_cells, names))
-    fn = _seeing(rank_kernel, names)
-    options = {"parallel": True, "nogil": True, "boundscheck": False}
-    try:
-        return numba.njit(cache=True, **options)(fn)
-    except RuntimeError:  # no writable cache location: compile without caching
-        return numba.njit(**options)(fn)
+        names["_compress"] = inline(with_globals(compress_cells, names))
+    names["_prefetch"] = _prefetch_l2()
+    return compile_loop(rank_kernel, names, parallel=True)
 
 
-def _seeing(fn, names):
-    """A copy of ``fn`` whose globals ``names`` are replaced (the compiled versions), so that
-    the module's own functions stay plain Python."""
-    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **names}, fn.__name__)
-    copy.__qualname__ = fn.__qualname__
-    copy.__doc__ = fn.__doc__
-    return copy
+def _prefetch_l2():
+    """:func:`prefetch` as ``llvm.prefetch`` (read, keep in L2)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch_l2(typingctx, row, pos):
+        sig = types.none(row, types.intp)
+
+        def codegen(context, builder, sig, args):
+            row_a, pos_v = args
+            data = context.make_array(sig.args[0])(context, builder, row_a).data
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                "llvm.prefetch.p0i8",
+            )
+            addr = builder.bitcast(builder.gep(data, [pos_v]), i8p)
+            builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch_l2

@@ -5,8 +5,11 @@ same label and same camera under the re-ID rule).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from imgret.metrics.jit import compile_loop
 from imgret.metrics.validation import encode_pair
 
 
@@ -68,25 +71,60 @@ class RelevancePlan:
         gallery index, so each row's relevant items are one contiguous segment.
         """
         labs = self.q_lab[queries]
-        row, col = _expand(self.lab_start[labs], self.lab_count[labs], self.order)
+        none = np.full(len(queries), -1, np.int64)
+        starts, lengths = self.lab_start[labs], self.lab_count[labs]
         if self.cameras:
             cams = self.q_cam[queries]
-            keep = self.g_cam[col] != cams[row]
-            rm_row, rm_col = _expand(*self._lc_lookup(labs * self.n_cam + cams), self.lc_order)
-        elif self.loo:
-            keep = col != queries[row]
-            rm_row = np.arange(len(queries))
-            rm_col = queries.astype(np.int64)
-        else:
-            return row, col, np.empty(0, np.int64), np.empty(0, np.int64)
-        return row[keep], col[keep], rm_row, rm_col
+            row, col = _expand(starts, lengths, self.order, none, self.g_cam, cams)
+            rm_row, rm_col = _expand(
+                *self._lc_lookup(labs * self.n_cam + cams), self.lc_order, none, _NO_KEY, none
+            )
+            return row, col, rm_row, rm_col
+        if self.loo:
+            own = queries.astype(np.int64)
+            row, col = _expand(starts, lengths, self.order, own, _NO_KEY, none)
+            return row, col, np.arange(len(queries)), own
+        row, col = _expand(starts, lengths, self.order, none, _NO_KEY, none)
+        return row, col, np.empty(0, np.int64), np.empty(0, np.int64)
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray):
-    """Concatenate ``order[s:s+l]`` for each (s, l); return (segment id, value) arrays."""
-    lengths = lengths.astype(np.int64)
-    total = int(lengths.sum())
-    seg = np.repeat(np.arange(len(lengths)), lengths)
-    out_off = np.cumsum(lengths) - lengths
-    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - out_off, lengths)
-    return seg, order[pos].astype(np.int64)
+_NO_KEY = np.zeros(1, np.int64)
+
+
+def _expand(starts, lengths, order, drop, g_key, q_key):
+    """Concatenate ``order[s:s+l]`` for each segment ``(s, l)`` as (segment id, value) int64
+    arrays, leaving out value ``drop[i]`` and the values ``v`` with ``g_key[v] == q_key[i]``
+    from segment ``i`` (-1: leave none out; ``q_key[i] == -1`` never matches)."""
+    return compiled_expand()(
+        np.asarray(starts, np.int64),
+        np.asarray(lengths, np.int64),
+        np.asarray(order, np.int64),
+        drop,
+        np.asarray(g_key, np.int64),
+        np.asarray(q_key, np.int64),
+    )
+
+
+def expand_segments(starts, lengths, order, drop, g_key, q_key):
+    """:func:`_expand`'s loop (plain Python; :func:`compiled_expand` compiles it)."""
+    total = 0
+    for i in range(len(starts)):
+        total += lengths[i]
+    row = np.empty(total, np.int64)
+    col = np.empty(total, np.int64)
+    m = 0
+    for i in range(len(starts)):
+        d = drop[i]
+        key = q_key[i]
+        for p in range(starts[i], starts[i] + lengths[i]):
+            v = order[p]
+            row[m] = i
+            col[m] = v
+            m += (v != d) & ((key < 0) or (g_key[v] != key))
+    return row[:m], col[:m]
+
+
+@functools.cache
+def compiled_expand():
+    """:func:`expand_segments` compiled by numba."""
+    return compile_loop(expand_segments, parallel=False)

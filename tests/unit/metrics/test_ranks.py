@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from imgret.metrics.jit import with_globals
 from imgret.metrics.ranks import (
     BLOCK,
     LANES,
-    _seeing,
     cell_of,
     compiled_kernel,
     compress_cells,
     exact_ranks,
+    prefetch,
     rank_kernel,
 )
 from imgret.metrics.relevance import RelevancePlan
@@ -122,9 +123,9 @@ def scalar_compiled_kernel():
     import numba
 
     inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of)}
-    names["_compress"] = inline(_seeing(compress_cells, names))
-    return numba.njit(parallel=True, boundscheck=False)(_seeing(rank_kernel, names))
+    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch)}
+    names["_compress"] = inline(with_globals(compress_cells, names))
+    return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
 
 @pytest.mark.parametrize("n", [2 * BLOCK + LANES + 3, 3 * BLOCK])  # several blocks, a tail
