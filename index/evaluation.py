@@ -180,7 +180,7 @@ def load_query_batch(
         # Stored images were checked at ingest: no request budget, but still one image decoded
         # at a time (memory bounded by one image, not by the set).
         vectors = embed_encoded(
-            [_read_stored(media, item) for item in items], embedder=embedder,
+            _read_stored(media, items), embedder=embedder,
             limits=DecodeLimits(image_pixels=max_pixels, request_pixels=2**62),
             names=[f"query item {item.id}" for item in items],
         )
@@ -196,16 +196,20 @@ def load_query_batch(
     )
 
 
-def _read_stored(media: MediaBackend, item: QueryItem) -> bytes:
-    try:
-        return media.read(item.media_path)
-    except FileNotFoundError:
-        # The store lost bytes a row still refers to (files removed by hand, a backend
-        # switched without moving the images): the set cannot be evaluated as it is.
-        raise EvaluationError(
-            f"the stored image of query item {item.id} is missing from the {media.backend} "
-            f"media store (IMGRET_MEDIA_BACKEND); ingest the query set again"
-        ) from None
+def _read_stored(media: MediaBackend, items: Sequence[QueryItem]) -> list[bytes]:
+    blobs: list[bytes] = []
+    for item, data in zip(items, media.read_many([item.media_path for item in items]),
+                          strict=True):
+        if data is None:
+            # The store lost bytes a row still refers to (files removed by hand, a backend
+            # switched without moving the images): the set cannot be evaluated as it is.
+            raise EvaluationError(
+                f"the stored image of query item {item.id} is missing from the "
+                f"{media.backend} media store (IMGRET_MEDIA_BACKEND); ingest the query set "
+                "again"
+            )
+        blobs.append(data)
+    return blobs
 
 
 def evaluate_query_set(

@@ -100,6 +100,12 @@ class MediaBackend(Protocol):
         """The bytes of a stored relative path; ``FileNotFoundError`` when they are gone."""
         ...
 
+    def read_many(self, relative_paths: Sequence[str]) -> list[bytes | None]:
+        """The bytes of several stored paths, in order; ``None`` for those that are gone
+        (bulk readers: re-embedding, evaluation; the database store reads them in a few
+        queries instead of one per image)."""
+        ...
+
     def remove(self, sha256s: Iterable[str], *, session: Session) -> int: ...
 
     def stored_keys(self) -> Iterator[str]: ...
@@ -335,6 +341,16 @@ class MediaStore:
     def read(self, relative_path: str) -> bytes:
         """The bytes at a relative path from :meth:`put` (as stored in the database)."""
         return self.resolve(relative_path).read_bytes()
+
+    def read_many(self, relative_paths: Sequence[str]) -> list[bytes | None]:
+        """:meth:`read` of each path, ``None`` where the file is gone."""
+        out: list[bytes | None] = []
+        for relative_path in relative_paths:
+            try:
+                out.append(self.read(relative_path))
+            except FileNotFoundError:
+                out.append(None)
+        return out
 
     def resolve(self, relative_path: str) -> Path:
         """The absolute path of a stored relative path; refuses paths leaving the root."""

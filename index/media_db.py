@@ -97,14 +97,34 @@ class DatabaseMediaStore:
                 gallery written with the files backend), as a missing file would.
             ValueError: not a path this store makes (as the files refuse a path outside).
         """
-        key = relative_path.rsplit("/", 1)[-1]
-        if self.relative_path(key) != relative_path:
-            raise ValueError(f"media path {relative_path!r} is not a stored image's")
-        with self.session_factory() as session:
-            data = session.scalar(select(MediaBlob.data).where(MediaBlob.sha256 == key))
+        data = self.read_many([relative_path])[0]
         if data is None:
             raise FileNotFoundError(f"no stored image under {relative_path!r}")
-        return bytes(data)
+        return data
+
+    def read_many(self, relative_paths: Sequence[str]) -> list[bytes | None]:
+        """The bytes of several stored paths in one session and a query per
+        ``store.chunks`` of keys; ``None`` where there is no blob.
+
+        Raises:
+            ValueError: a path this store does not make (as :meth:`read`).
+        """
+        keys = []
+        for relative_path in relative_paths:
+            key = relative_path.rsplit("/", 1)[-1]
+            if self.relative_path(key) != relative_path:
+                raise ValueError(f"media path {relative_path!r} is not a stored image's")
+            keys.append(key)
+        found: dict[str, bytes] = {}
+        with self.session_factory() as session:
+            for chunk in store.chunks(sorted(set(keys))):
+                found.update(
+                    (sha, bytes(data)) for sha, data in session.execute(
+                        select(MediaBlob.sha256, MediaBlob.data)
+                        .where(MediaBlob.sha256.in_(chunk))
+                    )
+                )
+        return [found.get(key) for key in keys]
 
     def remove(self, sha256s: Iterable[str], *, session: Session) -> int:
         """Delete these keys' blobs in ``session``'s transaction; returns how many went.

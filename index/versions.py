@@ -558,13 +558,14 @@ def _embed_stored(batch: list[tuple[int, str]], media: MediaBackend, embedder: E
                   limits: DecodeLimits) -> tuple[list[int], np.ndarray, list[int]]:
     """Vectors of stored images; an unreadable one is left out (its id in the third list)."""
     ids, blobs, broken = [], [], []
-    for item_id, path in batch:
-        try:
-            blobs.append(media.read(path))
-            ids.append(item_id)
-        except OSError:
+    for (item_id, _), data in zip(batch, media.read_many([path for _, path in batch]),
+                                  strict=True):
+        if data is None:
             # Bytes gone: the item was deleted (its media purged) after the scan read it.
             broken.append(item_id)
+        else:
+            blobs.append(data)
+            ids.append(item_id)
     if not blobs:
         return [], np.zeros((0, embedder.dim), np.float32), broken
     try:

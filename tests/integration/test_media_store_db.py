@@ -106,3 +106,16 @@ def test_a_switched_backend_is_reported_at_start_up_and_deletes_nothing(
     with caplog.at_level("ERROR", logger="index.gc"):
         assert sweep_media(session_factory=sessions, media=files) == 0
     assert not caplog.text  # the right backend: nothing missing, nothing said
+
+
+@pytest.mark.parametrize("backend", ["files", "database"])
+def test_read_many_keeps_order_and_says_none_for_gone_bytes(sessions, tmp_path, backend) -> None:
+    media = (DatabaseMediaStore(sessions) if backend == "database"
+             else MediaStore.in_data_dir(tmp_path / "data"))
+    a, b = image_bytes(class_image(8, 0)), image_bytes(class_image(8, 1))
+    with sessions.begin() as session:
+        path_a, path_b = media.put_many([(a, sha256_hex(a)), (b, sha256_hex(b))],
+                                        session=session)
+    gone = MediaStore.relative_path(sha256_hex(b"never stored"))
+    assert media.read_many([path_b, gone, path_a, path_b]) == [b, None, a, b]
+    assert media.read_many([]) == []
