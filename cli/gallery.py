@@ -15,6 +15,30 @@ import typer
 
 def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
     """Add this area's commands to the CLI."""
+    media_app = typer.Typer(help="The stored images (IMGRET_MEDIA_BACKEND).",
+                            no_args_is_help=True)
+    app.add_typer(media_app, name="media")
+
+    @media_app.command("migrate")
+    def media_migrate(
+        to: str = typer.Option(..., "--to", help="the backend to move the images into: "
+                               "files (<data dir>/media) or database (media_blobs)"),
+        progress: bool = typer.Option(True, "--progress/--no-progress"),
+    ) -> None:
+        """Move every stored image into the other media backend, leaving none behind; run it
+        with the servers stopped, then start them with IMGRET_MEDIA_BACKEND set to the new
+        backend. Safe to run again after an interruption."""
+        from imgret.settings import get_settings
+        from index import jobs
+
+        report = jobs.migrate_media(get_settings(), to, progress=progress)
+        typer.echo(
+            f"moved {report.moved} images from the {report.source} backend to the "
+            f"{report.target} backend in {report.seconds:.1f}s ({report.missing} referenced "
+            f"images were not in the {report.source} store; {report.leftovers} unreferenced "
+            f"ones removed from it); now set IMGRET_MEDIA_BACKEND={report.target} on every "
+            "process"
+        )
 
     @db_app.command("upgrade")
     def db_upgrade() -> None:

@@ -23,6 +23,7 @@ from index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import IngestReport
 
 if TYPE_CHECKING:  # numpy and the search package load with the command that needs them
+    from index.media_db import MediaMigration
     from index.search.rerank import Rerank
 
 logger = logging.getLogger(__name__)
@@ -194,3 +195,32 @@ def evaluate_named(
             max_pixels=settings.max_image_pixels, k=ks,
             exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
         ).report
+
+
+def migrate_media(settings: Settings, to: str, *, progress: bool = True) -> MediaMigration:
+    """`imgret media migrate --to BACKEND`: move every stored image of the gallery of
+    ``settings`` into the ``to`` media backend (``index.media_db.migrate_media``; servers
+    stopped), the data dir and the database as configured.
+
+    Raises:
+        GalleryError: ``to`` is not a backend.
+    """
+    from tqdm.auto import tqdm
+
+    from index.media_db import migrate_media as migrate
+    from index.media_db import open_media_store
+
+    backends = ("files", "database")
+    if to not in backends:
+        raise GalleryError(f"--to {to!r}: the media backends are {', '.join(backends)}")
+    source_name = backends[1 - backends.index(to)]
+    with open_gallery(settings) as sessions, tqdm(
+        unit="img", desc=f"media {source_name} -> {to}", disable=not progress
+    ) as bar:
+        return migrate(
+            source=open_media_store(settings.model_copy(update={"media_backend": source_name}),
+                                    sessions),
+            target=open_media_store(settings.model_copy(update={"media_backend": to}),
+                                    sessions),
+            session_factory=sessions, on_batch=bar.update,
+        )

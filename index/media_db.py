@@ -18,13 +18,16 @@ not scrubbed from the disk.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from sqlalchemy import delete, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from imgret.errors import ImgretError
 from imgret.settings import Settings
 from index import store
 from index.media import MediaBackend, MediaStore
@@ -159,3 +162,75 @@ def open_media_store(settings: Settings, session_factory: sessionmaker[Session])
     if settings.media_backend == "database":
         return DatabaseMediaStore(session_factory)
     return MediaStore.in_data_dir(settings.data_dir)
+
+
+@dataclass
+class MediaMigration:
+    """What :func:`migrate_media` did.
+
+    Attributes:
+        source, target: the backends' names.
+        moved: images copied to the target and then removed from the source.
+        missing: images rows refer to that the source did not hold (nothing to move).
+        leftovers: bytes no row refers to, removed from the source at the end.
+        seconds: wall time.
+    """
+
+    source: str
+    target: str
+    moved: int = 0
+    missing: int = 0
+    leftovers: int = 0
+    seconds: float = 0.0
+
+
+def migrate_media(
+    *, source: MediaBackend, target: MediaBackend, session_factory: sessionmaker[Session],
+    batch_size: int = 256, on_batch: Callable[[int], None] | None = None,
+) -> MediaMigration:
+    """Move every image the gallery and the query sets refer to from one media backend to the
+    other, and leave none in the source (``imgret media migrate``).
+
+    Meant to run with the servers stopped, between the last process of the old setting and
+    the first of the new one. Per batch, under the gallery write lock: the bytes are read from
+    the source and made durable in the target (files synced, blobs committed), then removed
+    from the source in a second transaction. A crash between the two leaves a batch in both
+    stores, which a re-run moves again (writing a key the target holds is a no-op), so the
+    command can always be run again until it says nothing is left. Bytes no row refers to
+    are removed from the source at the end: after a migration the old store holds nothing,
+    so no deleted image survives there.
+
+    Args:
+        source, target: the two stores (``open_media_store`` of each setting).
+        session_factory: sessions on the gallery database.
+        batch_size: images per transaction.
+        on_batch: called with the number of images of each batch done (progress).
+    """
+    if source.backend == target.backend:
+        raise ImgretError(f"the media are in the {source.backend} backend already")
+    started = time.perf_counter()
+    report = MediaMigration(source.backend, target.backend)
+    with session_factory() as session:
+        keys = sorted(store.referenced_media(session=session))
+    for start in range(0, len(keys), batch_size):
+        batch = keys[start : start + batch_size]
+        with session_factory.begin() as session:
+            store.lock_gallery_writes(session=session)
+            found = source.read_many([MediaStore.relative_path(key) for key in batch])
+            present = [(data, key) for data, key in zip(found, batch, strict=True)
+                       if data is not None]
+            report.missing += len(batch) - len(present)
+            target.put_many(present, session=session)
+        with session_factory.begin() as session:
+            store.lock_gallery_writes(session=session)
+            report.moved += source.remove([key for _, key in present], session=session)
+        if on_batch is not None:
+            on_batch(len(batch))
+    source.sweep_temporaries()
+    stored = set(source.stored_keys())
+    with session_factory.begin() as session:
+        store.lock_gallery_writes(session=session)
+        report.leftovers = source.remove(stored - store.referenced_media(session=session),
+                                         session=session)
+    report.seconds = time.perf_counter() - started
+    return report
