@@ -73,6 +73,7 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
         logger.error(
             "%d of the %d images that gallery or query items refer to are not in the %s media "
             "store (IMGRET_MEDIA_BACKEND=%s): they answer 404. If the gallery was filled with "
-            "the other backend, set IMGRET_MEDIA_BACKEND back to it (images are not moved "
-            "between backends)", missing, len(referenced), media.backend, media.backend)
+            "the other backend, set IMGRET_MEDIA_BACKEND back to it, or stop the servers and "
+            "move the images with `imgret media migrate --to %s`", missing, len(referenced),
+            media.backend, media.backend, media.backend)
     return removed
