@@ -51,21 +51,16 @@ def purge_media(
 def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) -> int:
     """Remove every stored image no row refers to, and temporary files of killed writes.
 
-    The store is listed without the lock (it may be large); the database is asked, and the
-    images removed, under it. Images that rows refer to but the store lacks are only counted
-    and logged as an error: nothing here can bring them back, and the usual cause is a
-    changed ``IMGRET_MEDIA_BACKEND`` on a gallery filled under the other one (its images then
-    answer 404), which the operator must hear about at start-up rather than from users.
+    Images that rows refer to but the store lacks are only counted and logged as an error:
+    nothing here can bring them back, and the usual cause is a changed
+    ``IMGRET_MEDIA_BACKEND`` on a gallery filled under the other one (its images then answer
+    404), which the operator must hear about at start-up rather than from users.
 
     Returns:
         How many images were removed.
     """
-    media.sweep_temporaries()
-    stored = set(media.stored_keys())
-    with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
-        referenced = store.referenced_media(session=session)
-        removed = media.remove(stored - referenced, session=session) if stored else 0
+    removed, referenced, stored = remove_unreferenced(session_factory=session_factory,
+                                                      media=media)
     if removed:
         logger.info("removed %d stored images that no gallery or query item refers to", removed)
     missing = len(referenced - stored)
@@ -77,3 +72,23 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
             "move the images with `imgret media migrate --to %s`", missing, len(referenced),
             media.backend, media.backend, media.backend)
     return removed
+
+
+def remove_unreferenced(
+    *, session_factory: sessionmaker[Session], media: MediaBackend
+) -> tuple[int, set[str], set[str]]:
+    """Remove the temporary files of killed writes and every stored image no row refers to.
+
+    The store is listed without the lock (it may be large); the database is asked, and the
+    images removed, under it.
+
+    Returns:
+        How many images were removed, the keys rows refer to, and the keys that were stored.
+    """
+    media.sweep_temporaries()
+    stored = set(media.stored_keys())
+    with session_factory.begin() as session:
+        store.lock_gallery_writes(session=session)
+        referenced = store.referenced_media(session=session)
+        removed = media.remove(stored - referenced, session=session) if stored else 0
+    return removed, referenced, stored

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.errors import ImgretError
 from imgret.settings import Settings
 from index import store
+from index.gc import remove_unreferenced
 from index.media import MediaBackend, MediaStore
 from index.models import MediaBlob, utcnow
 
@@ -226,11 +227,8 @@ def migrate_media(
             report.moved += source.remove([key for _, key in present], session=session)
         if on_batch is not None:
             on_batch(len(batch))
-    source.sweep_temporaries()
-    stored = set(source.stored_keys())
-    with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
-        report.leftovers = source.remove(stored - store.referenced_media(session=session),
-                                         session=session)
+    # What is left in the source is bytes no row refers to (the referenced ones moved): not
+    # the start-up sweep, whose "missing" error would now describe every moved image.
+    report.leftovers = remove_unreferenced(session_factory=session_factory, media=source)[0]
     report.seconds = time.perf_counter() - started
     return report
