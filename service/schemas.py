@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+from fastapi import HTTPException
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -15,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass as pydantic_dataclass
+from starlette.datastructures import FormData
 
 from index.backup import ADMIN_BACKUPS_DIR, BACKUP_NAME, BackupReport
 from index.search.rerank import (
@@ -201,13 +203,6 @@ class RerankRequest(BaseModel):
             raise ValueError(validation_message(exc)) from None
         return request.rerank_option()
 
-    @classmethod
-    def field_schemas(cls) -> dict[str, dict[str, Any]]:
-        """Each field's JSON schema (type, range, description; no default): how the form
-        fields of ``/search`` and ``/evaluate`` appear in the OpenAPI document."""
-        return {name: {key: value for key, value in schema.items() if key != "default"}
-                for name, schema in cls.model_json_schema()["properties"].items()}
-
     def rerank_option(self) -> Rerank | None:
         """The ``index.search.rerank`` options these fields name (``None``: plain search).
 
@@ -219,6 +214,28 @@ class RerankRequest(BaseModel):
             lambda_value=self.rerank_lambda, candidates=self.rerank_candidates,
             top_m=self.rerank_top_m, alpha=self.rerank_alpha,
         )
+
+
+def parse_rerank_fields(form: FormData) -> Rerank | None:
+    """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked by
+    :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
+    values: dict[str, Any] = {}
+    for name in RERANK_FIELDS:
+        sent = form.getlist(name)
+        if len(sent) > 1:
+            raise HTTPException(422, f"{name} was sent more than once: send it once")
+        values[name] = str(sent[0]) if sent else None
+    try:
+        return RerankRequest.parse(values)
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+def form_field_schemas(model: type[BaseModel]) -> dict[str, dict[str, Any]]:
+    """Each field's JSON schema (type, range, description; no default): how a model's fields
+    appear in the OpenAPI document of a form that a route reads itself."""
+    return {name: {key: value for key, value in schema.items() if key != "default"}
+            for name, schema in model.model_json_schema()["properties"].items()}
 
 
 def validation_message(exc: Any) -> str:

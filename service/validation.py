@@ -25,14 +25,17 @@ Rules (the contract is silent; these are the service's decisions):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Request
-from pydantic import AfterValidator, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, Field, ValidationError
+from starlette.datastructures import FormData
 
 LABEL_MAX = 255
 NAME_MAX = 255
@@ -194,30 +197,69 @@ def _json_problem(value: Any, path: str) -> str | None:
     return None
 
 
-def form_fields(
-    *, known: Iterable[str], single: Iterable[str] = ()
-) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that refuses unknown and repeated form fields with 422.
-
-    FastAPI has parsed the form before dependencies run; ``request.form()`` returns that
-    parsed form again (nothing is read twice).
+def check_form_fields(form: FormData, *, known: Iterable[str], single: Iterable[str] = ()) -> None:
+    """Refuse unknown and repeated form fields with 422.
 
     Args:
         known: every field name the endpoint reads.
         single: the names that take one value.
     """
+    unknown = sorted(set(form.keys()) - set(known))
+    if unknown:
+        shown = [name[:40] for name in unknown[:5]]
+        raise HTTPException(
+            422, f"unknown form fields {shown}; this endpoint reads {sorted(known)}"
+        )
+    repeated = [name for name in single if len(form.getlist(name)) > 1]
+    if repeated:
+        raise HTTPException(422, f"{repeated[0]} was sent more than once: send it once")
+
+
+def form_fields(
+    *, known: Iterable[str], single: Iterable[str] = ()
+) -> Callable[[Request], Awaitable[None]]:
+    """:func:`check_form_fields` as a dependency of a route whose form FastAPI parses.
+
+    FastAPI has parsed the form before dependencies run; ``request.form()`` returns that
+    parsed form again (nothing is read twice).
+    """
     known, single = frozenset(known), tuple(single)
 
-    async def check_form_fields(request: Request) -> None:
-        form = await request.form()
-        unknown = sorted(set(form.keys()) - known)
-        if unknown:
-            shown = [name[:40] for name in unknown[:5]]
-            raise HTTPException(
-                422, f"unknown form fields {shown}; this endpoint reads {sorted(known)}"
-            )
-        repeated = [name for name in single if len(form.getlist(name)) > 1]
-        if repeated:
-            raise HTTPException(422, f"{repeated[0]} was sent more than once: send it once")
+    async def form_fields_dependency(request: Request) -> None:
+        check_form_fields(await request.form(), known=known, single=single)
 
-    return check_form_fields
+    return form_fields_dependency
+
+
+@contextlib.asynccontextmanager
+async def read_form(
+    request: Request, *, max_files: int = 1000, max_fields: int = 1000,
+    too_many_files: str | None = None,
+) -> AsyncIterator[FormData]:
+    """The multipart (or urlencoded) form of a route that reads its body itself, closed (its
+    spooled files removed) on exit.
+
+    Parsing failures are the client's: a malformed body is a 400 naming the problem, and more
+    than ``max_files`` files a 413 saying ``too_many_files`` when given (a 400 otherwise, as
+    FastAPI answers for declared forms; the defaults are Starlette's and FastAPI's).
+    """
+    try:
+        form = await request.form(max_files=max_files, max_fields=max_fields)
+    except Exception as exc:  # starlette's MultiPartException (as a 400) and parser errors
+        message = str(getattr(exc, "detail", exc))
+        if too_many_files is not None and "Too many files" in message:
+            raise HTTPException(413, too_many_files) from None
+        raise HTTPException(400, f"malformed multipart body: {message}") from None
+    try:
+        yield form
+    finally:
+        await form.close()
+
+
+def request_validation_error(exc: ValidationError, where: str) -> RequestValidationError:
+    """A pydantic error of a model a route validates itself, in FastAPI's own 422 shape (as
+    if the fields had been declared as parameters): ``loc`` starts with ``where`` (``body``,
+    ``query``)."""
+    return RequestValidationError(
+        [{**error, "loc": (where, *error["loc"])} for error in exc.errors(include_url=False)]
+    )

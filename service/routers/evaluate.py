@@ -7,7 +7,6 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 
@@ -25,8 +24,16 @@ from service.schemas import (
     ModelComparison,
     RerankRequest,
     check_ks,
+    form_field_schemas,
+    parse_rerank_fields,
 )
-from service.validation import CAMERA_MAX, MODEL_VERSION_MAX, check_label
+from service.validation import (
+    CAMERA_MAX,
+    MODEL_VERSION_MAX,
+    check_label,
+    read_form,
+    request_validation_error,
+)
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 
@@ -47,7 +54,7 @@ _MULTIPART_SCHEMA = {
         "compare": {"type": "array", "minItems": 2, "maxItems": 2,
                     "items": {"type": "string", "maxLength": MODEL_VERSION_MAX},
                     "description": "two versions: both reports and the paired difference"},
-        **RerankRequest.field_schemas(),
+        **form_field_schemas(RerankRequest),
     },
 }
 
@@ -99,11 +106,14 @@ async def evaluate_query_set(
         options = _parse_json(await request.body())
         return await anyio.to_thread.run_sync(_evaluate_named, resources, options)
     if content_type == "multipart/form-data":
-        form = await _read_form(request, resources.settings.evaluate_max_files)
-        try:
+        max_files = resources.settings.evaluate_max_files
+        # An uploaded query set is embedded in one request: a named set has no such limit.
+        too_many = (f"too many images: send at most {max_files} per request "
+                    "(IMGRET_EVALUATE_MAX_FILES), or store a larger query set with "
+                    "`imgret ingest --query-set NAME` and evaluate it by name")
+        async with read_form(request, max_files=max_files, max_fields=4 * max_files,
+                             too_many_files=too_many) as form:
             upload = await _parse_upload(form)
-        finally:
-            await form.close()
         return await anyio.to_thread.run_sync(_evaluate_upload, resources, upload)
     raise HTTPException(
         415, "send JSON {\"query_set\": NAME, ...} or multipart images + labels"
@@ -114,25 +124,7 @@ def _parse_json(body: bytes) -> EvaluateRequest:
     try:
         return EvaluateRequest.model_validate_json(body)
     except ValidationError as exc:
-        # FastAPI's own 422 shape, as if the body had been declared as a parameter.
-        raise RequestValidationError(
-            [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
-        ) from None
-
-
-async def _read_form(request: Request, max_files: int) -> FormData:
-    """The multipart form, with at most ``max_files`` files (an uploaded query set is embedded
-    in one request: a named set has no such limit)."""
-    try:
-        return await request.form(max_files=max_files, max_fields=4 * max_files)
-    except Exception as exc:  # starlette's MultiPartException (as a 400) and parser errors
-        if "Too many files" in str(getattr(exc, "detail", exc)):
-            raise HTTPException(
-                413, f"too many images: send at most {max_files} per request "
-                     "(IMGRET_EVALUATE_MAX_FILES), or store a larger query set with "
-                     "`imgret ingest --query-set NAME` and evaluate it by name"
-            ) from None
-        raise HTTPException(400, f"malformed multipart body: {exc}") from None
+        raise request_validation_error(exc, "body") from None
 
 
 @dataclass(frozen=True)
@@ -199,21 +191,6 @@ async def _parse_upload(form: FormData) -> _Upload:
         raise HTTPException(422, f"worst must be between 0 and {WORST_MAX}")
     images = [await f.read() for f in files]
     return _Upload(images, labels, cameras, ks, exclude, worst, names, rerank)
-
-
-def parse_rerank_fields(form: FormData) -> Rerank | None:
-    """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked as
-    :class:`~service.schemas.RerankRequest` does for JSON; 422 with the reason otherwise."""
-    values: dict[str, Any] = {}
-    for name in RERANK_FIELDS:
-        sent = form.getlist(name)
-        if len(sent) > 1:
-            raise HTTPException(422, f"{name} was sent more than once: send it once")
-        values[name] = str(sent[0]) if sent else None
-    try:
-        return RerankRequest.parse(values)
-    except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
 
 
 def _evaluate_upload(resources: Resources, upload: _Upload) -> dict[str, Any]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Any
 
 import anyio.to_thread
-from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, Field, ValidationError
+from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
@@ -27,21 +28,57 @@ from service.schemas import (
     SearchBatchResponse,
     SearchHit,
     SearchResponse,
+    form_field_schemas,
+    parse_rerank_fields,
 )
-from service.validation import LABEL_MAX, Camera, SafeText, form_fields, parse_json_object
+from service.validation import (
+    LABEL_MAX,
+    Camera,
+    SafeText,
+    check_form_fields,
+    parse_json_object,
+    read_form,
+    request_validation_error,
+)
 
 router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
-SEARCH_OPTIONS = ("k", "label", "camera", "metadata", *RERANK_FIELDS)
-SEARCH_FIELDS = ("image", "images", "id", *SEARCH_OPTIONS)
+ID_MAX = 2**63 - 1
 
 _ERRORS = {
+    400: {"description": "a malformed multipart body"},
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
     422: {"description": "not an image, or invalid options"},
     503: {"description": "the search queue is full or the server is shutting down; retry "
                         "after Retry-After seconds"},
 }
+
+
+class SearchFields(BaseModel):
+    """The option fields of ``/search`` and ``/search/batch`` besides re-ranking (which is
+    :class:`~service.schemas.RerankRequest`'s)."""
+
+    k: int | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
+                                                              "also be sent as ?k=")
+    label: SafeText | None = Field(None, max_length=LABEL_MAX,
+                                   description="only items with this label")
+    camera: Camera | None = Field(None, description="only items from this camera")
+    metadata: str | None = Field(None, description='JSON object; only items whose metadata '
+                                                    'has these values, e.g. {"color": "red"}')
+
+
+class ItemSearchFields(SearchFields):
+    """``/search``'s fields: the options and the ``id`` of a gallery item to search with."""
+
+    id: int | None = Field(None, ge=1, le=ID_MAX,
+                           description="search with this gallery item's stored embedding "
+                                       "instead of an image (the item itself is left out of "
+                                       "the results)")
+
+
+class _QueryK(BaseModel):
+    k: int | None = Field(None, ge=1, le=K_MAX)
 
 
 @dataclass(frozen=True)
@@ -54,79 +91,75 @@ class SearchOptions:
 
 
 @dataclass(frozen=True)
-class RerankForm:
-    """The checked re-ranking fields of a search form."""
+class SearchForm:
+    """A parsed search form: its files (in order), the ``id`` (``/search`` only) and the
+    options."""
 
-    option: Rerank | None
+    files: list[UploadFile]
+    item_id: int | None
+    options: SearchOptions
 
 
-async def rerank_form(**values: str | None) -> RerankForm:
-    """The re-ranking fields, checked by :meth:`~service.schemas.RerankRequest.parse` (422)."""
+async def read_search_form(
+    request: Request, form: FormData, *, files_field: str, fields: type[SearchFields]
+) -> SearchForm:
+    """Check and parse a search form with one model per part, on the event loop.
+
+    The routes read the multipart body themselves instead of declaring one FastAPI parameter
+    per field: FastAPI's per-field form handling and dependency solving were 54% of the
+    event loop's time per ``/search`` request (cProfile under load, issue 14). The rules are
+    the same as a declared form's: unknown and repeated fields are refused, blank fields
+    count as not sent, and invalid values get FastAPI's own 422 (``loc`` ``body``/``query``).
+    """
+    single = (*fields.model_fields, *RERANK_FIELDS)
+    check_form_fields(form, known=(files_field, *single), single=single)
+    values: dict[str, str] = {}
+    for name in fields.model_fields:
+        value = form.get(name)
+        if isinstance(value, UploadFile):
+            raise HTTPException(422, f"{name}: send a text field, not a file")
+        if value:  # blank is "not sent", as for a declared form field
+            values[name] = value
+    files = form.getlist(files_field)
+    if any(not isinstance(file, UploadFile) for file in files):
+        raise HTTPException(422, f"{files_field}: send a file, not a text field")
     try:
-        return RerankForm(RerankRequest.parse(values))
-    except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
+        parsed = fields.model_validate(values)
+    except ValidationError as exc:
+        raise request_validation_error(exc, "body") from None
+    try:
+        k_query = _QueryK.model_validate({"k": request.query_params.get("k")}).k
+    except ValidationError as exc:
+        raise request_validation_error(exc, "query") from None
+    rerank = parse_rerank_fields(form)
+    if parsed.k is not None and k_query is not None and parsed.k != k_query:
+        raise HTTPException(422, f"k is {parsed.k} in the form but {k_query} in the query string")
+    k = parsed.k if parsed.k is not None else k_query if k_query is not None else K_DEFAULT
+    meta = parse_json_object(parsed.metadata, "metadata") if parsed.metadata else None
+    filters = None
+    if parsed.label is not None or parsed.camera is not None or meta:
+        filters = SearchFilter(label=parsed.label, camera=parsed.camera, metadata=meta)
+    return SearchForm(files, getattr(parsed, "id", None), SearchOptions(k, filters, rerank))
 
 
-# FastAPI reads the form fields from the signature: one per RerankRequest field, taken as text
-# (the model parses it, as for /evaluate's form) and documented with the field's own schema.
-rerank_form.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                      annotation=Annotated[str | None, Form(json_schema_extra=schema)])
-    for name, schema in RerankRequest.field_schemas().items()
-])
+def _form_body(fields: type[SearchFields], files: dict[str, Any]) -> dict[str, Any]:
+    """The documented multipart body of a search route (FastAPI cannot see the fields of a
+    form the route reads itself)."""
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object",
+        "properties": {**files, **form_field_schemas(fields),
+                       **form_field_schemas(RerankRequest)},
+    }}}}}
 
 
-async def search_options(
-    k_form: Annotated[
-        int | None, Form(alias="k", ge=1, le=K_MAX, description="neighbours (default 10)")
-    ] = None,
-    k_query: Annotated[
-        int | None, Query(alias="k", ge=1, le=K_MAX, description="same as the form field k")
-    ] = None,
-    label: Annotated[
-        SafeText | None, Form(max_length=LABEL_MAX, description="only items with this label")
-    ] = None,
-    camera: Annotated[Camera | None, Form(description="only items from this camera")] = None,
-    metadata: Annotated[
-        str | None,
-        Form(description='JSON object; only items whose metadata has these values, e.g. '
-                         '{"color": "red"}'),
-    ] = None,
-    rerank: Annotated[RerankForm | None, Depends(rerank_form)] = None,
-    _fields: Annotated[None, Depends(form_fields(known=SEARCH_FIELDS, single=SEARCH_OPTIONS))]
-    = None,
-) -> SearchOptions:
-    """``k`` from the form or the query string, the optional filters and re-ranking (on the
-    event loop: it only checks values, see ``service.deps``)."""
-    if k_form is not None and k_query is not None and k_form != k_query:
-        raise HTTPException(422, f"k is {k_form} in the form but {k_query} in the query string")
-    k = k_form if k_form is not None else k_query if k_query is not None else K_DEFAULT
-    meta = parse_json_object(metadata, "metadata") if metadata else None
-    option = rerank.option if rerank is not None else None
-    if label is None and camera is None and not meta:
-        return SearchOptions(k, None, option)
-    return SearchOptions(k, SearchFilter(label=label, camera=camera, metadata=meta), option)
-
-
-SearchOptionsDep = Annotated[SearchOptions, Depends(search_options)]
-
-
-@router.post("", responses={**_ERRORS, 404: {"description": "no live item with that id"}})
-async def search_images(
-    request: Request,
-    resources: ResourcesDep,
-    options: SearchOptionsDep,
-    image: Annotated[
-        UploadFile | None, File(description="the query image (or send `id` instead)")
-    ] = None,
-    item_id: Annotated[
-        int | None,
-        Form(alias="id", ge=1, le=2**63 - 1,
-             description="search with this gallery item's stored embedding instead of an "
-                         "image (the item itself is left out of the results)"),
-    ] = None,
-) -> SearchResponse:
+@router.post(
+    "",
+    responses={**_ERRORS, 404: {"description": "no live item with that id"}},
+    openapi_extra=_form_body(ItemSearchFields, {"image": {
+        "type": "string", "format": "binary",
+        "description": "the query image (or send `id` instead)"}}),
+)
+async def search_images(request: Request, resources: ResourcesDep) -> SearchResponse:
     """The ``k`` gallery items most similar to one image, best first.
 
     Send an ``image`` file, or the ``id`` of a gallery item: its stored embedding for the
@@ -137,17 +170,21 @@ async def search_images(
     the query and whose index ranked it (always the same one).
     """
     start = time.perf_counter()
-    form = await request.form()  # already parsed by FastAPI; this returns the same object
-    images = form.getlist("image")
-    if (item_id is None) == (len(images) == 0):
-        raise HTTPException(422, "send exactly one of `image` (a file) or `id` (a gallery item)")
-    if item_id is not None:
-        answer = await anyio.to_thread.run_sync(_search_by_item, resources, item_id, options)
-    else:
-        if len(images) != 1 or image is None:
-            raise HTTPException(422, "send exactly one `image` file (use /search/batch for more)")
-        data = await image.read()
-        answer = await resources.batcher.submit(_image_query(data, options))
+    async with read_form(request) as form:
+        search = await read_search_form(request, form, files_field="image",
+                                        fields=ItemSearchFields)
+        if (search.item_id is None) == (len(search.files) == 0):
+            raise HTTPException(
+                422, "send exactly one of `image` (a file) or `id` (a gallery item)")
+        if search.item_id is not None:
+            answer = await anyio.to_thread.run_sync(
+                _search_by_item, resources, search.item_id, search.options)
+        else:
+            if len(search.files) != 1:
+                raise HTTPException(
+                    422, "send exactly one `image` file (use /search/batch for more)")
+            data = await search.files[0].read()
+            answer = await resources.batcher.submit(_image_query(data, search.options))
     return SearchResponse(
         results=_public_hits(answer),
         took_ms=round((time.perf_counter() - start) * 1000, 3),
@@ -179,15 +216,14 @@ def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
     return ImageQuery(data, options.k, options.filters, rerank=options.rerank)
 
 
-@router.post("/batch", responses=_ERRORS)
-async def search_images_batch(
-    resources: ResourcesDep,
-    images: Annotated[
-        list[UploadFile],
-        File(description="query images (at most IMGRET_SEARCH_BATCH_MAX_FILES, default 32)"),
-    ],
-    options: SearchOptionsDep,
-) -> SearchBatchResponse:
+@router.post(
+    "/batch",
+    responses=_ERRORS,
+    openapi_extra=_form_body(SearchFields, {"images": {
+        "type": "array", "items": {"type": "string", "format": "binary"},
+        "description": "query images (at most IMGRET_SEARCH_BATCH_MAX_FILES, default 32)"}}),
+)
+async def search_images_batch(request: Request, resources: ResourcesDep) -> SearchBatchResponse:
     """The neighbours of several images, in request order (each list best first).
 
     A corrupt image fails the whole request with 422, naming its position (``images[i]``).
@@ -196,12 +232,17 @@ async def search_images_batch(
     """
     start = time.perf_counter()
     settings = resources.settings
-    if len(images) > settings.search_batch_max_files:
-        raise HTTPException(
-            413, f"{len(images)} images: send at most {settings.search_batch_max_files} per "
-                 "request (IMGRET_SEARCH_BATCH_MAX_FILES)"
-        )
-    blobs = [await upload.read() for upload in images]
+    async with read_form(request) as form:
+        search = await read_search_form(request, form, files_field="images", fields=SearchFields)
+        images, options = search.files, search.options
+        if not images:
+            raise HTTPException(422, "send at least one `images` file")
+        if len(images) > settings.search_batch_max_files:
+            raise HTTPException(
+                413, f"{len(images)} images: send at most {settings.search_batch_max_files} "
+                     "per request (IMGRET_SEARCH_BATCH_MAX_FILES)"
+            )
+        blobs = [await upload.read() for upload in images]
     # Headers only, off the event loop: the whole request is priced before decoding starts.
     await anyio.to_thread.run_sync(
         lambda: check_request_pixels(
