@@ -4,6 +4,10 @@ them unreferenced (issue 15)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from sqlalchemy import func, select
 
@@ -183,3 +187,21 @@ def test_migrate_command_says_what_it_moved(tmp_path, monkeypatch, embedder) -> 
     assert done.exit_code == 0, done.output
     assert "moved 1 images from the files backend to the database backend" in done.output
     assert "IMGRET_MEDIA_BACKEND=database" in done.output
+
+
+def test_migrate_to_an_unknown_backend_is_one_line_naming_the_backends(tmp_path) -> None:
+    """The console script (cli.main.main) refuses a bad --to before it opens the gallery:
+    exit status 2, one ``error:`` line naming the backends to pick from, no traceback."""
+    script = ("import sys; sys.argv = ['imgret', *sys.argv[1:]]; "
+              "from cli.main import main; main()")
+    db_file = tmp_path / "g.db"
+    env = {**os.environ, "IMGRET_DATABASE_URL": f"sqlite:///{db_file}",
+           "IMGRET_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script, "media", "migrate", "--to", "s3",
+                           "--no-progress"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --to 's3': the media backends are files, database"]
+    assert not db_file.exists() and not (tmp_path / "data").exists()
