@@ -1004,10 +1004,9 @@ def _make_plan(
     cands: list[_Candidate], *, session: Session, model_version: ModelVersion,
     query_set: QuerySet | None,
 ) -> _Plan:
-    existing = store.find_items((c.sha256 for c in cands), session=session, query_set=query_set)
-    embedded = store.ids_with_embedding(existing.values(), session=session, query_set=query_set,
-                                        model_version_id=model_version.id)
-    return _split(cands, existing, embedded)
+    known = store.known_items((c.sha256 for c in cands), session=session, query_set=query_set,
+                              model_version_id=model_version.id)
+    return _split(cands, known.ids, known.embedded)
 
 
 def _split(cands: list[_Candidate], existing: dict[str, int], embedded: set[int]) -> _Plan:

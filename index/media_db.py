@@ -173,7 +173,7 @@ class MediaMigration:
         source, target: the backends' names.
         moved: images copied to the target and then removed from the source.
         missing: images rows refer to that the source did not hold (nothing to move).
-        leftovers: bytes no row refers to, removed from the source at the end.
+        leftovers: bytes no row refers to (any more), removed from the source.
         seconds: wall time.
     """
 
@@ -193,13 +193,24 @@ def migrate_media(
     other, and leave none in the source (``imgret media migrate``).
 
     Meant to run with the servers stopped, between the last process of the old setting and
-    the first of the new one. Per batch, under the gallery write lock: the bytes are read from
-    the source and made durable in the target (files synced, blobs committed), then removed
+    the first of the new one. Per batch, under the gallery write lock: the batch's images
+    that rows still refer to are read from the source and made durable in the target (files
+    synced, blobs committed), the ones deleted since the listing are removed from the source
+    (not copied: nothing would remove them from the target), then the copied ones are removed
     from the source in a second transaction. A crash between the two leaves a batch in both
     stores, which a re-run moves again (writing a key the target holds is a no-op), so the
     command can always be run again until it says nothing is left. Bytes no row refers to
     are removed from the source at the end: after a migration the old store holds nothing,
     so no deleted image survives there.
+
+    Processes already on the new backend may write meanwhile (tested beside one adding and
+    deleting items): when this returns, the target holds the bytes of every item committed
+    before, neither store holds the bytes of an item whose delete was acknowledged, and the
+    source holds nothing, unless an image already deleted (bytes left behind) when the run
+    started was uploaded again during it (a re-run moves it). Processes still on the old
+    backend are not covered, nor tested: images they add after the listing stay in the
+    source only (run this again once they are stopped), and moved images they delete keep
+    their bytes in the target until its start-up sweep.
 
     Args:
         source, target: the two stores (``open_media_store`` of each setting).
@@ -217,11 +228,15 @@ def migrate_media(
         batch = keys[start : start + batch_size]
         with session_factory.begin() as session:
             store.lock_gallery_writes(session=session)
-            found = source.read_many([MediaStore.relative_path(key) for key in batch])
-            present = [(data, key) for data, key in zip(found, batch, strict=True)
+            # Asked again under the lock: a live writer may have deleted some since the listing.
+            gone = store.unreferenced_media(batch, session=session)
+            live = [key for key in batch if key not in gone]
+            found = source.read_many([MediaStore.relative_path(key) for key in live])
+            present = [(data, key) for data, key in zip(found, live, strict=True)
                        if data is not None]
-            report.missing += len(batch) - len(present)
+            report.missing += len(live) - len(present)
             target.put_many(present, session=session)
+            report.leftovers += source.remove(gone, session=session)
         with session_factory.begin() as session:
             store.lock_gallery_writes(session=session)
             report.moved += source.remove([key for _, key in present], session=session)
@@ -229,6 +244,6 @@ def migrate_media(
             on_batch(len(batch))
     # What is left in the source is bytes no row refers to (the referenced ones moved): not
     # the start-up sweep, whose "missing" error would now describe every moved image.
-    report.leftovers = remove_unreferenced(session_factory=session_factory, media=source)[0]
+    report.leftovers += remove_unreferenced(session_factory=session_factory, media=source)[0]
     report.seconds = time.perf_counter() - started
     return report

@@ -133,12 +133,8 @@ class KnownFilter:
             version = store.get_model_version(session=session, version=self.plan.model_version)
             query_set = (store.get_or_create_query_set(self.plan.query_set, session=session)
                          if self.plan.query_set else None)
-            existing = store.find_items(shas, session=session, query_set=query_set)
-            with_vector = store.ids_with_embedding(
-                existing.values(), session=session, query_set=query_set,
-                model_version_id=version.id,
-            )
-        return {sha for sha, item_id in existing.items() if item_id in with_vector}
+            return store.known_items(shas, session=session, query_set=query_set,
+                                     model_version_id=version.id).embedded_shas
 
 
 class EmbedActor:

@@ -89,6 +89,25 @@ class DeletedItem:
 
 
 @dataclass(frozen=True)
+class KnownItems:
+    """The items that already hold some content hashes, and which of them already have one
+    model version's vector: what ingest asks before it embeds anything.
+
+    Attributes:
+        ids: sha256 -> id of the live gallery item (or the query set's item) with those bytes.
+        embedded: the ids among ``ids`` that have the model version's embedding.
+    """
+
+    ids: dict[str, int]
+    embedded: set[int]
+
+    @property
+    def embedded_shas(self) -> set[str]:
+        """The hashes that need no embedding: their item already has the version's vector."""
+        return {sha for sha, item_id in self.ids.items() if item_id in self.embedded}
+
+
+@dataclass(frozen=True)
 class ChangeRow:
     """One entry of the gallery change log."""
 
@@ -302,6 +321,19 @@ def ids_with_embedding(
             )
         )
     return have
+
+
+def known_items(
+    sha256s: Iterable[str], *, session: Session, model_version_id: int,
+    query_set: QuerySet | None = None,
+) -> KnownItems:
+    """The items that have these content hashes (:func:`find_items`) and which of them have
+    the model version's vector (:func:`ids_with_embedding`): one question, so the plain and
+    the Ray ingest decide "already embedded" the same way."""
+    ids = find_items(sha256s, session=session, query_set=query_set)
+    embedded = ids_with_embedding(ids.values(), session=session, query_set=query_set,
+                                  model_version_id=model_version_id)
+    return KnownItems(ids=ids, embedded=embedded)
 
 
 def insert_items(

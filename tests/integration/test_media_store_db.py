@@ -4,6 +4,10 @@ them unreferenced (issue 15)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from sqlalchemy import func, select
 
@@ -14,7 +18,7 @@ from index.gc import purge_media, sweep_media
 from index.ingest import NewItem, add_items
 from index.media import MediaStore, sha256_hex
 from index.media_db import DatabaseMediaStore, open_media_store
-from index.models import MediaBlob
+from index.models import GalleryItem, MediaBlob
 from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
 
@@ -22,6 +26,12 @@ from tests.support.images import class_image, image_bytes
 def _blob_count(sessions) -> int:
     with sessions() as session:
         return session.scalar(select(func.count()).select_from(MediaBlob))
+
+
+def _live_shas(sessions) -> set[str]:
+    with sessions() as session:
+        return set(session.scalars(select(GalleryItem.sha256)
+                                   .where(GalleryItem.deleted_at.is_(None))))
 
 
 def test_settings_pick_the_store(sessions, tmp_path) -> None:
@@ -183,3 +193,110 @@ def test_migrate_command_says_what_it_moved(tmp_path, monkeypatch, embedder) -> 
     assert done.exit_code == 0, done.output
     assert "moved 1 images from the files backend to the database backend" in done.output
     assert "IMGRET_MEDIA_BACKEND=database" in done.output
+
+
+def test_migrate_to_an_unknown_backend_is_one_line_naming_the_backends(tmp_path) -> None:
+    """The console script (cli.main.main) refuses a bad --to before it opens the gallery:
+    exit status 2, one ``error:`` line naming the backends to pick from, no traceback."""
+    script = ("import sys; sys.argv = ['imgret', *sys.argv[1:]]; "
+              "from cli.main import main; main()")
+    db_file = tmp_path / "g.db"
+    env = {**os.environ, "IMGRET_DATABASE_URL": f"sqlite:///{db_file}",
+           "IMGRET_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script, "media", "migrate", "--to", "s3",
+                           "--no-progress"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --to 's3': the media backends are files, database"]
+    assert not db_file.exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("to", ["database", "files"])
+def test_migrate_beside_a_live_writer_of_the_new_backend(sessions, embedder, tmp_path,
+                                                         to) -> None:
+    """`imgret media migrate` while a process already on the new backend adds and deletes
+    gallery items (the service's calls: add_items; delete_items then purge_media). Batches of
+    two, and the writer acts at least once between batches. Afterwards the target holds
+    exactly the bytes of the live items (every acknowledged add readable with its bytes,
+    nothing of a deleted item, not even one deleted before its batch moved), and the source
+    is empty, re-uploaded bytes of a deleted image included."""
+    import threading
+
+    from index.media_db import migrate_media
+
+    files, blobs = MediaStore.in_data_dir(tmp_path / "data"), DatabaseMediaStore(sessions)
+    source, target = (files, blobs) if to == "database" else (blobs, files)
+    initial = {sha256_hex(data): data for data in (image_bytes(class_image(10, i))
+                                                   for i in range(24))}
+    ids = add_items([NewItem(data, "old") for data in initial.values()],
+                    session_factory=sessions, media=source, embedder=embedder).ids
+    live = dict(zip(ids, initial, strict=True))  # id -> sha256, as acknowledged
+    data_of = dict(initial)
+    # Batches go in hash order: the writer deletes the highest hash left (its bytes not yet
+    # moved) and the lowest one (moved already) in turn.
+    doomed = sorted(ids, key=live.__getitem__)
+    migrated, progress = threading.Event(), threading.Condition()
+    ops, failures = [0], []
+
+    def delete(item_id: int) -> None:
+        with sessions.begin() as session:
+            deleted = store.delete_items([item_id], session=session)
+        purge_media([d.sha256 for d in deleted], session_factory=sessions, media=target)
+        del live[item_id]
+
+    def write() -> None:
+        try:
+            cycle, deleted_old = 0, []
+            while not migrated.is_set() and cycle < 200:
+                new = image_bytes(class_image(11, cycle))
+                data_of[sha256_hex(new)] = new
+                (new_id,) = add_items([NewItem(new, "new")], session_factory=sessions,
+                                      media=target, embedder=embedder).ids
+                live[new_id] = sha256_hex(new)
+                if doomed:
+                    victim = doomed.pop(-1 if cycle % 2 == 0 else 0)
+                    deleted_old.append(live[victim])
+                    delete(victim)
+                if cycle % 3 == 2:
+                    delete(new_id)
+                if cycle % 4 == 3 and deleted_old:  # the same bytes uploaded again
+                    again = initial[deleted_old.pop(0)]
+                    (again_id,) = add_items([NewItem(again, "again")],
+                                            session_factory=sessions, media=target,
+                                            embedder=embedder).ids
+                    live[again_id] = sha256_hex(again)
+                cycle += 1
+                with progress:
+                    ops[0] += 1
+                    progress.notify_all()
+        except BaseException as exc:  # reported by the test thread
+            failures.append(exc)
+            with progress:
+                progress.notify_all()
+
+    seen = [0]
+
+    def after_batch(_n: int) -> None:
+        with progress:  # let the writer act between any two batches
+            progress.wait_for(lambda: ops[0] > seen[0] or failures, timeout=10)
+            seen[0] = ops[0]
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        report = migrate_media(source=source, target=target, session_factory=sessions,
+                               batch_size=2, on_batch=after_batch)
+    finally:
+        migrated.set()
+        writer.join(timeout=60)
+    assert not writer.is_alive() and not failures, failures
+    assert ops[0] >= 12 and report.moved > 0
+    assert set(live.values()) == _live_shas(sessions)
+    assert list(source.stored_keys()) == []
+    wanted = {sha: data_of[sha] for sha in live.values()}
+    assert sorted(target.stored_keys()) == sorted(wanted)
+    assert target.read_many([MediaStore.relative_path(k) for k in wanted]) == list(
+        wanted.values())
+
