@@ -4,6 +4,7 @@ the floor of the same work without HTTP.
     python benchmarks/load_bench.py [--model RUN_DIR | --untrained resnet18|tiny_cnn]
                                     [--levels 1,2,4,8,16,32,64] [--seconds 5]
                                     [--floor-seconds 5] [--p99-ms 250] [--gallery 300]
+                                    [--workers 1] [--rounds 1]
 
 What it does, in one run (loopback only; every load level is bounded in time and in
 connections):
@@ -23,15 +24,19 @@ connections):
    p50, p99, non-2xx responses, socket errors (connect, read, write, timeout); and the
    server's ``imgret_batch_size`` histogram before and after: the batches the server formed
    at that level (images per forward pass);
-4. stops the server and measures the **floor** in this process: the service's own
+4. right after each level, with the server idle, measures the **floor** in this process: the
+   service's own
    ``SearchPipeline`` (decode -> embed -> search, built by ``build_search_batcher`` from the
    same settings, the same checkpoint and the same gallery database) called back to back on
    batches of the size the server formed at that level (its mean, rounded), cycling through
    the same query images, in one thread: no HTTP, no event loop, no queueing. It runs once
    with the service's thread settings and once with torch on every core, and the better of
    the two is the floor (so no thread setting of the service can lower its own floor);
-5. prints a markdown table (server beside floor, and their ratio) and the highest rate held:
-   p99 under the target with no error at all.
+5. repeats 3-4 ``--rounds`` times (a ratio is two measurements seconds apart, and the median
+   over rounds damps this shared machine's noise: the floor alone moved 860-1,700 img/s
+   between runs of one day);
+6. prints a markdown table (server beside floor, and their ratio, per round; the median
+   ratio) and the highest rate held: p99 under the target with no error at all.
 
 wrk and the server share this machine's cores, as the floor shares them with nothing: the gap
 between the two columns is HTTP + multipart parsing + the load generator + the batcher.
@@ -46,6 +51,7 @@ import logging
 import os
 import secrets
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -90,12 +96,17 @@ def main() -> None:
     parser.add_argument("--p99-ms", type=float, default=250.0, help="the p99 latency target")
     parser.add_argument("--gallery", type=int, default=300, help="gallery images (<= 5000)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn workers")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat every level and its floor (at most 10); the table gives "
+                             "each round and the median ratio")
     args = parser.parse_args()
     levels = sorted({int(v) for v in args.levels.split(",") if v.strip()})
     if not levels or levels[0] < 1 or levels[-1] > 256:
         parser.error("--levels: connection counts between 1 and 256")
     if not 0 < args.seconds <= 60 or not 0 < args.floor_seconds <= 30:
         parser.error("--seconds is at most 60 and --floor-seconds at most 30")
+    if not 1 <= args.rounds <= 10:
+        parser.error("--rounds: 1 to 10")
     if args.model is not None and args.untrained is not None:
         parser.error("--model or --untrained, not both")
     if not 1 <= args.gallery <= 5000:
@@ -126,24 +137,51 @@ def main() -> None:
             _fill_gallery(base, gallery, env["IMGRET_API_KEY"])
             logger.info("warming up for %.0f s", WARMUP_S)
             run_wrk(base, bodies, levels[len(levels) // 2], WARMUP_S)
-            server, batches, cpu = [], [], []
             # With one worker the served process is the one started; with more, uvicorn's
             # supervisor, whose CPU says nothing about the requests.
             pid = live.process.pid if args.workers == 1 else None
-            for connections in levels:
-                before = batch_histogram(base)
-                cpu_before = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
-                server.append(run_wrk(base, bodies, connections, args.seconds))
-                cpu_after = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
-                batches.append(batch_histogram(base) - before)
-                cpu.append(tuple((b - a) / max(1, server[-1].requests) * 1e6
-                                 for a, b in zip(cpu_before, cpu_after, strict=True)))
-                logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, "
-                            "%d socket errors, mean batch %.1f", connections, server[-1].rps,
-                            server[-1].p99_ms, server[-1].non_2xx, server[-1].socket_errors,
-                            batches[-1].mean)
-        floors = floor_levels(env, queries, [b.mean for b in batches], args.floor_seconds)
-    _print_table(server, batches, cpu, floors, args, model_note, data_note, len(gallery))
+            rounds = []
+            with FloorPipeline(env, queries) as floor:
+                for number in range(1, args.rounds + 1):
+                    logger.info("round %d of %d", number, args.rounds)
+                    rounds.append(_round(base, bodies, levels, pid, floor, args))
+    _print_table(rounds, args, model_note, data_note, len(gallery))
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One load level of one round: the server's numbers and the floor measured after it."""
+
+    server: Level
+    batch_mean: float
+    cpu_us: tuple[float, float]  # per request: event-loop thread, whole process
+    floor: Floor
+
+    @property
+    def ratio(self) -> float:
+        return self.server.rps / self.floor.best
+
+
+def _round(base: str, bodies: list[Path], levels: list[int], pid: int | None,
+           floor: FloorPipeline, args: argparse.Namespace) -> list[LevelResult]:
+    """Every level against the server, each followed by the floor at the batch size it formed
+    (the server idles meanwhile): a ratio is made of two measurements seconds apart, so a
+    slow or busy stretch of this shared machine moves both."""
+    results = []
+    for connections in levels:
+        before = batch_histogram(base)
+        cpu_before = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
+        level = run_wrk(base, bodies, connections, args.seconds)
+        cpu_after = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
+        batches = batch_histogram(base) - before
+        cpu = tuple((b - a) / max(1, level.requests) * 1e6
+                    for a, b in zip(cpu_before, cpu_after, strict=True))
+        logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, %d socket errors, "
+                    "mean batch %.1f", connections, level.rps, level.p99_ms, level.non_2xx,
+                    level.socket_errors, batches.mean)
+        results.append(LevelResult(level, batches.mean, cpu,  # type: ignore[arg-type]
+                                   floor.measure(batches.mean, args.floor_seconds)))
+    return results
 
 
 # --------------------------------------------------------------------------- inputs
@@ -213,52 +251,63 @@ class Floor:
         return max(self.service_ips, self.all_ips)
 
 
-def floor_levels(env: dict[str, str], queries: list[bytes], mean_batches: list[float],
-                 seconds: float) -> list[Floor]:
-    """The floor of each level: the service's pipeline on batches of the server's size."""
-    import torch
+class FloorPipeline:
+    """The floor: the service's own pipeline in this process, built the way the server builds
+    it from the same settings, checkpoint and gallery database (this also applies the
+    service's process-wide thread settings)."""
 
-    from imgret.embedder import Embedder
-    from imgret.settings import Settings
-    from index.db import make_engine, make_sessionmaker
-    from index.search import Searcher
-    from service.pipeline import ImageQuery, build_search_batcher
-    from service.telemetry import ServiceMetrics
+    def __init__(self, env: dict[str, str], queries: list[bytes]):
+        self.env = env
+        self.queries = queries
 
-    settings = Settings(data_dir=Path(env["IMGRET_DATA_DIR"]), model=Path(env["IMGRET_MODEL"]),
-                        database_url=env["IMGRET_DATABASE_URL"], device="cpu")
-    embedder = Embedder.from_checkpoint(settings.model, device="cpu")
-    engine = make_engine(settings.db_url)
-    try:
-        searcher = Searcher.from_settings(make_sessionmaker(engine), settings,
+    def __enter__(self) -> FloorPipeline:
+        import torch
+
+        from imgret.embedder import Embedder
+        from imgret.settings import Settings
+        from index.db import make_engine, make_sessionmaker
+        from index.search import Searcher
+        from service.pipeline import ImageQuery, build_search_batcher
+        from service.telemetry import ServiceMetrics
+
+        env = self.env
+        settings = Settings(data_dir=Path(env["IMGRET_DATA_DIR"]),
+                            model=Path(env["IMGRET_MODEL"]),
+                            database_url=env["IMGRET_DATABASE_URL"], device="cpu")
+        embedder = Embedder.from_checkpoint(settings.model, device="cpu")
+        self.engine = make_engine(settings.db_url)
+        searcher = Searcher.from_settings(make_sessionmaker(self.engine), settings,
                                           embedder.model_version)
-        # The service's pipeline, built the way the server builds it (this also applies the
-        # service's process-wide thread settings).
-        pipeline = build_search_batcher(settings, embedder=embedder, searcher=searcher,
-                                        metrics=ServiceMetrics()).process
-        service_threads = torch.get_num_threads()
+        self.pipeline = build_search_batcher(settings, embedder=embedder, searcher=searcher,
+                                             metrics=ServiceMetrics()).process
+        self.service_threads = torch.get_num_threads()
+        self.items = [ImageQuery(data, 10) for data in self.queries]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.dispose()
+
+    def measure(self, mean_batch: float, seconds: float) -> Floor:
+        """Images/s on batches of the server's mean size, with the service's torch threads and
+        with torch on every core (the better one is the floor)."""
+        import torch
+
+        batch = max(1, round(mean_batch))
         every_core = os.cpu_count() or 1
-        items = [ImageQuery(data, 10) for data in queries]
-        floors = []
-        for mean in mean_batches:
-            batch = max(1, round(mean))
-            rates = {}
-            for threads in (service_threads, every_core):
-                if threads in rates:
-                    continue
-                torch.set_num_threads(threads)
-                try:
-                    rates[threads] = _pipeline_rate(pipeline, items, batch, seconds)
-                finally:
-                    torch.set_num_threads(service_threads)
-            floors.append(Floor(batch, service_threads, rates[service_threads], every_core,
-                                rates[every_core]))
-            logger.info("floor at batch %d: %.1f img/s (%d torch threads), %.1f img/s (%d)",
-                        batch, rates[service_threads], service_threads, rates[every_core],
-                        every_core)
-        return floors
-    finally:
-        engine.dispose()
+        rates = {}
+        for threads in (self.service_threads, every_core):
+            if threads in rates:
+                continue
+            torch.set_num_threads(threads)
+            try:
+                rates[threads] = _pipeline_rate(self.pipeline, self.items, batch, seconds)
+            finally:
+                torch.set_num_threads(self.service_threads)
+        logger.info("floor at batch %d: %.1f img/s (%d torch threads), %.1f img/s (%d)",
+                    batch, rates[self.service_threads], self.service_threads,
+                    rates[every_core], every_core)
+        return Floor(batch, self.service_threads, rates[self.service_threads], every_core,
+                     rates[every_core])
 
 
 def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
@@ -288,9 +337,8 @@ def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
 # --------------------------------------------------------------------------- report
 
 
-def _print_table(server: list[Level], batches: list, cpu: list[tuple[float, float]],
-                 floors: list[Floor], args: argparse.Namespace, model_note: str, data_note: str,
-                 gallery: int) -> None:
+def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, model_note: str,
+                 data_note: str, gallery: int) -> None:
     out = io.StringIO()
     out.write(
         f"\nPOST /search (k=10, one image), wrk -t1 for {args.seconds:.0f} s per level after a "
@@ -300,22 +348,34 @@ def _print_table(server: list[Level], batches: list, cpu: list[tuple[float, floa
         f"Floor = the service's SearchPipeline (decode, embed, search) in this process, no "
         f"HTTP, on the same query images in batches of the size the server formed (mean of "
         f"its imgret_batch_size histogram at that level, rounded), back to back for "
-        f"{args.floor_seconds:.0f} s, the better of the service's torch threads and every "
-        f"core. CPU per request: the server's event-loop thread / the whole server process, "
-        f"from /proc, over the level's requests.\n\n"
-        "| connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server batch "
-        "(mean) | CPU us/request (event loop / process) | floor batch "
+        f"{args.floor_seconds:.0f} s right after the level (the server idle), the better of "
+        f"the service's torch threads and every core. CPU per request: the server's "
+        f"event-loop thread / the whole server process, from /proc, over the level's "
+        f"requests. {len(rounds)} round(s) of every level and its floor; a row per round.\n\n"
+        "| round | connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server "
+        "batch (mean) | CPU us/request (event loop / process) | floor batch "
         "| floor img/s (service threads / all cores) | server/floor |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
-    for s, b, c, f in zip(server, batches, cpu, floors, strict=True):
-        out.write(
-            f"| {s.connections} | {s.rps:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} | {s.non_2xx} "
-            f"| {s.socket_errors} | {b.mean:.1f} | {c[0]:.0f} / {c[1]:.0f} | {f.batch} "
-            f"| {f.best:.1f} "
-            f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
-            f"| {s.rps / f.best:.2f} |\n"
-        )
+    for number, results in enumerate(rounds, 1):
+        for r in results:
+            s, c, f = r.server, r.cpu_us, r.floor
+            out.write(
+                f"| {number} | {s.connections} | {s.rps:.1f} | {s.p50_ms:.1f} | {s.p99_ms:.1f} "
+                f"| {s.non_2xx} | {s.socket_errors} | {r.batch_mean:.1f} "
+                f"| {c[0]:.0f} / {c[1]:.0f} | {f.batch} | {f.best:.1f} "
+                f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
+                f"| {r.ratio:.2f} |\n"
+            )
+    if len(rounds) > 1:
+        out.write("\nserver/floor per level over the rounds: ")
+        out.write("; ".join(
+            f"{results[0].server.connections} connections: median "
+            f"{statistics.median(r.ratio for r in results):.2f} (min "
+            f"{min(r.ratio for r in results):.2f}, max {max(r.ratio for r in results):.2f})"
+            for results in zip(*rounds, strict=True)
+        ) + "\n")
+    server = [r.server for results in rounds for r in results]
     held = [s for s in server if s.held(args.p99_ms)]
     errors = sum(s.non_2xx + s.socket_errors for s in server)
     if held:

@@ -7,9 +7,11 @@ one corrupt JPEG does not stop a long run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
@@ -21,8 +23,11 @@ from training.data.sources import ImageSource
 
 logger = logging.getLogger(__name__)
 
+# PIL image -> (3, S, S) float32 model input.
+Transform = Callable[[Image.Image], torch.Tensor]
 
-def train_transform(spec: ModelSpec, augmentation: str) -> v2.Compose:
+
+def train_transform(spec: ModelSpec, augmentation: str) -> Transform:
     """The training augmentation for a model spec.
 
     ``standard``: random resized crop (scale 0.5-1, so a small image keeps most of the object)
@@ -58,7 +63,7 @@ class TrainDataset(Dataset):
         targets: ``(k,)`` int64 labels of the items (for the sampler).
     """
 
-    def __init__(self, source: ImageSource, indices: np.ndarray, transform: v2.Compose):
+    def __init__(self, source: ImageSource, indices: np.ndarray, transform: Transform):
         self.source = source
         self.indices = np.asarray(indices, dtype=np.int64)
         self.transform = transform
