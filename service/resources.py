@@ -346,6 +346,7 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     resources.metrics.track_follower(
         lambda: state.lag_seconds(), lambda: resources.searcher.change_seq
     )
+    resources.metrics.publish_gauges()
 
     def catch_up() -> int:
         # A switch made by another process first (loads that version's model and index),
@@ -376,6 +377,8 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
             # next round instead of being lost.
             wake.clear()
             await _catch_up_once(resources, catch_up)
+            # With several workers, what the other workers' scrapes report of this one.
+            resources.metrics.publish_gauges()
     finally:
         if listener is not None:
             await anyio.to_thread.run_sync(listener.stop)

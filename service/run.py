@@ -7,13 +7,19 @@ workers never race to migrate), then runs ``service.app:create_app`` under uvico
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 from imgret.checkpoint import resolve_checkpoint_path
 from imgret.errors import CheckpointError
 from imgret.settings import Settings
 from index.db import safe_url, upgrade_to_head
 from service.auth import check_write_exposure, normalized_origins
+from service.telemetry import MULTIPROC_DIR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +71,43 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     logger.info("schema at head on %s; serving on http://%s:%d", safe_url(settings.db_url),
                 host, port)
     app = create_app(settings) if workers == 1 else "service.app:create_app"
-    uvicorn.run(
-        app,
-        factory=workers > 1,
-        host=host,
-        port=port,
-        workers=workers,
-        # service.telemetry writes one structured line per request instead.
-        access_log=False,
-        # Applied in every worker process too (they are spawned, not forked).
-        log_config=LOG_CONFIG,
-        # Shut down promptly even with keep-alive clients attached.
-        timeout_graceful_shutdown=10,
-    )
+    with shared_metrics_dir() if workers > 1 else contextlib.nullcontext():
+        uvicorn.run(
+            app,
+            factory=workers > 1,
+            host=host,
+            port=port,
+            workers=workers,
+            # service.telemetry writes one structured line per request instead.
+            access_log=False,
+            # Applied in every worker process too (they are spawned, not forked).
+            log_config=LOG_CONFIG,
+            # Shut down promptly even with keep-alive clients attached.
+            timeout_graceful_shutdown=10,
+        )
+
+
+@contextlib.contextmanager
+def shared_metrics_dir() -> Iterator[str]:
+    """A new empty folder for the workers' metric files, in ``PROMETHEUS_MULTIPROC_DIR``.
+
+    Set here, in the parent, before uvicorn spawns the workers: each inherits it and imports
+    prometheus_client with it set, which switches the library to multiprocess mode there
+    (see ``ServiceMetrics``). The folder must start empty (files left by an earlier run
+    would be merged into this one's counts), so it is a new one every time, in the system's
+    temporary directory rather than the data dir: replicas sharing a data dir must not
+    share (or clean up) each other's files. Removed when the server stops; a parent killed
+    with SIGKILL leaves it to the system's temporary-file clean-up (a few KiB). Whatever
+    ``PROMETHEUS_MULTIPROC_DIR`` said before is replaced, then restored.
+    """
+    previous = os.environ.get(MULTIPROC_DIR_ENV)
+    path = tempfile.mkdtemp(prefix="imgret-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = path
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop(MULTIPROC_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROC_DIR_ENV] = previous
+        shutil.rmtree(path, ignore_errors=True)
