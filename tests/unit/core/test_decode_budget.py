@@ -349,3 +349,24 @@ def test_settings_reach_the_limits_and_queue_must_hold_a_request() -> None:
     assert DecodeLimits.from_settings(settings) == DecodeLimits(5, 7, 9 * 1024 * 1024)
     with pytest.raises(ValidationError, match="IMGRET_BATCH_QUEUE_MAX"):
         Settings(batch_queue_max=8, search_batch_max_files=9)
+
+
+def test_the_trimmer_counts_what_a_decode_allocated() -> None:
+    """A small image that is not shrunk adds its pixels to the malloc_trim counter, not the
+    gate's strip allowance (which made every third small query pay a trim of every arena);
+    a shrunk one adds the strips too."""
+    from imgret import images
+
+    trimmer = images._TRIMMER
+    if trimmer._trim is None:
+        pytest.skip("malloc_trim is glibc's; this C library has none")
+    small, large = photo(28, 28), photo(3000, 500)
+    with trimmer._lock:
+        trimmer._pending = 0
+    decode_for_embedding(small, size=28)
+    with trimmer._lock:
+        assert trimmer._pending == 28 * 28 * 4  # RGB is held as 32-bit pixels
+        trimmer._pending = 0
+    decode_for_embedding(large, size=28)
+    with trimmer._lock:
+        assert trimmer._pending == 3000 * 500 * 4 + images._STRIP_BYTES
