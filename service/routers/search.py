@@ -100,7 +100,7 @@ class SearchForm:
     options: SearchOptions
 
 
-async def read_search_form(
+def read_search_form(
     request: Request, form: FormData, *, files_field: str, fields: type[SearchFields]
 ) -> SearchForm:
     """Check and parse a search form with one model per part, on the event loop.
@@ -171,7 +171,7 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     """
     start = time.perf_counter()
     async with read_form(request) as form:
-        search = await read_search_form(request, form, files_field="image",
+        search = read_search_form(request, form, files_field="image",
                                         fields=ItemSearchFields)
         if (search.item_id is None) == (len(search.files) == 0):
             raise HTTPException(
@@ -233,7 +233,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     start = time.perf_counter()
     settings = resources.settings
     async with read_form(request) as form:
-        search = await read_search_form(request, form, files_field="images", fields=SearchFields)
+        search = read_search_form(request, form, files_field="images", fields=SearchFields)
         images, options = search.files, search.options
         if not images:
             raise HTTPException(422, "send at least one `images` file")
