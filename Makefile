@@ -39,7 +39,10 @@ test: setup system-deps postgres
 lint: setup
 	$(BIN)/ruff check .
 
+# wrk drives benchmarks/load_bench.py (service_bench.py falls back to httpx without it).
 bench: setup
+	@dpkg -s wrk >/dev/null 2>&1 || { $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q wrk; }
 	$(BIN)/python benchmarks/metrics_bench.py
 
 clean:
