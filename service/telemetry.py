@@ -88,7 +88,8 @@ class ServiceMetrics:
         )
         self.follower_lag = Gauge(
             "imgret_follower_lag_seconds",
-            "Seconds since this process's index last caught up with the gallery change log.",
+            "Seconds since the served index last caught up with the gallery change log "
+            "(with several workers: the worst of them).",
             registry=self.registry, multiprocess_mode="livemax",
         )
         self.follower_seq = Gauge(
