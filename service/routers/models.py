@@ -16,7 +16,7 @@ from service.deps import ResourcesDep, require_api_key
 from service.evaluations import compare_named
 from service.resources import Resources
 from service.schemas import ActivateRequest, ModelInfo, ModelList, RegisterRequest, Switch
-from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
+from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, read_form
 
 router = APIRouter(prefix="/models", tags=["models"])
 
@@ -89,8 +89,7 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
         info = await anyio.to_thread.run_sync(
             lambda: versions.register_checkpoint(path, **kwargs))
     elif content_type == "multipart/form-data":
-        form = await request.form(max_files=1, max_fields=4)
-        try:
+        async with read_form(request, max_files=1, max_fields=4) as form:
             unknown = set(form.keys()) - {"checkpoint", "path"}
             upload, path = form.get("checkpoint"), form.get("path")
             if unknown or (upload is None) == (path is None):
@@ -104,8 +103,6 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
                 data = await upload.read()
                 info = await anyio.to_thread.run_sync(
                     lambda: versions.register_upload(data, **kwargs))
-        finally:
-            await form.close()
     else:
         raise HTTPException(415, 'send JSON {"path": ...} or a multipart `checkpoint` file')
     return ModelInfo.model_validate(_describe(resources, info["version"]))

@@ -171,8 +171,7 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     """
     start = time.perf_counter()
     async with read_form(request) as form:
-        search = read_search_form(request, form, files_field="image",
-                                        fields=ItemSearchFields)
+        search = read_search_form(request, form, files_field="image", fields=ItemSearchFields)
         if (search.item_id is None) == (len(search.files) == 0):
             raise HTTPException(
                 422, "send exactly one of `image` (a file) or `id` (a gallery item)")
