@@ -115,6 +115,11 @@ def _writer_alive(name: str) -> bool:
     pid = int(pid_text)
     if pid == os.getpid():
         return True  # ours: a write of this process is in flight
+    return process_exists(pid)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid runs (a pid reused since counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

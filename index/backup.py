@@ -75,7 +75,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import ImgretError, IndexStale
-from imgret.files import file_sha256, fsync_dir, write_atomic
+from imgret.files import file_sha256, fsync_dir, process_exists, write_atomic
 from imgret.settings import Settings
 from index import store
 from index.db import alembic_config, make_engine, make_sessionmaker, safe_url, upgrade_to_head
@@ -696,12 +696,8 @@ def _remove_dead_pins(root: Path) -> None:
         pid = folder.name.split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not process_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:
-            pass
 
 
 # =========================================================================== restore

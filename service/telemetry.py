@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from imgret.files import process_exists
 from imgret.timing import timed
 from service.limits import content_length
 
@@ -146,7 +147,7 @@ class ServiceMetrics:
         self.publish_gauges()
         for path in Path(self._multiproc_dir).glob("gauge_live*.db"):
             match = _LIVE_GAUGE_FILE.fullmatch(path.name)
-            if match and not _process_exists(int(match.group(1))):
+            if match and not process_exists(int(match.group(1))):
                 mark_process_dead(int(match.group(1)), self._multiproc_dir)
         merged = CollectorRegistry()
         MultiProcessCollector(merged, path=self._multiproc_dir)
@@ -218,16 +219,6 @@ class AccessLogMiddleware:
                     separators=(",", ":"),
                 )
             )
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _route_template(scope: Scope) -> str:
