@@ -56,6 +56,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from harness import fashion_mnist_pngs, write_image_folder  # noqa: E402
 
+from imgret.settings import MEDIA_BACKENDS  # noqa: E402
+
 logger = logging.getLogger("ingest_bench")
 
 # The demo's model (cli/demo.py, training/data/sources.py's model_spec_for on Fashion-MNIST).
@@ -91,8 +93,6 @@ def check_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
     logging.getLogger("alembic").setLevel(logging.WARNING)
     return args
 
-
-MEDIA_BACKENDS = ("files", "database")
 
 
 def main() -> None:

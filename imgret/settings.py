@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -13,6 +13,10 @@ from sqlalchemy.exc import ArgumentError
 
 _DRIVERS = ("sqlite", "postgresql")
 
+
+# Where image bytes live: the values of IMGRET_MEDIA_BACKEND.
+MediaBackendName = Literal["files", "database"]
+MEDIA_BACKENDS: tuple[str, ...] = get_args(MediaBackendName)
 
 class Settings(BaseSettings):
     """Everything the service, the CLI and the indexer read from the environment.
@@ -40,7 +44,7 @@ class Settings(BaseSettings):
     # Where image bytes live (index.media_db.open_media_store): "files" under data_dir/media
     # (replicas on several machines share the data dir as a volume), or "database": the
     # media_blobs table, readable by every process that reaches the database (small images).
-    media_backend: Literal["files", "database"] = Field(
+    media_backend: MediaBackendName = Field(
         "files", description="image bytes: files (under data_dir) or database (media_blobs)"
     )
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")

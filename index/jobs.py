@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import CheckpointError, DatabaseError, GalleryError
-from imgret.settings import Settings
+from imgret.settings import MEDIA_BACKENDS, Settings
 from index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import IngestReport
 
@@ -210,10 +210,9 @@ def migrate_media(settings: Settings, to: str, *, progress: bool = True) -> Medi
     from index.media_db import migrate_media as migrate
     from index.media_db import open_media_store
 
-    backends = ("files", "database")
-    if to not in backends:
-        raise GalleryError(f"--to {to!r}: the media backends are {', '.join(backends)}")
-    source_name = backends[1 - backends.index(to)]
+    if to not in MEDIA_BACKENDS:
+        raise GalleryError(f"--to {to!r}: the media backends are {', '.join(MEDIA_BACKENDS)}")
+    source_name = MEDIA_BACKENDS[1 - MEDIA_BACKENDS.index(to)]
     with open_gallery(settings) as sessions, tqdm(
         unit="img", desc=f"media {source_name} -> {to}", disable=not progress
     ) as bar:
