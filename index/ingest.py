@@ -199,11 +199,12 @@ class _Timer:
         self.report = report
 
     def stage(self, name: str, count: int) -> contextlib.AbstractContextManager[None]:
-        def record(seconds: float) -> None:
-            self.report.seconds[name] += seconds
-            self.report.counts[name] += count
+        return timed(lambda seconds: self.add(name, count, seconds))
 
-        return timed(record)
+    def add(self, name: str, count: int, seconds: float) -> None:
+        """Count ``count`` images and ``seconds`` (timed elsewhere: a worker) for a stage."""
+        self.report.seconds[name] += seconds
+        self.report.counts[name] += count
 
 
 # --------------------------------------------------------------------------- service path
@@ -319,11 +320,12 @@ def ingest_source(
     transaction, so an interrupted run loses only the chunk in flight, and running it again
     resumes where it stopped.
 
-    The stages overlap (see :class:`_Decoders`): worker processes decode and preprocess the
-    next chunk's images while this process embeds the current one, and a writer thread writes
-    the one before it (media made durable as one batch, then the rows, under the gallery write
-    lock); one write at a time, so chunks commit in source order. The report's stage seconds
-    therefore add up to more than the wall time.
+    The stages overlap (see :class:`_EmbedWorkers`): worker processes decode, preprocess and
+    (on the CPU) embed the images of the next slices while this process reads, hashes and
+    plans the chunk after, and a writer thread writes the one before (media made durable as
+    one batch, then the rows, under the gallery write lock); one write at a time, so chunks
+    commit in source order. The report's stage seconds are summed over the processes doing
+    the stage, so they add up to more than the wall time.
 
     Args:
         source: what ``imgret.datasets.list_records`` accepts.
@@ -334,8 +336,9 @@ def ingest_source(
         query_set: put the images in this named query set instead of the gallery.
         chunk_size: files per transaction.
         max_pixels: decompression-bomb limit.
-        workers: processes decoding and preprocessing images; default ``min(4, cpu
-            count)``; ``0`` decodes in this process (so does a platform without ``fork``).
+        workers: processes decoding, preprocessing and embedding images; default ``min(4,
+            cpu count)``; ``0`` does all of it in this process (so does a platform without
+            ``fork``).
         progress: show a tqdm bar (committed images, and images/s).
 
     Returns:
@@ -362,19 +365,19 @@ def ingest_source(
     chunks = [records[start : start + chunk_size]
               for start in range(0, len(records), chunk_size)]
     # The workers are forked first, before tqdm's monitor thread exists.
-    with _Decoders(embedder, max_pixels, workers if len(records) else 0,
-                   media=media if media.stages_files else None) as decoders, tqdm(
+    with _EmbedWorkers(embedder, max_pixels, workers if len(records) else 0,
+                       media=media if media.stages_files else None) as pool, tqdm(
         total=len(records), unit="img", desc="ingest", disable=not progress
     ) as bar:
-        run = _ChunkRun(root, timer=timer, decoders=decoders, session_factory=session_factory,
+        run = _ChunkRun(root, timer=timer, pool=pool, session_factory=session_factory,
                         media=media, embedder=embedder, model_version=model_version,
                         query_set=target)
-        # One chunk prepared ahead (read, hashed, planned, handed to the decoders) while the
-        # one before it is embedded, and the one before that written on the writer thread:
-        # a write mostly waits (media syncs, the database's own work), and the forward pass
-        # here runs with the GIL released, so the two overlap. One write in flight at a
-        # time, so chunks still commit in source order; leaving the block (an error, Ctrl-C)
-        # waits for it, before the decoders and their staged files go.
+        # One chunk prepared ahead (read, hashed, planned, handed to the workers) while the
+        # one before it is embedded (by the workers; here on a GPU), and the one before that
+        # written on the writer thread: a write mostly waits (media syncs, the database's
+        # own work). One write in flight at a time, so chunks still commit in source order;
+        # leaving the block (an error, Ctrl-C) waits for it, before the workers and their
+        # staged files go.
         with ThreadPoolExecutor(1, thread_name_prefix="imgret-ingest-writer") as writes:
             pending: tuple[_Prepared, _Embedded, Future] | None = None
             ahead: _Prepared | None = run.prepare(chunks[0], 0) if chunks else None
@@ -399,12 +402,12 @@ def ingest_source(
 
 @dataclass
 class _Prepared:
-    """A chunk read, hashed and planned, its images handed to the decoders."""
+    """A chunk read, hashed and planned, its images handed to the workers."""
 
     records: Sequence[Any]
     cands: list[_Candidate]
     plan: _Plan
-    tickets: list[tuple[int, list[_Candidate]]]  # decoder ticket, the candidates it decodes
+    tickets: list[tuple[int, list[_Candidate]]]  # a worker ticket, the candidates it embeds
 
 
 @dataclass
@@ -421,12 +424,12 @@ class _ChunkRun:
     """The stages of a chunk's work: :meth:`prepare`, :meth:`embed`, :meth:`write` (on the
     writer thread) and :meth:`settle`."""
 
-    def __init__(self, root: Path, *, timer: _Timer, decoders: _Decoders,
+    def __init__(self, root: Path, *, timer: _Timer, pool: _EmbedWorkers,
                  session_factory: sessionmaker[Session], media: MediaBackend,
                  embedder: Embedder, model_version: ModelVersion, query_set: QuerySet | None):
         self.timer = timer
         self.report = timer.report
-        self.decoders = decoders
+        self.pool = pool
         self.session_factory = session_factory
         self.media = media
         self.embedder = embedder
@@ -456,20 +459,19 @@ class _ChunkRun:
         return _Prepared(records, cands, plan, self._submit(plan.work, stage=plan.create))
 
     def embed(self, chunk: _Prepared) -> _Embedded:
-        """Embed what the decoders return for the chunk (this process's forward passes)."""
+        """Collect the chunk's vectors from the workers, slice by slice, in order."""
         embedded = _Embedded(chunk.cands, chunk.plan)
         for ticket, work in chunk.tickets:
-            with self.timer.stage("decode", len(work)):
-                inputs, slice_errors, staged = self.decoders.result(ticket)
-            for cand, temp in zip(work, staged, strict=True):
+            done = self.pool.result(ticket)
+            for cand, temp in zip(work, done.staged, strict=True):
                 cand.staged = temp or cand.staged
-            self._embed(work, inputs, slice_errors, embedded)
-            self.decoders.release(ticket)
+            self._record(work, done, embedded)
+            self.pool.release(ticket)
         return embedded
 
     def write(self, embedded: _Embedded) -> tuple[list[_Candidate], _Plan, dict[str, int] | None]:
         """Write the embedded chunk in one transaction (:meth:`_ChunkWriter.write`); runs on
-        the writer thread, which touches no decoder and no model."""
+        the writer thread, which touches no worker and no model."""
         return self.writer.write(embedded.cands, embedded.vectors_by_sha, embedded.errors,
                                  planned=embedded.plan)
 
@@ -481,15 +483,13 @@ class _ChunkRun:
             if ids_by_sha is not None:
                 break
             logger.info("the gallery changed under this chunk; planning it again")
-            # Decoded in this process: the decoders' tickets of later chunks are already out,
+            # Embedded in this process: the workers' tickets of later chunks are already out,
             # and they must be collected in order.
             again = _Embedded(cands, plan, dict(embedded.vectors_by_sha))
             work = [c for c in plan.work if c.sha256 not in again.vectors_by_sha]
             for at in range(0, len(work), self.embedder.batch_size):
                 part = work[at : at + self.embedder.batch_size]
-                with self.timer.stage("decode", len(part)):
-                    inputs, slice_errors, _ = self.decoders.decode_here(part)
-                self._embed(part, inputs, slice_errors, again)
+                self._record(part, self.pool.embed_here(part), again)
             embedded = again
             cands, plan, ids_by_sha = self.write(again)
         if ids_by_sha is None:
@@ -500,59 +500,75 @@ class _ChunkRun:
             if cand.staged and id(cand) not in created:
                 Path(cand.staged).unlink(missing_ok=True)
 
-    def _embed(self, work: list[_Candidate], inputs: torch.Tensor,
-               slice_errors: list[str | None], into: _Embedded) -> None:
-        done = [c for c, error in zip(work, slice_errors, strict=True) if error is None]
-        into.errors.update((c.sha256, error) for c, error in zip(work, slice_errors,
+    def _record(self, work: list[_Candidate], done: _Slice, into: _Embedded) -> None:
+        ok = [c for c, error in zip(work, done.errors, strict=True) if error is None]
+        into.errors.update((c.sha256, error) for c, error in zip(work, done.errors,
                                                                  strict=True) if error)
-        with self.timer.stage("embed", len(done)):
-            vectors = (self.embedder.embed_tensors(inputs) if done
-                       else np.zeros((0, self.embedder.dim), dtype=np.float32))
-        into.vectors_by_sha.update(zip((c.sha256 for c in done), vectors, strict=True))
+        self.timer.add("decode", len(work), done.decode_seconds)
+        self.timer.add("embed", len(ok), done.embed_seconds)
+        into.vectors_by_sha.update(zip((c.sha256 for c in ok), done.vectors, strict=True))
 
     def _submit(self, work: list[_Candidate], stage: Sequence[_Candidate] = ()
                 ) -> list[tuple[int, list[_Candidate]]]:
         size = self.embedder.batch_size
         slices = [work[at : at + size] for at in range(0, len(work), size)]
         new = {id(c) for c in stage}
-        return [(self.decoders.submit(part, stage=[id(c) in new for c in part]), part)
+        return [(self.pool.submit(part, stage=[id(c) in new for c in part]), part)
                 for part in slices]
 
 
-# --------------------------------------------------------------------------- decoders
+# --------------------------------------------------------------------------- workers
 
 
-# A slice's model inputs ((k, 3, S, S) float32, of the candidates that decoded, in order), and
-# per candidate: None or why it failed, and the temporary media file staged for it (or None).
-_Decoded = tuple["torch.Tensor", list[str | None], list[str | None]]
+@dataclass
+class _Slice:
+    """What became of one slice: the vectors of the candidates that decoded (``(k, d)``
+    float32, in order), per candidate ``None`` or why it failed and the temporary media file
+    staged for it (or ``None``), and the seconds spent decoding and embedding it, wherever
+    that ran."""
+
+    vectors: np.ndarray
+    errors: list[str | None]
+    staged: list[str | None]
+    decode_seconds: float = 0.0
+    embed_seconds: float = 0.0
 
 
 @dataclass
 class _Task:
-    """One slice handed to the decoders, and where it stands."""
+    """One slice handed to the workers, and where it stands."""
 
     work: list[_Candidate]
     stage: list[bool]  # per candidate: also stage its bytes in the media store
     worker: int | None = None  # the worker it was sent to; None: not sent (yet)
     slot: int = -1
-    done: _Decoded | None = None  # decoded in this process
+    done: _Slice | None = None  # embedded in this process
 
 
-class _Decoders:
-    """Decoding and preprocessing (``decode_for_embedding`` + ``Embedder.preprocess``, the
-    served path's) in forked worker processes, overlapped with this process's forward passes,
-    media writes and SQL.
+class _EmbedWorkers:
+    """Decoding, preprocessing (``decode_for_embedding`` + ``Embedder.preprocess``, the
+    served path's) and, on the CPU, the forward passes, in forked worker processes,
+    overlapped with this process's reading, hashing, planning, media writes and SQL.
 
     Why processes: per image, decoding and preprocessing are mostly Python (Pillow's file
     parsing, torchvision's transforms) that holds the GIL; threads cannot run them beside
-    the forward pass. Forked (not spawned): the workers start in milliseconds with the model's
+    each other. Forked (not spawned): the workers start in milliseconds with the model, its
     transform and the decoding code already loaded, and nothing is pickled but file paths.
+
+    Why the forward passes too (on the CPU): with decoding cheap, the forward passes were the
+    ingest's critical path, run here on the one torch thread the workers left (measured on 2
+    cores, the demo's model: 0.70 s of a 1.13 s ingest of 3,000 images). Each worker now runs
+    whole slices with one torch thread: as many forward passes at a time as workers, no
+    OpenMP team to stall when this process's writer takes a core, and only vectors come
+    back. On a GPU the workers decode and this process runs the model (a forked child cannot
+    use CUDA).
 
     Protocol: a task is one slice of candidates (at most ``batch_size``: one forward pass),
     sent as ``(slot, [(path, sha256, stage), ...])``; the worker reads each file again, checks
     that its bytes still hash to ``sha256`` (a file changed since it was hashed fails),
-    decodes and preprocesses it, writes the ``(k, 3, S, S)`` float32 inputs into that slot of
-    its shared-memory buffer and answers ``(k, errors, staged)``. With ``stage`` (an image the
+    decodes and preprocesses it, embeds the slice (on the CPU), writes the ``(k, d)`` vectors
+    (or the ``(k, 3, S, S)`` inputs) into that slot of its shared-memory buffer and answers
+    ``(k, errors, staged, decode seconds, embed seconds)``. With ``stage`` (an image the
     plan creates) it also writes the bytes to a temporary file in the media store
     (``MediaStore.stage``: file creation is most of a media write's cost), which the chunk's
     write transaction syncs and renames under the gallery write lock (``put_many``); a worker
@@ -560,23 +576,28 @@ class _Decoders:
     hundred bytes, so no pipe ever fills. Each worker has ``_SLOTS`` slots; slices wait in a
     queue until a slot is free (:meth:`release` frees one), which bounds the memory whatever
     the chunk size. A worker ignores SIGINT and exits when its pipe closes (this process
-    ended, or was killed). If a worker dies, the rest of the run decodes in this process;
-    with ``workers == 0`` (or no ``fork``) everything is decoded here, when :meth:`result`
-    asks for it.
+    ended, or was killed). If a worker dies, the rest of the run is embedded in this
+    process; with ``workers == 0`` (or no ``fork``) everything is, when :meth:`result` asks
+    for it.
 
     While workers run, torch's intra-op threads in this process are limited to the cores the
     workers leave (at least one), and restored on exit.
     """
 
     def __init__(self, embedder: Embedder, max_pixels: int, workers: int, *,
-                 media: MediaStore | None = None):
+                 media: MediaStore | None = None, embed_in_workers: bool | None = None):
         self.embedder = embedder
         self.max_pixels = max_pixels
         self.media = media
         size = embedder.spec.image_size
         self.shape = (3, size, size)
-        self.slot_bytes = embedder.batch_size * 3 * size * size * 4
         self.workers = workers if workers > 0 and _can_fork() else 0
+        # What a worker hands back per image: its vector, or (a GPU model: a forked child
+        # cannot use CUDA) its model input. ``embed_in_workers`` forces either (tests).
+        self.embeds = (embedder.device == "cpu" if embed_in_workers is None
+                       else embed_in_workers)
+        self.row_shape = (embedder.dim,) if self.embeds else self.shape
+        self.slot_bytes = embedder.batch_size * int(np.prod(self.row_shape)) * 4
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._buffers: list[mmap.mmap] = []
@@ -587,7 +608,7 @@ class _Decoders:
         self._next = 0
         self._threads: int | None = None
 
-    def __enter__(self) -> _Decoders:
+    def __enter__(self) -> _EmbedWorkers:
         if self.workers:
             try:
                 self._start()
@@ -613,9 +634,9 @@ class _Decoders:
             mine, theirs = context.Pipe()
             parent_ends.append(mine)
             process = context.Process(
-                target=_decode_worker, name="imgret-ingest-decoder", daemon=True,
+                target=_embed_worker, name="imgret-ingest-worker", daemon=True,
                 args=(theirs, list(parent_ends), buffer, self.slot_bytes, self.embedder,
-                      self.max_pixels, self.media),
+                      self.max_pixels, self.media, self.embeds),
             )
             process.start()
             theirs.close()
@@ -626,7 +647,8 @@ class _Decoders:
             self._sent.append(collections.deque())
         self._threads = torch.get_num_threads()
         torch.set_num_threads(max(1, min(self._threads, (os.cpu_count() or 1) - self.workers)))
-        logger.debug("%d decode workers; torch threads %d -> %d", self.workers, self._threads,
+        logger.debug("%d workers (%s); torch threads here %d -> %d", self.workers,
+                     "decode + embed" if self.embeds else "decode", self._threads,
                      torch.get_num_threads())
 
     def close(self) -> None:
@@ -651,8 +673,8 @@ class _Decoders:
     # -- tasks
 
     def submit(self, work: list[_Candidate], stage: list[bool] | None = None) -> int:
-        """Queue a slice (at most ``batch_size`` candidates) for decoding, and for staging the
-        bytes of those flagged in ``stage``; returns its ticket. Tickets must be collected
+        """Queue a slice (at most ``batch_size`` candidates) for embedding, and for staging
+        the bytes of those flagged in ``stage``; returns its ticket. Tickets must be collected
         (:meth:`result`, then :meth:`release`) in this order."""
         ticket, self._next = self._next, self._next + 1
         self._tasks[ticket] = _Task(work, stage or [False] * len(work))
@@ -660,31 +682,33 @@ class _Decoders:
         self._pump()
         return ticket
 
-    def result(self, ticket: int) -> _Decoded:
-        """The slice's model inputs (``(k, 3, S, S)`` float32, of the candidates that decoded,
-        in order) and, per candidate, ``None`` or why it failed, and ``None`` or the
-        temporary media file staged for it."""
+    def result(self, ticket: int) -> _Slice:
+        """The slice's vectors, errors and staged files (see :class:`_Slice`)."""
         task = self._tasks[ticket]
         self._pump()
         if task.worker is not None:
             try:
                 while True:  # a worker answers in the order it got its tasks
-                    count, errors, staged = self._conns[task.worker].recv()
+                    count, errors, staged, decode_s, embed_s = self._conns[task.worker].recv()
                     if self._sent[task.worker].popleft() == ticket:
                         break
             except (EOFError, OSError):
                 self._lost(task.worker)
             else:
-                view = np.frombuffer(
+                rows = np.frombuffer(
                     self._buffers[task.worker], dtype=np.float32,
-                    count=count * int(np.prod(self.shape)), offset=task.slot * self.slot_bytes,
-                ).reshape(count, *self.shape)
+                    count=count * int(np.prod(self.row_shape)),
+                    offset=task.slot * self.slot_bytes,
+                ).reshape(count, *self.row_shape)
+                if self.embeds:  # copied: the slot takes another slice once released
+                    return _Slice(rows.copy(), errors, staged, decode_s, embed_s)
                 import torch
 
-                return torch.from_numpy(view), errors, staged
+                vectors, embed_s = self._embed(torch.from_numpy(rows))
+                return _Slice(vectors, errors, staged, decode_s, embed_s)
         if task.done is None:
             self._queue.remove(ticket)
-            task.done = self.decode_here(task.work)
+            task.done = self.embed_here(task.work)
         return task.done
 
     def release(self, ticket: int) -> None:
@@ -715,10 +739,10 @@ class _Decoders:
             self._sent[worker].append(ticket)
 
     def _lost(self, worker: int) -> None:
-        """A worker died: stop using workers; whatever was sent is decoded here instead."""
+        """A worker died: stop using workers; whatever was sent is embedded here instead."""
         process = self._procs[worker]
         process.join(timeout=1)
-        logger.warning("decode worker %s ended (exit code %s); decoding in this process",
+        logger.warning("ingest worker %s ended (exit code %s); embedding in this process",
                        process.pid, process.exitcode)
         for index, conn in enumerate(self._conns):
             if conn is not None:
@@ -735,17 +759,25 @@ class _Decoders:
             [t for t, task in self._tasks.items() if task.worker is None and task.done is None]
         ))
 
-    def decode_here(self, work: list[_Candidate]) -> _Decoded:
-        """Decode and preprocess a slice in this process, outside the ticket order."""
+    def embed_here(self, work: list[_Candidate]) -> _Slice:
+        """Decode, preprocess and embed a slice in this process, outside the ticket order."""
         import torch
 
+        start = time.perf_counter()
         inputs, errors = decode_slice([(c.data, c.sha256, None) for c in work], self.embedder,
-                                       self.max_pixels)
-        return torch.from_numpy(inputs), errors, [None] * len(work)
+                                      self.max_pixels)
+        decode_s = time.perf_counter() - start
+        vectors, embed_s = self._embed(torch.from_numpy(inputs))
+        return _Slice(vectors, errors, [None] * len(work), decode_s, embed_s)
+
+    def _embed(self, inputs: torch.Tensor) -> tuple[np.ndarray, float]:
+        start = time.perf_counter()
+        vectors = _forward(self.embedder, inputs)
+        return vectors, time.perf_counter() - start
 
 
-# Shared-memory slots per worker: one being written, one waiting for its forward pass, one
-# queued ahead.
+# Shared-memory slots per worker: one being written, one waiting to be collected, one queued
+# ahead.
 _SLOTS = 3
 
 
@@ -755,9 +787,15 @@ def _can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedder: Embedder,
-                   max_pixels: int, media: MediaStore | None) -> None:
-    """A decode worker's loop (a forked child of the ingesting process)."""
+def _forward(embedder: Embedder, inputs: torch.Tensor) -> np.ndarray:
+    if not len(inputs):
+        return np.zeros((0, embedder.dim), dtype=np.float32)
+    return embedder.embed_tensors(inputs)
+
+
+def _embed_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedder: Embedder,
+                  max_pixels: int, media: MediaStore | None, embeds: bool) -> None:
+    """A worker's loop (a forked child of the ingesting process)."""
     import signal
 
     import torch
@@ -782,7 +820,11 @@ def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedd
                     blobs.append((Path(path).read_bytes(), sha, None))
                 except OSError as exc:
                     blobs.append((None, sha, f"cannot read file ({exc.strerror})"))
+            decoded = time.perf_counter()
             inputs, errors = decode_slice(blobs, embedder, max_pixels)
+            embedded = time.perf_counter()
+            rows = _forward(embedder, torch.from_numpy(inputs)) if embeds else inputs
+            done = time.perf_counter()
             staged: list[str | None] = [None] * len(items)
             if media is not None:
                 for index, ((data, _, _), (_, sha, stage)) in enumerate(zip(blobs, items,
@@ -791,11 +833,11 @@ def _decode_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedd
                         with contextlib.suppress(OSError):  # the writer writes it instead
                             staged[index] = media.stage(data, sha)
                             temps.append(staged[index])
-            flat = inputs.reshape(-1)
+            flat = rows.reshape(-1)
             np.frombuffer(buffer, dtype=np.float32, count=flat.size,
                           offset=slot * slot_bytes)[:] = flat
             try:
-                conn.send((len(inputs), errors, staged))
+                conn.send((len(rows), errors, staged, embedded - decoded, done - embedded))
             except OSError:
                 return
     finally:

@@ -84,7 +84,7 @@ class MediaBackend(Protocol):
     """
 
     backend: ClassVar[str]
-    # Whether ingest's decode workers may write new bytes ahead of the write transaction
+    # Whether ingest's workers may write new bytes ahead of the write transaction
     # (:meth:`MediaStore.stage`): only files can be made durable later in one batch.
     stages_files: ClassVar[bool]
 

@@ -82,7 +82,7 @@ def test_a_backup_of_a_database_backend_gallery_restores_its_images(
 def test_a_query_set_ingested_into_the_database_is_served_and_re_embedded(
     make_client, image_folder: Path,
 ) -> None:
-    """The bulk path (decode workers, no staged files) writes blobs; the query-set image
+    """The bulk path (ingest workers, no staged files) writes blobs; the query-set image
     route and evaluation's re-embedding of stored queries read them back."""
     with make_client(media_backend="database") as client:
         resources = client.app.state.resources

@@ -88,7 +88,7 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
         stored = session.execute(select(GalleryItem.sha256, GalleryItem.media_path)).all()
     for sha, path in stored:
         assert sha256_hex(media.read(path)) == sha  # every row's image is whole
-    # The decode workers see their parent gone (their pipe closes) and remove the temporary
+    # The ingest workers see their parent gone (their pipe closes) and remove the temporary
     # files they staged for the chunks in flight: wait for that (a second at most, usually).
     deadline = time.monotonic() + 30
     while [p for p in media.root.rglob(".tmp-*")] and time.monotonic() < deadline:

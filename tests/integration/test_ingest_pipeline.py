@@ -1,12 +1,18 @@
-"""The ingest pipeline's decode workers: same result with and without them, nothing left."""
+"""The ingest pipeline's workers: same result with and without them, nothing left."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
+import pytest
 from sqlalchemy import select
 
+from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
 from index import store
-from index.ingest import ingest_source
+from index.ingest import _EmbedWorkers, ingest_source
+from index.media import sha256_hex
 from index.models import GalleryItem
 
 
@@ -36,3 +42,81 @@ def test_workers_and_in_process_decoding_store_the_same(sessions, media, embedde
         np.testing.assert_array_equal(vector, in_process[sha])
     assert not list(media.root.rglob(".tmp-*"))
     assert len([p for p in media.root.rglob("*") if p.is_file()]) == 20
+
+
+def test_forward_passes_run_in_the_workers_on_the_cpu(sessions, media, embedder,
+                                                      image_folder):
+    """On the CPU the workers embed (only vectors come back); on a GPU this process does."""
+    here: list[int] = []
+    hook = embedder.model.register_forward_hook(lambda *_: here.append(len(here)))
+    try:
+        report = ingest_source(image_folder, session_factory=sessions, media=media,
+                               embedder=embedder, chunk_size=8, workers=2, progress=False)
+    finally:
+        hook.remove()
+    assert (report.added, report.counts["embed"], report.counts["decode"]) == (20, 20, 20)
+    assert report.seconds["embed"] > 0 and report.seconds["decode"] > 0
+    assert bool(here) == (embedder.device != "cpu")
+
+
+@pytest.mark.parametrize("workers, embed_in_workers", [(2, True), (2, False), (0, None)])
+def test_every_worker_mode_gives_the_same_vectors_and_errors(embedder, image_folder, tmp_path,
+                                                             workers, embed_in_workers):
+    """Workers that embed, workers that only decode (the GPU mode, run on the CPU here) and
+    no workers: the same vectors, and the same per-image errors (a corrupt file, a file
+    whose bytes changed after hashing), slice by slice in submission order."""
+    paths = sorted(image_folder.rglob("*.png"))
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    changed = tmp_path / "changed.png"
+    changed.write_bytes(paths[0].read_bytes())
+
+    def candidate(path: Path, sha: str | None = None) -> SimpleNamespace:
+        data = path.read_bytes()
+        return SimpleNamespace(origin=str(path), data=data, sha256=sha or sha256_hex(data))
+
+    work = [candidate(p) for p in paths]
+    work.insert(3, candidate(corrupt))
+    work.insert(11, candidate(changed, sha="0" * 64))
+    slices = [work[at : at + embedder.batch_size]
+              for at in range(0, len(work), embedder.batch_size)]
+    size = embedder.spec.image_size
+    reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size) for p in paths])
+    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers,
+                       embed_in_workers=embed_in_workers) as pool:
+        tickets = [pool.submit(part) for part in slices]
+        results = []
+        for ticket in tickets:
+            results.append(pool.result(ticket))
+            pool.release(ticket)
+    vectors = np.concatenate([r.vectors for r in results])
+    errors = [e for r in results for e in r.errors]
+    assert [e is None for e in errors] == [c.origin not in (str(corrupt), str(changed))
+                                           for c in work]
+    assert "changed" in errors[11]
+    np.testing.assert_allclose(vectors, reference, rtol=0, atol=1e-6)
+    assert all(r.decode_seconds > 0 for r in results)
+
+
+def test_a_lost_worker_leaves_its_slices_to_this_process(embedder, image_folder):
+    """A worker killed (SIGKILL) before it answers: every slice still comes back, in order,
+    with the vectors this process would compute (what was sent is embedded here), and no
+    worker is used after the loss."""
+    import os
+    import signal
+
+    paths = sorted(image_folder.rglob("*.png"))
+    work = [SimpleNamespace(origin=str(p), data=p.read_bytes(),
+                            sha256=sha256_hex(p.read_bytes())) for p in paths]
+    size = embedder.spec.image_size
+    reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size) for p in paths])
+    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2) as pool:
+        os.kill(pool._procs[1].pid, signal.SIGKILL)
+        pool._procs[1].join(timeout=10)
+        tickets = [pool.submit(work[at : at + 4]) for at in range(0, len(work), 4)]
+        vectors = []
+        for ticket in tickets:
+            vectors.append(pool.result(ticket).vectors)
+            pool.release(ticket)
+        assert all(conn is None for conn in pool._conns)
+    np.testing.assert_allclose(np.concatenate(vectors), reference, rtol=0, atol=1e-6)

@@ -1,4 +1,4 @@
-"""MediaStore.put_many (one batch of syncs) and stage (a decode worker's temporary file)."""
+"""MediaStore.put_many (one batch of syncs) and stage (an ingest worker's temporary file)."""
 
 from __future__ import annotations
 
