@@ -561,7 +561,9 @@ class _EmbedWorkers:
     whole slices with one torch thread: as many forward passes at a time as workers, no
     OpenMP team to stall when this process's writer takes a core, and only vectors come
     back. On a GPU the workers decode and this process runs the model (a forked child cannot
-    use CUDA).
+    use CUDA). Memory: the weights are shared with this process (forked, never written), but
+    each worker holds one batch's activations at a time, so ``workers`` forward passes are
+    in memory at once where there was one (``--workers`` / ``--batch-size`` bound it).
 
     Protocol: a task is one slice of candidates (at most ``batch_size``: one forward pass),
     sent as ``(slot, [(path, sha256, stage), ...])``; the worker reads each file again, checks

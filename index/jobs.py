@@ -74,7 +74,8 @@ def ingest(
         query_set: store the images in this named query set instead of the gallery.
         batch_size: images per forward pass.
         chunk_size: images per transaction.
-        workers: processes decoding files (with ``ray``: embed actors).
+        workers: processes decoding and, on the CPU, embedding files (with ``ray``: embed
+            actors).
         progress: a tqdm bar.
         ray: ingest on Ray Data (``index.ray_ingest``): ``"local"`` for a local Ray
             instance, else a cluster address (``auto``, ``ray://host:10001``).
