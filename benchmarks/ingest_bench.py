@@ -235,9 +235,10 @@ def _pooled_floor(paths: list[Path], embedder) -> float | None:
     except ImportError:
         return None
     from imgret.images import DEFAULT_MAX_PIXELS
+    from index.ingest import default_workers
     from index.media import sha256_hex
 
-    workers = min(4, os.cpu_count() or 1)
+    workers = default_workers(embedder)
     start = time.perf_counter()
     n = 0
     with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers) as pool:

@@ -84,7 +84,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         workers: int | None = typer.Option(
             None, "--workers", min=1,
             help="processes decoding and (on the CPU) embedding files, each with one torch "
-            "thread and its own batch in memory (default: min(4, cores)); "
+            "thread and its own batch in memory (default: one per core; with a GPU, min(4, "
+            "cores) decoding only); "
             "with --ray: embed actors (default: one per GPU, else per free CPU of the cluster)",
         ),
         ray: str | None = typer.Option(

@@ -336,9 +336,9 @@ def ingest_source(
         query_set: put the images in this named query set instead of the gallery.
         chunk_size: files per transaction.
         max_pixels: decompression-bomb limit.
-        workers: processes decoding, preprocessing and embedding images; default ``min(4,
-            cpu count)``; ``0`` does all of it in this process (so does a platform without
-            ``fork``).
+        workers: processes decoding, preprocessing and embedding images (one torch thread
+            each); default :func:`default_workers`; ``0`` does all of it in this process (so
+            does a platform without ``fork``).
         progress: show a tqdm bar (committed images, and images/s).
 
     Returns:
@@ -357,7 +357,7 @@ def ingest_source(
     report = IngestReport(str(source), model_version.version, query_set, total=len(records))
     timer = _Timer(report)
     if workers is None:
-        workers = min(4, os.cpu_count() or 1)
+        workers = default_workers(embedder)
     logger.info(
         "ingesting %d images from %s into %s", len(records), source,
         f"query set {query_set!r}" if query_set else "the gallery",
@@ -398,6 +398,13 @@ def ingest_source(
     for path, reason in report.failed:
         logger.warning("skipped %s: %s", path, reason)
     return report
+
+
+def default_workers(embedder: Embedder) -> int:
+    """Worker processes of a bulk ingest: one per core when they embed (a CPU model: one
+    torch thread each), else ``min(4, cores)`` decoders beside this process's GPU."""
+    cores = os.cpu_count() or 1
+    return cores if embedder.device == "cpu" else min(4, cores)
 
 
 @dataclass
@@ -558,12 +565,14 @@ class _EmbedWorkers:
     Why the forward passes too (on the CPU): with decoding cheap, the forward passes were the
     ingest's critical path, run here on the one torch thread the workers left (measured on 2
     cores, the demo's model: 0.70 s of a 1.13 s ingest of 3,000 images). Each worker now runs
-    whole slices with one torch thread: as many forward passes at a time as workers, no
-    OpenMP team to stall when this process's writer takes a core, and only vectors come
-    back. On a GPU the workers decode and this process runs the model (a forked child cannot
-    use CUDA). Memory: the weights are shared with this process (forked, never written), but
-    each worker holds one batch's activations at a time, so ``workers`` forward passes are
-    in memory at once where there was one (``--workers`` / ``--batch-size`` bound it).
+    whole slices with one torch thread (a forked child cannot use more once this process has
+    run OpenMP on several), so on the CPU there is one worker per core by default: as many
+    forward passes at a time as cores, no OpenMP team to stall when this process's writer
+    takes a core, and only vectors come back. On a GPU the workers only decode (a forked
+    child cannot use CUDA; ``min(4, cores)`` of them) and this process runs the model.
+    Memory: the weights are shared with this process (forked, never written), but each
+    worker holds one batch's activations at a time, so ``workers`` forward passes are in
+    memory at once where there was one (``--workers`` / ``--batch-size`` bound it).
 
     Protocol: a task is one slice of candidates (at most ``batch_size``: one forward pass),
     sent as ``(slot, [(path, sha256, stage), ...])``; the worker reads each file again, checks
@@ -805,6 +814,9 @@ def _embed_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedde
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     for other in close:  # the parent's ends: EOF here once the parent is gone
         other.close()
+    # One thread: a child forked after its parent ran OpenMP regions on several threads
+    # hangs in its first multi-threaded region (GNU libgomp keeps no pool across fork;
+    # measured here: a resnet18 forward with 2 threads in the child never returned).
     torch.set_num_threads(1)
     temps: list[str] = []
     try:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from sqlalchemy import select
 
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
@@ -81,7 +82,15 @@ def test_every_worker_mode_gives_the_same_vectors_and_errors(embedder, image_fol
     slices = [work[at : at + embedder.batch_size]
               for at in range(0, len(work), embedder.batch_size)]
     size = embedder.spec.image_size
-    reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size) for p in paths])
+    # The reference runs here on two OpenMP threads before the workers fork: a child that
+    # then used several threads would hang (each keeps to one).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size)
+                                    for p in paths])
+    finally:
+        torch.set_num_threads(threads)
     with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers,
                        embed_in_workers=embed_in_workers) as pool:
         tickets = [pool.submit(part) for part in slices]
