@@ -12,6 +12,8 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
 2. saves an *untrained* network with the demo model's architecture and preprocessing
    (small_cnn, 64-d, 28 px, greyscale, Fashion-MNIST statistics) with
    ``imgret.checkpoint.save_checkpoint``: the demo's work per image (nothing is trained);
+   ``--backbone resnet18`` takes the heavier model of ``load_bench.py`` instead (128-d,
+   64 px, same statistics);
 3. measures, ``--repeat`` times each, interleaved:
 
    a. **the floor**: the same files read, decoded (``imgret.images.decode_for_embedding``,
@@ -66,6 +68,8 @@ logger = logging.getLogger("ingest_bench")
 # The demo's model (cli/demo.py, training/data/sources.py's model_spec_for on Fashion-MNIST).
 DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28, "grayscale": True,
              "mean": (0.2860,) * 3, "std": (0.3530,) * 3}
+SPECS = {"small_cnn": DEMO_SPEC,
+         "resnet18": {**DEMO_SPEC, "backbone": "resnet18", "dim": 128, "image_size": 64}}
 
 
 def ingest_arguments(description: str, *, images: int, repeat: int) -> argparse.ArgumentParser:
@@ -102,7 +106,10 @@ def main() -> None:
     parser = ingest_arguments(__doc__.split("\n\n")[0], images=3000, repeat=3)
     parser.add_argument("--media-backend", default=",".join(MEDIA_BACKENDS),
                         help="comma-separated media backends to ingest with (default: both)")
+    parser.add_argument("--backbone", choices=sorted(SPECS), default="small_cnn",
+                        help="the untrained model: the demo's (default) or resnet18 at 64 px")
     args = check_arguments(parser)
+    spec = SPECS[args.backbone]
     backends = [b.strip() for b in args.media_backend.split(",") if b.strip()]
     if not backends or set(backends) - set(MEDIA_BACKENDS):
         parser.error(f"--media-backend: one or more of {', '.join(MEDIA_BACKENDS)}")
@@ -119,7 +126,7 @@ def main() -> None:
         images = fashion_mnist_pngs(args.images, 0)
         write_image_folder(folder, images.gallery)
         note = images.note
-        checkpoint = demo_checkpoint(work / "run")
+        checkpoint = demo_checkpoint(work / "run", spec)
         embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size)
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
@@ -147,8 +154,9 @@ def main() -> None:
     # The bar is the faster of the two bare floors: the ratio against it is the bold one.
     pooled_is_bar = bool(pooled_floor) and pooled_floor > floor
     lines = [
-        f"Ingest of {args.images} PNG files ({note}) with an UNTRAINED network of the demo "
-        f"model's architecture (small_cnn, 64-d, 28 px, greyscale); batch {args.batch_size}, "
+        f"Ingest of {args.images} PNG files ({note}) with an UNTRAINED network "
+        f"({spec['backbone']}, {spec['dim']}-d, {spec['image_size']} px, greyscale); batch "
+        f"{args.batch_size}, "
         f"chunk {args.chunk_size}; CPU, {os.cpu_count()} cores, torch threads "
         f"{torch.get_num_threads()}; medians of {args.repeat} interleaved runs; "
         f"{date.today().isoformat()}.",
@@ -197,13 +205,14 @@ def _list(rates: list[float]) -> str:
 # --------------------------------------------------------------------------- inputs
 
 
-def demo_checkpoint(run_dir: Path) -> Path:
+def demo_checkpoint(run_dir: Path, spec: dict | None = None) -> Path:
+    """An untrained checkpoint of ``spec`` (default: the demo model's)."""
     import torch
 
     from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 
     torch.manual_seed(0)
-    save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**DEMO_SPEC)))
+    save_checkpoint(run_dir, EmbeddingNet(ModelSpec(**(spec or DEMO_SPEC))))
     return run_dir
 
 
