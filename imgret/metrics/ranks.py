@@ -358,7 +358,7 @@ def _vector_compress(kind: str):
                 if kind == "avx2":
                     perm = builder.load(builder.gep(
                         lut, [ir.Constant(i32, 0), builder.zext(mask, ir.IntType(64))]),
-                        align=32)
+                        align=4)
                 for value, dst in zip((cell, item), targets, strict=True):
                     packed = (builder.call(pack, [value, ir.Constant(vi, ir.Undefined), keep])
                               if kind == "avx512" else builder.call(pack, [value, perm]))
