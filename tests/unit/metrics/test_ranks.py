@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,7 @@ def test_compiled_kernel_matches_plain_python_kernel_on_ties():
     )
 
 
+@functools.cache  # numba compiles a parallel kernel in ~10 s: once per session
 def scalar_compiled_kernel():
     """The kernel compiled with the portable compress (what a CPU without AVX-512 runs)."""
     import numba
@@ -129,6 +132,7 @@ def scalar_compiled_kernel():
     return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
 
+@functools.cache
 def avx2_compiled_kernel():
     """The kernel compiled with the AVX2 compress (what a CPU with AVX2 but no AVX-512 runs),
     or ``None`` on a CPU without AVX2."""
