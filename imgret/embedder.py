@@ -81,7 +81,10 @@ class Embedder:
         return self.embed_tensors(self.preprocess(images))
 
     def embed_tensors(self, batch: torch.Tensor) -> np.ndarray:
-        """Embed already preprocessed ``(n, 3, S, S)`` tensors (datasets that load tensors)."""
+        """Embed already preprocessed ``(n, 3, S, S)`` tensors (datasets that load tensors);
+        ``(0, dim)`` for an empty batch (a slice whose every image failed to decode)."""
+        if len(batch) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
         out = []
         for start in range(0, len(batch), self.batch_size):
             with self._forward_lock, self._inference():

@@ -783,7 +783,7 @@ class _EmbedWorkers:
 
     def _embed(self, inputs: torch.Tensor) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
-        vectors = _forward(self.embedder, inputs)
+        vectors = self.embedder.embed_tensors(inputs)
         return vectors, time.perf_counter() - start
 
 
@@ -796,12 +796,6 @@ def _can_fork() -> bool:
     import multiprocessing
 
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-
-
-def _forward(embedder: Embedder, inputs: torch.Tensor) -> np.ndarray:
-    if not len(inputs):
-        return np.zeros((0, embedder.dim), dtype=np.float32)
-    return embedder.embed_tensors(inputs)
 
 
 def _embed_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedder: Embedder,
@@ -837,7 +831,7 @@ def _embed_worker(conn, close: list, buffer: mmap.mmap, slot_bytes: int, embedde
             decoded = time.perf_counter()
             inputs, errors = decode_slice(blobs, embedder, max_pixels)
             embedded = time.perf_counter()
-            rows = _forward(embedder, torch.from_numpy(inputs)) if embeds else inputs
+            rows = embedder.embed_tensors(torch.from_numpy(inputs)) if embeds else inputs
             done = time.perf_counter()
             staged: list[str | None] = [None] * len(items)
             if media is not None:

@@ -49,7 +49,10 @@ def test_embed_is_deterministic_and_batch_independent(images) -> None:
 
 
 def test_empty_input_gives_empty_matrix() -> None:
-    assert Embedder.from_model(_model(), device=TEST_DEVICE).embed([]).shape == (0, 16)
+    embedder = Embedder.from_model(_model(), device=TEST_DEVICE)
+    assert embedder.embed([]).shape == (0, 16)
+    empty = embedder.embed_tensors(torch.zeros((0, 3, 32, 32)))
+    assert (empty.shape, empty.dtype) == ((0, 16), np.float32)
 
 
 def test_checkpoint_round_trip_gives_same_vectors_and_version(tmp_path: Path, images) -> None:
