@@ -36,8 +36,14 @@ counted. Entries are sorted worst first: lowest ``map_at_r``, ties by label.
 
 Comparing two versions (:func:`compare_versions`): per metric, B − A on the queries both
 evaluated, with a paired bootstrap 95% interval and a :func:`verdict` (B relative to A):
-"better" when the interval lies above 0, "worse" when below 0, otherwise "no detectable
-difference" (an interval touching 0, including [0, 0] for identical per-query values).
+"better" when the interval lies above 0 and B − A is at least :data:`MIN_EFFECT`, "worse"
+when it lies below 0 and A − B is at least that, otherwise "no detectable difference" (an
+interval touching 0, including [0, 0] for identical per-query values, or a difference too
+small to matter). The minimum effect is there because the interval alone calls sub-1e-4
+differences real: the same model saved again with float-level changes reorders a few
+near-tied tail neighbours of a few queries, every one of them the same way, and a paired
+bootstrap of those tiny, same-signed changes gives an interval like [-0.0001, -0.0000]
+that excludes 0. Nobody should roll back (or be refused a switch) over that.
 :func:`gate` turns a comparison into the activation decision of ``require=better`` /
 ``require=not_worse``.
 """
@@ -88,6 +94,9 @@ CONFUSIONS_PER_LABEL = 5
 # Labels shown by :func:`format_report`'s per-label table (the worst ones).
 FORMAT_LABELS = 10
 
+# Smallest |B − A| (metrics on [0, 1]) a verdict calls better or worse: 0.1 points, below the
+# 4 decimals reports show and far below what a retraining is run for.
+MIN_EFFECT = 1e-3
 BETTER = "better"
 WORSE = "worse"
 NO_DIFFERENCE = "no detectable difference"
@@ -440,11 +449,12 @@ def compare_versions(
                                     np.column_stack(list(vb.values())), bootstrap, seed)
     out: dict[str, Any] = {}
     for j, metric in enumerate(_PAIRED_METRICS):
+        difference = float((vb[metric] - va[metric]).mean())
         out[metric] = {
             "a": float(va[metric].mean()), "b": float(vb[metric].mean()),
-            "difference": float((vb[metric] - va[metric]).mean()),
+            "difference": difference,
             "ci95": [float(low[j]), float(high[j])], "num_paired": len(common),
-            "verdict": verdict(float(low[j]), float(high[j])),
+            "verdict": verdict(float(low[j]), float(high[j]), difference),
         }
     out["verdict"] = {m: out[m]["verdict"] for m in _PAIRED_METRICS}
     out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == BETTER]
@@ -452,12 +462,15 @@ def compare_versions(
     return out
 
 
-def verdict(low: float, high: float) -> str:
-    """B relative to A from the 95% interval ``[low, high]`` of B − A: :data:`BETTER` when it
-    lies above 0, :data:`WORSE` when below 0, otherwise :data:`NO_DIFFERENCE`."""
-    if low > 0:
+def verdict(low: float, high: float, difference: float, *,
+            min_effect: float = MIN_EFFECT) -> str:
+    """B relative to A from the 95% interval ``[low, high]`` of B − A and the observed mean
+    ``difference``: :data:`BETTER` when the interval lies above 0 and the difference is at
+    least ``min_effect``, :data:`WORSE` when it lies below 0 and the difference is at most
+    ``-min_effect``, otherwise :data:`NO_DIFFERENCE`."""
+    if low > 0 and difference >= min_effect:
         return BETTER
-    if high < 0:
+    if high < 0 and difference <= -min_effect:
         return WORSE
     return NO_DIFFERENCE
 
@@ -487,7 +500,7 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
 
     def verdict_of(metric: str) -> str:
         entry = metrics[metric]
-        return entry.get("verdict") or verdict(*entry["ci95"])
+        return entry.get("verdict") or verdict(*entry["ci95"], entry["difference"])
 
     def describe(metric: str) -> str:
         entry = metrics[metric]

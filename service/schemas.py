@@ -417,15 +417,17 @@ class PairedDifference(BaseModel):
     difference: float = Field(description="b - a")
     ci95: list[float] = Field(description="paired bootstrap 95% interval of the difference")
     num_paired: int
-    verdict: Verdict = Field(description="B relative to A: better (interval above 0), worse "
-                                         "(below 0), or no detectable difference")
+    verdict: Verdict = Field(description="B relative to A: better (interval above 0 and "
+                                         "b - a >= 0.001), worse (below 0 and a - b >= "
+                                         "0.001), or no detectable difference")
 
 
 class ModelComparison(BaseModel):
     """Two model versions on the same queries, and B − A with paired bootstrap intervals.
 
-    "B is better" is claimed for a metric only when its whole interval lies above zero
-    (verdict "better"); "worse" when it lies below zero.
+    "B is better" is claimed for a metric only when its whole interval lies above zero and
+    the difference is at least ``index.evaluation.MIN_EFFECT`` (verdict "better"); "worse"
+    when it lies below zero by at least that.
     """
 
     a: EvaluationReport

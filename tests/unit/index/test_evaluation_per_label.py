@@ -8,6 +8,7 @@ import pytest
 
 from index.evaluation import (
     BETTER,
+    MIN_EFFECT,
     NO_DIFFERENCE,
     VERDICTS,
     WORSE,
@@ -135,11 +136,30 @@ BASE = RNG.uniform(0.2, 0.6, 60).tolist()
 
 
 def test_verdict_of_an_interval() -> None:
-    assert verdict(0.01, 0.2) == BETTER
-    assert verdict(-0.2, -0.01) == WORSE
-    assert verdict(-0.1, 0.1) == NO_DIFFERENCE
-    assert verdict(0.0, 0.0) == NO_DIFFERENCE
-    assert verdict(0.0, 0.3) == NO_DIFFERENCE  # touching 0 is not above it
+    assert verdict(0.01, 0.2, 0.1) == BETTER
+    assert verdict(-0.2, -0.01, -0.1) == WORSE
+    assert verdict(-0.1, 0.1, 0.0) == NO_DIFFERENCE
+    assert verdict(0.0, 0.0, 0.0) == NO_DIFFERENCE
+    assert verdict(0.0, 0.3, 0.1) == NO_DIFFERENCE  # touching 0 is not above it
+    # An interval that excludes 0 around a difference too small to matter: no difference.
+    assert verdict(-1e-4, -1e-6, -4e-5) == NO_DIFFERENCE
+    assert verdict(1e-6, 1e-4, 4e-5) == NO_DIFFERENCE
+    assert verdict(MIN_EFFECT / 2, 3 * MIN_EFFECT, MIN_EFFECT) == BETTER
+    assert verdict(0.1, 0.2, 0.15, min_effect=0.2) == NO_DIFFERENCE
+
+
+def test_float_level_changes_to_the_same_model_are_no_difference() -> None:
+    """What the same model saved again does: a few queries' values move by ~1e-5, all the
+    same way. The paired interval then excludes 0; the verdict must not call that worse."""
+    changed = list(BASE)
+    for i in range(0, 60, 6):
+        changed[i] -= 3e-5
+    comparison = compare_versions(_evaluation(BASE, [1, 2] * 30),
+                                  _evaluation(changed, [1, 2] * 30))
+
+    assert comparison["map_at_r"]["ci95"][1] < 0  # the interval alone would say "worse"
+    assert comparison["verdict"]["map_at_r"] == NO_DIFFERENCE
+    assert gate(comparison, "not_worse")[0]
     assert set(VERDICTS) == {BETTER, WORSE, NO_DIFFERENCE}
 
 
