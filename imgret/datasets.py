@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import gzip
 import logging
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -69,10 +70,9 @@ def list_image_folder(root: str | Path) -> list[Record]:
     """``root/<label>/<image>`` (nested folders below a label are included)."""
     root = Path(root)
     records = [
-        Record(path, label_dir.name)
+        Record(Path(path), label_dir.name)
         for label_dir in sorted(p for p in root.iterdir() if p.is_dir())
-        for path in sorted(label_dir.rglob("*"))
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+        for path in _image_files_under(label_dir)
     ]
     if not records:
         raise DatasetError(
@@ -80,6 +80,35 @@ def list_image_folder(root: str | Path) -> list[Record]:
             "a Market-1501 folder, or a CSV manifest (path,label[,camera])"
         )
     return records
+
+
+def _image_files_under(folder: Path) -> list[str]:
+    """The image files below ``folder`` at any depth, in ``sorted(folder.rglob("*"))``'s
+    order (path components compared one by one) and with its rules: symlinked folders are
+    not entered, symlinked files are listed, an unreadable folder is passed over.
+
+    One ``os.scandir`` per folder: a directory entry knows whether it is a file, so the
+    regular files cost no ``stat`` and no ``Path`` until they are kept. ``rglob`` + ``sorted``
+    + ``is_file`` took ~20 us per file, a noticeable share of ingesting a folder of small
+    images.
+    """
+    found: list[tuple[tuple[str, ...], str]] = []
+    pending: list[tuple[str, tuple[str, ...]]] = [(str(folder), ())]
+    while pending:
+        path, parts = pending.pop()
+        try:
+            with os.scandir(path) as listing:
+                entries = list(listing)
+        except PermissionError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                pending.append((entry.path, (*parts, entry.name)))
+            elif (os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES
+                  and entry.is_file()):
+                found.append(((*parts, entry.name), entry.path))
+    found.sort()
+    return [path for _, path in found]
 
 
 def list_csv_manifest(csv_path: str | Path) -> list[Record]:

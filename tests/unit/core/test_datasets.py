@@ -25,6 +25,38 @@ def test_image_folder(tmp_path: Path) -> None:
     assert all(r.camera is None for r in records)
 
 
+def test_image_folder_lists_what_rglob_sorted_lists(tmp_path: Path) -> None:
+    """The scandir walk keeps ``sorted(label.rglob("*"))``'s order and rules: nested folders
+    (a folder name sorting between file names), upper-case suffixes, non-images, a folder
+    named like an image, symlinks (to a file: listed; to a folder: not entered; dangling:
+    skipped), hidden files."""
+    root = tmp_path / "tree"
+    label = root / "shoes"
+    (label / "b" / "deep").mkdir(parents=True)
+    (label / "a.png.d").mkdir()  # a folder with an image suffix: not a file
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.png").write_bytes(b"x")
+    for name in ("c.PNG", "a.jpg", "b.png", "b/z.webp", "b/deep/y.gif", "b/notes.txt",
+                 ".hidden.png", "a.png.d/inner.png", "Z.JPEG"):
+        (label / name).write_bytes(b"x")
+    (label / "link.png").symlink_to(outside / "x.png")
+    (label / "dangling.png").symlink_to(tmp_path / "missing.png")
+    (label / "linked_dir").symlink_to(outside, target_is_directory=True)
+    (root / "other").mkdir()
+    (root / "other" / "o.png").write_bytes(b"x")
+
+    expected = [
+        (path, folder.name)
+        for folder in sorted(p for p in root.iterdir() if p.is_dir())
+        for path in sorted(folder.rglob("*"))
+        if path.suffix.lower() in {".png", ".jpg", ".jpeg", ".webp", ".gif"} and path.is_file()
+    ]
+    listed = [(r.path, r.label) for r in list_records(root)]
+    assert listed == expected
+    assert len(listed) == 10 and all(isinstance(path, Path) for path, _ in listed)
+
+
 def test_empty_folder_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="no images found"):
         list_records(tmp_path)
