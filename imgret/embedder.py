@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -17,6 +19,27 @@ from imgret.settings import resolve_device
 from imgret.transforms import eval_transform
 
 logger = logging.getLogger(__name__)
+
+
+# Every live Embedder of this process, for :func:`_free_locks_after_fork`.
+_EMBEDDERS: weakref.WeakSet[Embedder] = weakref.WeakSet()
+
+
+def _free_locks_after_fork() -> None:
+    """In a forked child, give every Embedder a new, free forward lock.
+
+    A lock that another thread held at the fork (a search batch in its forward pass while an
+    ingest forks its embedding workers, a training step while a DataLoader forks) is copied
+    locked, and the thread that would release it does not exist in the child: the child's
+    first forward pass would wait forever. The child has one thread, so nothing else can be
+    inside a forward pass there.
+    """
+    for embedder in list(_EMBEDDERS):
+        embedder._forward_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_locks_after_fork)
 
 
 class Embedder:
@@ -46,6 +69,7 @@ class Embedder:
         # would queue on the device anyway. Taken per chunk of ``batch_size``, so a large
         # upload interleaves with the search batches instead of holding them up.
         self._forward_lock = threading.Lock()
+        _EMBEDDERS.add(self)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str = "auto", **kwargs) -> Embedder:

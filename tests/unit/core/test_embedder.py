@@ -40,6 +40,47 @@ def test_embed_shape_dtype_and_unit_norm(images) -> None:
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
 
 
+def test_a_forked_child_can_embed_while_the_parent_is_mid_forward(images) -> None:
+    """A child forked while another thread of the parent holds the forward lock (as an
+    ingest's workers would be, forked beside a search batch) embeds, and gets the parent's
+    vectors: without the at-fork reset its forward pass waits forever on a copied lock."""
+    import multiprocessing
+    import threading
+
+    embedder = Embedder.from_model(_model(), device="cpu")
+    expected = embedder.embed(images)
+    held, release = threading.Event(), threading.Event()
+
+    def mid_forward() -> None:
+        with embedder._forward_lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=mid_forward)
+    thread.start()
+    held.wait(10)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        torch.set_num_threads(1)
+        results.put(embedder.embed(images))
+
+    process = context.Process(target=child)
+    try:
+        process.start()
+        got = results.get(timeout=60)
+        process.join(30)
+    finally:
+        release.set()
+        thread.join()
+        if process.is_alive():
+            process.kill()
+    assert process.exitcode == 0
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    assert not embedder._forward_lock.locked()  # the parent's lock was the parent's
+
+
 def test_embed_is_deterministic_and_batch_independent(images) -> None:
     embedder = Embedder.from_model(_model(), device=TEST_DEVICE, batch_size=4)
     first = embedder.embed(images)
