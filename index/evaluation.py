@@ -423,6 +423,7 @@ def _within(sorted_ids: np.ndarray, row: list[Hit]) -> list[Hit]:
 
 def compare_versions(
     a: Evaluation, b: Evaluation, *, bootstrap: int = BOOTSTRAP, seed: int = SEED,
+    min_effect: float = MIN_EFFECT,
 ) -> dict[str, Any]:
     """B − A on the same queries, with a paired bootstrap 95% interval per metric
     (:func:`imgret.stats.paired_bootstrap_ci`) and its :func:`verdict`.
@@ -432,7 +433,8 @@ def compare_versions(
     queries for both sides removes the between-query variance that unpaired intervals carry.
 
     Returns:
-        ``{metric: {"a", "b", "difference", "ci95": [low, high], "num_paired", "verdict"}}``
+        ``{metric: {"a", "b", "difference", "ci95": [low, high], "num_paired", "min_effect",
+        "verdict"}}``
         for MAP@R, mAP, P@1 and MRR; ``"verdict"``: ``{metric: verdict}`` (B relative to A);
         ``"b_better"`` / ``"a_better"``: the metrics whose verdict is "better" / "worse".
 
@@ -454,7 +456,9 @@ def compare_versions(
             "a": float(va[metric].mean()), "b": float(vb[metric].mean()),
             "difference": difference,
             "ci95": [float(low[j]), float(high[j])], "num_paired": len(common),
-            "verdict": verdict(float(low[j]), float(high[j]), difference),
+            "min_effect": min_effect,
+            "verdict": verdict(float(low[j]), float(high[j]), difference,
+                               min_effect=min_effect),
         }
     out["verdict"] = {m: out[m]["verdict"] for m in _PAIRED_METRICS}
     out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == BETTER]
@@ -500,7 +504,8 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
 
     def verdict_of(metric: str) -> str:
         entry = metrics[metric]
-        return entry.get("verdict") or verdict(*entry["ci95"], entry["difference"])
+        return entry.get("verdict") or verdict(
+            *entry["ci95"], entry["difference"], min_effect=entry.get("min_effect", MIN_EFFECT))
 
     def describe(metric: str) -> str:
         entry = metrics[metric]

@@ -19,6 +19,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from starlette.datastructures import FormData
 
 from index.backup import ADMIN_BACKUPS_DIR, BACKUP_NAME, BackupReport
+from index.evaluation import MIN_EFFECT
 from index.search.rerank import (
     ALPHA_MAX,
     CANDIDATES_MAX,
@@ -417,17 +418,19 @@ class PairedDifference(BaseModel):
     difference: float = Field(description="b - a")
     ci95: list[float] = Field(description="paired bootstrap 95% interval of the difference")
     num_paired: int
+    min_effect: float = Field(MIN_EFFECT, description="the smallest |b - a| that a verdict "
+                                                      "calls better or worse")
     verdict: Verdict = Field(description="B relative to A: better (interval above 0 and "
-                                         "b - a >= 0.001), worse (below 0 and a - b >= "
-                                         "0.001), or no detectable difference")
+                                         "b - a >= min_effect), worse (interval below 0 and "
+                                         "a - b >= min_effect), or no detectable difference")
 
 
 class ModelComparison(BaseModel):
     """Two model versions on the same queries, and B − A with paired bootstrap intervals.
 
     "B is better" is claimed for a metric only when its whole interval lies above zero and
-    the difference is at least ``index.evaluation.MIN_EFFECT`` (verdict "better"); "worse"
-    when it lies below zero by at least that.
+    the difference is at least its ``min_effect`` (verdict "better"); "worse" when the
+    interval lies below zero and A leads by at least that.
     """
 
     a: EvaluationReport

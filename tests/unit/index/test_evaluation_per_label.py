@@ -158,8 +158,14 @@ def test_float_level_changes_to_the_same_model_are_no_difference() -> None:
                                   _evaluation(changed, [1, 2] * 30))
 
     assert comparison["map_at_r"]["ci95"][1] < 0  # the interval alone would say "worse"
+    assert comparison["map_at_r"]["min_effect"] == MIN_EFFECT
     assert comparison["verdict"]["map_at_r"] == NO_DIFFERENCE
     assert gate(comparison, "not_worse")[0]
+    # With a smaller minimum effect the same interval is a verdict.
+    strict = compare_versions(_evaluation(BASE, [1, 2] * 30), _evaluation(changed, [1, 2] * 30),
+                              min_effect=1e-6)
+    assert strict["verdict"]["map_at_r"] == WORSE
+    assert not gate(strict, "not_worse")[0]
     assert set(VERDICTS) == {BETTER, WORSE, NO_DIFFERENCE}
 
 
