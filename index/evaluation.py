@@ -520,7 +520,9 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
         if "map_at_r" not in metrics:
             raise ValueError("the comparison has no map_at_r entry")
         if verdict_of("map_at_r") != BETTER:
-            return False, f"{describe('map_at_r')} (require=better needs it above 0)"
+            needed = metrics["map_at_r"].get("min_effect", MIN_EFFECT)
+            return False, (f"{describe('map_at_r')} (require=better needs the interval above 0 "
+                           f"and B - A >= {needed:g})")
         return True, f"{describe('map_at_r')}; no metric worse"
     summary = describe("map_at_r") if "map_at_r" in metrics else ""
     return True, "no metric worse" + (f" ({summary})" if summary else "")

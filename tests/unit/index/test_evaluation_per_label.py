@@ -161,6 +161,8 @@ def test_float_level_changes_to_the_same_model_are_no_difference() -> None:
     assert comparison["map_at_r"]["min_effect"] == MIN_EFFECT
     assert comparison["verdict"]["map_at_r"] == NO_DIFFERENCE
     assert gate(comparison, "not_worse")[0]
+    allowed, message = gate(comparison, "better")
+    assert not allowed and "B - A >= 0.001" in message
     # With a smaller minimum effect the same interval is a verdict.
     strict = compare_versions(_evaluation(BASE, [1, 2] * 30), _evaluation(changed, [1, 2] * 30),
                               min_effect=1e-6)
