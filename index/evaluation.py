@@ -502,10 +502,13 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
     table = comparison.get("difference", comparison)
     metrics = {m: v for m, v in table.items() if isinstance(v, dict) and "ci95" in v}
 
+    def min_effect_of(metric: str) -> float:
+        return metrics[metric].get("min_effect", MIN_EFFECT)
+
     def verdict_of(metric: str) -> str:
         entry = metrics[metric]
-        return entry.get("verdict") or verdict(
-            *entry["ci95"], entry["difference"], min_effect=entry.get("min_effect", MIN_EFFECT))
+        return entry.get("verdict") or verdict(*entry["ci95"], entry["difference"],
+                                               min_effect=min_effect_of(metric))
 
     def describe(metric: str) -> str:
         entry = metrics[metric]
@@ -520,9 +523,8 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
         if "map_at_r" not in metrics:
             raise ValueError("the comparison has no map_at_r entry")
         if verdict_of("map_at_r") != BETTER:
-            needed = metrics["map_at_r"].get("min_effect", MIN_EFFECT)
             return False, (f"{describe('map_at_r')} (require=better needs the interval above 0 "
-                           f"and B - A >= {needed:g})")
+                           f"and B - A >= {min_effect_of('map_at_r'):g})")
         return True, f"{describe('map_at_r')}; no metric worse"
     summary = describe("map_at_r") if "map_at_r" in metrics else ""
     return True, "no metric worse" + (f" ({summary})" if summary else "")
