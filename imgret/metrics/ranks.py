@@ -17,10 +17,10 @@ Issue 14: the kernel went from three to four passes over each row (cells, histog
 items) to one (cells computed and compressed LANES at a time, in vector registers with
 AVX-512 or AVX2 where the CPU has them, then counted), writes each query's ranks already
 ascending (no sort of the chunk's ranks afterwards), and the GEMM no longer runs in a helper
-thread. Later: four interleaved
-histograms, a branch-free first comparison per candidate, and an L2 prefetch of the next score
-row while one is counted (the chunk comes back from DRAM: -20% kernel time); see
-docs/metrics_bench.md.
+thread. Later: interleaved histograms, a branch-free first comparison per candidate, an L2
+prefetch of the next score row while one is counted (the chunk comes back from DRAM: -20%
+kernel time), and two uint16 histograms flushed into int64 totals instead of four of int32
+(-15 %); see docs/metrics_bench.md.
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
@@ -94,7 +94,12 @@ BLOCK = 512
 LANES = 16
 # Cells per relevant item, and interleaved histograms.
 CELLS_PER_ITEM = 8
-WAYS = 4
+WAYS = 2
+# The histograms count in uint16 (two ways of a 1,600-cell histogram fit in 6.4 KB of L1,
+# against 25 KB for four ways of int32: -15 % kernel time on the benchmark, AMD Zen 4) and
+# are added into int64 totals every FLUSH_BLOCKS blocks, before any count can pass 65,535
+# (a way gains at most BLOCK per block).
+FLUSH_BLOCKS = 65535 // BLOCK
 
 
 def cell_of(x, w, bias, top):
@@ -119,6 +124,17 @@ def compress_cells(row, pos, cells, idx, k, w, bias, top):
 
 _cell = cell_of
 _compress = compress_cells
+
+
+def add_counts(hist, totals, n_used, stride):
+    """Add the WAYS histograms' first ``n_used`` cells into ``totals`` and zero them."""
+    for u in range(WAYS):
+        for c in range(n_used):
+            totals[c] += hist[u * stride + c]
+            hist[u * stride + c] = 0
+
+
+_add_counts = add_counts
 
 
 def prefetch(row, pos):
@@ -146,11 +162,12 @@ def rank_kernel(S, rel_off, rel_col, out):
        computed first, with the same expression, and flag the cells that need a closer look.
     2. One pass over the row, LANES items at a time: their cells are computed and the items
        in cells >= 1 are compressed into a small buffer (:func:`compress_cells`; vector code
-       with AVX-512 or AVX2); each of those adds one to its cell's count (four
-       interleaved histograms, so that runs of one cell do not chain on one counter) and is
+       with AVX-512 or AVX2); each of those adds one to its cell's count (WAYS
+       interleaved uint16 histograms, so that runs of one cell do not chain on one counter,
+       added into int64 totals every FLUSH_BLOCKS blocks and at the row's end) and is
        appended, without a branch, to a candidate list that only advances in a flagged cell.
     3. Only the candidates are compared with the relevant scores of their cell one by one,
-       ties included; suffix sums of the histogram count the items in strictly higher cells.
+       ties included; suffix sums of the totals count the items in strictly higher cells.
 
     Rows are split into contiguous segments, one per parallel task, each with its own scratch
     buffers. Plain Python over NumPy scalars; :func:`compiled_kernel` is the same function
@@ -165,7 +182,8 @@ def rank_kernel(S, rel_off, rel_col, out):
     stride = max_cells + 2
     n_seg = min(b, 16)
     for s in _prange(n_seg):
-        hist = np.empty(WAYS * stride, np.int32)
+        hist = np.zeros(WAYS * stride, np.uint16)  # add_counts leaves it zeroed
+        totals = np.empty(stride, np.int64)
         flag = np.empty(stride, np.uint8)
         cells = np.empty(BLOCK + LANES, np.int32)
         idx = np.empty(BLOCK + LANES, np.int32)
@@ -212,10 +230,12 @@ def rank_kernel(S, rel_off, rel_col, out):
                 c = rcell[j] + 1
                 torder[tstart[c]] = j
                 tstart[c] += 1
-            for c in range(WAYS * stride):
-                hist[c] = 0
+            for c in range(n_cells + 2):
+                totals[c] = 0
             n_cand = 0
             for b0 in range(0, n, BLOCK):
+                if b0 > 0 and b0 % (FLUSH_BLOCKS * BLOCK) == 0:
+                    _add_counts(hist, totals, n_cells + 2, stride)
                 m = min(BLOCK, n - b0)
                 for i in range(b0, b0 + m, LANES):  # one cache line each
                     _prefetch(ahead, i)
@@ -239,6 +259,7 @@ def rank_kernel(S, rel_off, rel_col, out):
                     hist[c0] += 1
                     cand[n_cand] = idx[i]
                     n_cand += flag[c0]
+            _add_counts(hist, totals, n_cells + 2, stride)
             for j in range(n_rel):
                 beats[j] = 0
             for p in range(n_cand):
@@ -264,8 +285,7 @@ def rank_kernel(S, rel_off, rel_col, out):
                 c = rcell[t]
                 if c < prev:
                     for cc in range(c + 1, prev + 1):  # vectorised
-                        for u in range(WAYS):
-                            acc += hist[u * stride + cc]
+                        acc += totals[cc]
                     prev = c
                 rank = 1 + acc + beats[t]
                 i = o
@@ -385,7 +405,7 @@ def compiled_kernel():
     from llvmlite import binding
 
     inline = numba.njit(inline="always")
-    names = {"_cell": inline(cell_of)}
+    names = {"_cell": inline(cell_of), "_add_counts": inline(add_counts)}
     features = binding.get_host_cpu_features().flatten().split(",")
     if "+avx512f" in features:
         names["_compress"] = _vector_compress("avx512")

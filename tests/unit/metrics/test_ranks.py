@@ -13,6 +13,7 @@ from imgret.metrics.ranks import (
     BLOCK,
     LANES,
     _vector_compress,
+    add_counts,
     cell_of,
     compiled_kernel,
     compress_cells,
@@ -127,7 +128,8 @@ def scalar_compiled_kernel():
     import numba
 
     inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch)}
+    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch),
+             "_add_counts": inline(add_counts)}
     names["_compress"] = inline(with_globals(compress_cells, names))
     return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
@@ -143,7 +145,7 @@ def avx2_compiled_kernel():
         return None
     inline = numba.njit(inline="always")
     names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch),
-             "_compress": _vector_compress("avx2")}
+             "_add_counts": inline(add_counts), "_compress": _vector_compress("avx2")}
     return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
 
@@ -164,6 +166,23 @@ def test_long_rows_many_relevant_both_compress_paths(n, ties):
     want = ascending_per_row(sorted_ranks(S, rel_row, rel_col), offsets)
     # The host's compiled kernel (AVX-512, AVX2 or portable), the portable one, and the AVX2
     # one wherever the CPU can run it (x86-64 since 2013), so an AVX-512 host tests it too.
+    kernels = [compiled_kernel(), scalar_compiled_kernel(), avx2_compiled_kernel()]
+    for kernel in filter(None, kernels):
+        np.testing.assert_array_equal(kernel_output(kernel, S, offsets, rel_col), want)
+
+
+def test_cell_counts_past_the_uint16_range():
+    # The histograms count in uint16 and are added into int64 totals before any count can
+    # pass 65,535: here ~140,000 items share one cell above a relevant item's, so a count that
+    # wrapped would rank that item 65,536 or more places too high.
+    n = 140_000  # more than WAYS x 65,535 items in one cell
+    S = np.full((2, n), 0.5, np.float32)
+    S[0, 3], S[1, 9], S[1, 60_000] = 0.0, 0.25, 0.75
+    rel_row = np.array([0, 0, 1, 1, 1])
+    rel_col = np.array([3, 5, 9, 10, 60_000])
+    offsets = np.array([0, 2, 5])
+    want = ascending_per_row(sorted_ranks(S, rel_row, rel_col), offsets)
+    assert want.tolist() == [5, n, 1, 11, n]  # ties: the lower gallery index first
     kernels = [compiled_kernel(), scalar_compiled_kernel(), avx2_compiled_kernel()]
     for kernel in filter(None, kernels):
         np.testing.assert_array_equal(kernel_output(kernel, S, offsets, rel_col), want)
