@@ -274,20 +274,20 @@ def rank_kernel(S, rel_off, rel_col, out):
                     t = torder[q]
                     v = vals[t]
                     beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+            # totals[c] becomes the count of items in strictly higher cells (one branch-free
+            # pass from the top, in place).
+            above = 0
+            for c in range(n_cells + 1, -1, -1):
+                count = totals[c]
+                totals[c] = above
+                above += count
             # Ranks, cell by cell from the top: every relevant item in a higher cell ranks before
             # every one in a lower cell, so they come out ascending; the few in one cell are
-            # sorted in place. acc: items in cells above the current one.
-            acc = 0
-            prev = n_cells + 1
+            # sorted in place.
             o = lo
             for q in range(n_rel - 1, -1, -1):
                 t = torder[q]
-                c = rcell[t]
-                if c < prev:
-                    for cc in range(c + 1, prev + 1):  # vectorised
-                        acc += totals[cc]
-                    prev = c
-                rank = 1 + acc + beats[t]
+                rank = 1 + totals[rcell[t]] + beats[t]
                 i = o
                 while i > lo and out[i - 1] > rank:
                     out[i] = out[i - 1]
