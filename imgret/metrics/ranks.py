@@ -191,7 +191,11 @@ def rank_kernel(S, rel_off, rel_col, out):
         vals = np.empty(max_rel, np.float32)
         rcell = np.empty(max_rel, np.int64)
         tstart = np.empty(stride + 1, np.int64)
-        torder = np.empty(max_rel, np.int64)
+        # The relevant items in cell order (counting sort): score, gallery index, cell, and
+        # how many candidates beat each.
+        svals = np.empty(max_rel, np.float32)
+        scol = np.empty(max_rel, np.int64)
+        scell = np.empty(max_rel, np.int64)
         beats = np.empty(max_rel, np.int64)
         for r in range(s * b // n_seg, (s + 1) * b // n_seg):
             lo = rel_off[r]
@@ -228,7 +232,10 @@ def rank_kernel(S, rel_off, rel_col, out):
                 tstart[c] += tstart[c - 1]
             for j in range(n_rel):
                 c = rcell[j] + 1
-                torder[tstart[c]] = j
+                q = tstart[c]
+                svals[q] = vals[j]
+                scol[q] = rel_col[lo + j]
+                scell[q] = rcell[j]
                 tstart[c] += 1
             for c in range(n_cells + 2):
                 totals[c] = 0
@@ -266,14 +273,12 @@ def rank_kernel(S, rel_off, rel_col, out):
                 e = cand[p]
                 x = row[e]
                 c = _cell(x, w, bias, top)
-                q0 = tstart[c]
-                t = torder[q0]  # a flagged cell holds at least one relevant item
-                v = vals[t]
-                beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+                q0 = tstart[c]  # a flagged cell holds at least one relevant item
+                v = svals[q0]
+                beats[q0] += (x > v) | ((x == v) & (e < scol[q0]))
                 for q in range(q0 + 1, tstart[c + 1]):  # mostly none: predictable
-                    t = torder[q]
-                    v = vals[t]
-                    beats[t] += (x > v) | ((x == v) & (e < rel_col[lo + t]))
+                    v = svals[q]
+                    beats[q] += (x > v) | ((x == v) & (e < scol[q]))
             # totals[c] becomes the count of items in strictly higher cells (one branch-free
             # pass from the top, in place).
             above = 0
@@ -286,8 +291,7 @@ def rank_kernel(S, rel_off, rel_col, out):
             # sorted in place.
             o = lo
             for q in range(n_rel - 1, -1, -1):
-                t = torder[q]
-                rank = 1 + totals[rcell[t]] + beats[t]
+                rank = 1 + totals[scell[q]] + beats[q]
                 i = o
                 while i > lo and out[i - 1] > rank:
                     out[i] = out[i - 1]
