@@ -165,7 +165,8 @@ def rank_kernel(S, rel_off, rel_col, out):
        with AVX-512 or AVX2); each of those adds one to its cell's count (WAYS
        interleaved uint16 histograms, so that runs of one cell do not chain on one counter,
        added into int64 totals every FLUSH_BLOCKS blocks and at the row's end) and is
-       appended, without a branch, to a candidate list that only advances in a flagged cell.
+       appended with its cell, without a branch, to a candidate list that only advances in a
+       flagged cell.
     3. Only the candidates are compared with the relevant scores of their cell one by one,
        ties included; suffix sums of the totals count the items in strictly higher cells.
 
@@ -187,7 +188,8 @@ def rank_kernel(S, rel_off, rel_col, out):
         flag = np.empty(stride, np.uint8)
         cells = np.empty(BLOCK + LANES, np.int32)
         idx = np.empty(BLOCK + LANES, np.int32)
-        cand = np.empty(n, np.int32)
+        cand = np.empty(n, np.int32)  # the candidates' gallery indices, and their cells
+        ccell = np.empty(n, np.int32)
         vals = np.empty(max_rel, np.float32)
         rcell = np.empty(max_rel, np.int64)
         tstart = np.empty(stride + 1, np.int64)
@@ -260,11 +262,13 @@ def rank_kernel(S, rel_off, rel_col, out):
                         c0 = np.uint32(cells[i + u])
                         hist[u * stride + c0] += 1
                         cand[n_cand] = idx[i + u]
+                        ccell[n_cand] = c0
                         n_cand += flag[c0]
                 for i in range(k4, k):
                     c0 = np.uint32(cells[i])
                     hist[c0] += 1
                     cand[n_cand] = idx[i]
+                    ccell[n_cand] = c0
                     n_cand += flag[c0]
             _add_counts(hist, totals, n_cells + 2, stride)
             for j in range(n_rel):
@@ -272,7 +276,7 @@ def rank_kernel(S, rel_off, rel_col, out):
             for p in range(n_cand):
                 e = cand[p]
                 x = row[e]
-                c = _cell(x, w, bias, top)
+                c = ccell[p]  # kept from the counting pass, not recomputed from x
                 q0 = tstart[c]  # a flagged cell holds at least one relevant item
                 v = svals[q0]
                 beats[q0] += (x > v) | ((x == v) & (e < scol[q0]))
