@@ -19,8 +19,9 @@ AVX-512 or AVX2 where the CPU has them, then counted), writes each query's ranks
 ascending (no sort of the chunk's ranks afterwards), and the GEMM no longer runs in a helper
 thread. Later: interleaved histograms, a branch-free first comparison per candidate, an L2
 prefetch of the next score row while one is counted (the chunk comes back from DRAM: -20%
-kernel time), and two uint16 histograms flushed into int64 totals instead of four of int32
-(-15 %); see docs/metrics_bench.md.
+kernel time). Stop 24 (-30 % together): two uint16 histograms flushed into int64 totals
+instead of four of int32, one suffix pass over the totals, the relevant items laid out in
+cell order, and each candidate's cell kept from the counting pass; see docs/metrics_bench.md.
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
