@@ -362,7 +362,10 @@ class DynamicBatcher(Generic[T, R]):
             if remaining <= 0:
                 break
             try:
-                batch.append(await asyncio.wait_for(queue.get(), remaining))
+                # Not wait_for: on Python 3.11 it swallows a stop()'s cancellation that
+                # arrives in the same loop pass as an item, and the worker runs on.
+                async with asyncio.timeout(remaining):
+                    batch.append(await queue.get())
             except TimeoutError:
                 break
         return batch

@@ -371,8 +371,7 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     )
     try:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval_s)
+            await sleep_until_woken(wake, interval_s)
             # Cleared before catching up: a write committed during the catch-up wakes the
             # next round instead of being lost.
             wake.clear()
@@ -382,6 +381,19 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     finally:
         if listener is not None:
             await anyio.to_thread.run_sync(listener.stop)
+
+
+async def sleep_until_woken(wake: asyncio.Event, timeout_s: float) -> None:
+    """Return when ``wake`` is set or after ``timeout_s``, whichever comes first.
+
+    A cancellation always propagates. ``asyncio.wait_for`` does not guarantee that on Python
+    3.11: a cancellation that arrives in the same loop pass as the wake-up is swallowed, so
+    the follower's loop never ended and the app's shutdown waited on it forever (a change
+    notification at shutdown; seen as a hung test in CI).
+    """
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await wake.wait()
 
 
 async def _catch_up_once(resources: Resources, catch_up: Callable[[], int]) -> None:

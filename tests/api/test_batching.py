@@ -320,3 +320,23 @@ def test_a_batch_function_that_defers_everything_fails_instead_of_looping() -> N
 def test_max_queue_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_queue"):
         DynamicBatcher(Recorder(), max_size=2, max_wait_s=0.0, max_queue=0)
+
+
+def test_stop_in_the_same_loop_pass_as_an_arriving_item_still_ends_the_worker() -> None:
+    # The worker holds one item and waits for company. An item arrives and stop() cancels the
+    # worker in the same pass of the event loop: on Python 3.11, asyncio.wait_for returned the
+    # item and swallowed the cancellation, so the worker ran on and stop() never returned.
+    batcher = DynamicBatcher(Recorder(), max_size=8, max_wait_s=30.0)
+
+    async def run() -> list:
+        await batcher.start()
+        first = asyncio.create_task(batcher.submit(1))
+        await asyncio.sleep(0.05)  # the worker has item 1 and waits up to 30 s for more
+        second = asyncio.create_task(batcher.submit(2))
+        stopping = asyncio.create_task(batcher.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done, "stop() did not return: the worker lost its cancellation"
+        return await asyncio.gather(first, second, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, ServiceUnavailable) for r in results), results
