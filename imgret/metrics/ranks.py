@@ -410,20 +410,27 @@ def compiled_kernel():
     on a Zen 3 without AVX-512: 2.23 / 2.48 -> 1.94 / 2.26 of the chunked product in
     ``benchmarks/metrics_bench.py``); compiled on first use and cached on disk when the
     package directory is writable."""
-    import numba
     from llvmlite import binding
 
-    inline = numba.njit(inline="always")
-    names = {"_cell": inline(cell_of), "_add_counts": inline(add_counts)}
     features = binding.get_host_cpu_features().flatten().split(",")
-    if "+avx512f" in features:
-        names["_compress"] = _vector_compress("avx512")
-    elif "+avx2" in features:
-        names["_compress"] = _vector_compress("avx2")
-    else:
-        names["_compress"] = inline(with_globals(compress_cells, names))
-    names["_prefetch"] = _prefetch_l2()
-    return compile_loop(rank_kernel, names, parallel=True)
+    compress = ("avx512" if "+avx512f" in features
+                else "avx2" if "+avx2" in features else "portable")
+    return compile_loop(rank_kernel, kernel_names(compress), parallel=True)
+
+
+def kernel_names(compress: str) -> dict:
+    """The compiled functions :func:`rank_kernel` calls (every name it swaps, ``_prange``
+    aside), with :func:`compress_cells` as ``compress``: ``"avx512"`` or ``"avx2"`` vector
+    code (:func:`_vector_compress`), or ``"portable"``, the function itself compiled. The
+    tests compile each variant from these too."""
+    import numba
+
+    inline = numba.njit(inline="always")
+    names = {"_cell": inline(cell_of), "_add_counts": inline(add_counts),
+             "_prefetch": _prefetch_l2()}
+    names["_compress"] = (inline(with_globals(compress_cells, names)) if compress == "portable"
+                          else _vector_compress(compress))
+    return names
 
 
 def _prefetch_l2():

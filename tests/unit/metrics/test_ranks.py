@@ -12,13 +12,9 @@ from imgret.metrics.jit import with_globals
 from imgret.metrics.ranks import (
     BLOCK,
     LANES,
-    _vector_compress,
-    add_counts,
-    cell_of,
     compiled_kernel,
-    compress_cells,
     exact_ranks,
-    prefetch,
+    kernel_names,
     rank_kernel,
 )
 from imgret.metrics.relevance import RelevancePlan
@@ -125,27 +121,26 @@ def test_compiled_kernel_matches_plain_python_kernel_on_ties():
 @functools.cache  # numba compiles a parallel kernel in ~10 s: once per session
 def scalar_compiled_kernel():
     """The kernel compiled with the portable compress (what a CPU without AVX-512 runs)."""
-    import numba
-
-    inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch),
-             "_add_counts": inline(add_counts)}
-    names["_compress"] = inline(with_globals(compress_cells, names))
-    return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
+    return _compile_uncached("portable")
 
 
 @functools.cache
 def avx2_compiled_kernel():
     """The kernel compiled with the AVX2 compress (what a CPU with AVX2 but no AVX-512 runs),
     or ``None`` on a CPU without AVX2."""
-    import numba
     from llvmlite import binding
 
     if "+avx2" not in binding.get_host_cpu_features().flatten().split(","):
         return None
-    inline = numba.njit(inline="always")
-    names = {"_prange": numba.prange, "_cell": inline(cell_of), "_prefetch": inline(prefetch),
-             "_add_counts": inline(add_counts), "_compress": _vector_compress("avx2")}
+    return _compile_uncached("avx2")
+
+
+def _compile_uncached(compress: str):
+    # Not compile_loop: its on-disk cache is keyed by the function, not by the names swapped
+    # in, so two variants of rank_kernel must not share it.
+    import numba
+
+    names = {"_prange": numba.prange, **kernel_names(compress)}
     return numba.njit(parallel=True, boundscheck=False)(with_globals(rank_kernel, names))
 
 
