@@ -40,6 +40,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from imgret.errors import ImgretError
+from imgret.images import read_file
 from index.media import MediaBackend
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class KnownFilter:
         shas, errors = [], []
         for path in batch["path"]:
             try:
-                shas.append(sha256_hex(Path(path).read_bytes()))
+                shas.append(sha256_hex(read_file(path)))
                 errors.append("")
             except OSError as exc:
                 shas.append("")
@@ -160,7 +161,7 @@ class EmbedActor:
                 blobs.append((None, sha, error))
                 continue
             try:
-                blobs.append((Path(path).read_bytes(), sha, None))
+                blobs.append((read_file(path), sha, None))
             except OSError as exc:
                 blobs.append((None, sha, f"cannot read file ({exc.strerror})"))
         # The plain ingest's decode step: hash checked, served decoder, model preprocessing.

@@ -11,8 +11,8 @@ import torch
 from sqlalchemy import select
 
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
-from index import store
-from index.ingest import _EmbedWorkers, ingest_source
+from index import ingest, store
+from index.ingest import _EmbedWorkers, _warm_up, ingest_source
 from index.media import sha256_hex
 from index.models import GalleryItem
 
@@ -129,3 +129,64 @@ def test_a_lost_worker_leaves_its_slices_to_this_process(embedder, image_folder)
             pool.release(ticket)
         assert all(conn is None for conn in pool._conns)
     np.testing.assert_allclose(np.concatenate(vectors), reference, rtol=0, atol=1e-6)
+
+
+def _candidates(paths: list[Path]) -> list[SimpleNamespace]:
+    return [SimpleNamespace(origin=str(p), data=p.read_bytes(), sha256=sha256_hex(p.read_bytes()))
+            for p in paths]
+
+
+@pytest.mark.parametrize("finish", [True, False])
+def test_finished_workers_exit_and_leave_their_staged_files_to_this_process(
+        embedder, image_folder, media, finish):
+    """``finish()`` once every slice is back: the workers exit at once (beside the ingest's
+    last writes) and keep the files they staged, which the ingest renames; ``close()`` alone
+    (an ingest that failed before its end) has them removed by the workers."""
+    work = _candidates(sorted(image_folder.rglob("*.png"))[:4])
+    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2, media=media) as pool:
+        ticket = pool.submit(work, stage=[True] * len(work))
+        staged = pool.result(ticket).staged
+        pool.release(ticket)
+        assert all(staged) and all(Path(s).exists() for s in staged)
+        if finish:
+            pool.finish()
+            for process in pool._procs:
+                process.join(timeout=30)
+                assert not process.is_alive()
+    assert [Path(s).exists() for s in staged] == [finish] * len(work)
+
+
+def test_a_failed_last_write_leaves_no_staged_file(sessions, media, embedder, image_folder,
+                                                   monkeypatch):
+    """The workers were told to finish (they leave their staged files) and the last chunk's
+    write fails: the ingest removes that chunk's staged files itself."""
+    real = ingest._ChunkWriter.write
+    writes: list[int] = []
+
+    def write(self, *args, **kwargs):
+        writes.append(1)
+        if len(writes) == 3:  # 20 images in chunks of 8: the last chunk
+            raise OSError("the disk went away")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ingest._ChunkWriter, "write", write)
+    with pytest.raises(OSError, match="went away"):
+        ingest_source(image_folder, session_factory=sessions, media=media, embedder=embedder,
+                      chunk_size=8, workers=2, progress=False)
+    assert not list(media.root.rglob(".tmp-*"))
+    assert len([p for p in media.root.rglob("*") if p.is_file()]) == 16
+
+
+def test_the_worker_warm_up_embeds_one_image_and_never_fails(embedder, monkeypatch):
+    shapes: list[tuple[int, ...]] = []
+    monkeypatch.setattr(embedder, "embed_tensors", lambda inputs: shapes.append(inputs.shape))
+    _warm_up(embedder, DEFAULT_MAX_PIXELS, embeds=True)
+    _warm_up(embedder, DEFAULT_MAX_PIXELS, embeds=False)  # a GPU model's workers only decode
+    size = embedder.spec.image_size
+    assert shapes == [(1, 3, size, size)]
+
+    def broken(inputs):
+        raise RuntimeError("no memory left")
+
+    monkeypatch.setattr(embedder, "embed_tensors", broken)
+    _warm_up(embedder, DEFAULT_MAX_PIXELS, embeds=True)  # best effort: nothing raised
