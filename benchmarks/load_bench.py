@@ -46,7 +46,6 @@ Numbers are for this machine only.
 from __future__ import annotations
 
 import argparse
-import gc
 import io
 import logging
 import os
@@ -265,10 +264,10 @@ class FloorPipeline:
         import torch
 
         from imgret.embedder import Embedder
+        from imgret.process import frozen_long_lived
         from imgret.settings import Settings
         from index.db import make_engine, make_sessionmaker
         from index.search import Searcher
-        from service.app import freeze_startup_objects
         from service.pipeline import ImageQuery, build_search_batcher
         from service.telemetry import ServiceMetrics
 
@@ -286,11 +285,12 @@ class FloorPipeline:
         self.items = [ImageQuery(data, 10) for data in self.queries]
         # As the server does once started: no ~200 ms full collection of this process's
         # start-up objects in the middle of a measurement.
-        freeze_startup_objects()
+        self._frozen = frozen_long_lived()
+        self._frozen.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        gc.unfreeze()
+        self._frozen.__exit__(None, None, None)
         self.engine.dispose()
 
     def measure(self, mean_batch: float, seconds: float) -> Floor:

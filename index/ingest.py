@@ -54,6 +54,7 @@ from imgret.images import (
     embed_encoded,
     read_file,
 )
+from imgret.process import frozen_long_lived
 from imgret.timing import timed
 from index import store
 from index.media import MediaBackend, MediaStore, sha256_hex, sniff_content_type
@@ -354,9 +355,12 @@ def ingest_source(
     # The workers are forked first: they warm up (a fresh process's first slice took ~20 ms
     # more than later ones, ~290 ms when it was the first decode ever: _warm_up) while this
     # process lists the source and reads the first chunk; and before tqdm's monitor thread
-    # exists.
-    with _EmbedWorkers(embedder, max_pixels, workers,
-                       media=media if media.stages_files else None) as pool:
+    # exists. The objects that exist by then (the imports, the model) are frozen out of
+    # garbage collection first: a full collection scanning them stopped this process for
+    # 200-300 ms once per few thousand images, and the workers inherit them frozen.
+    with frozen_long_lived(), _EmbedWorkers(embedder, max_pixels, workers,
+                                            media=media if media.stages_files else None
+                                            ) as pool:
         records = list_records(source)
         root = source if source.is_dir() else source.parent
         model_version, target = register_target(

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
+from imgret.process import frozen_long_lived
 from imgret.settings import Settings
 from service.auth import (
     API_KEY_HEADER,
@@ -110,37 +109,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await anyio.to_thread.run_sync(resume_interrupted_jobs, resources)
     # Other API processes on the same database add and delete items too: follow them.
     follower = asyncio.create_task(follow_changes(resources), name="follow-gallery-changes")
-    freeze_startup_objects()
     try:
-        yield
+        # Started: what exists now lives as long as the app; full collections under load
+        # stopped every request for ~200 ms scanning it (imgret.process).
+        with frozen_long_lived():
+            yield
     finally:
-        gc.unfreeze()  # collectable again, as everything of this app soon is
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
         await resources.batcher.stop()
         await anyio.to_thread.run_sync(resources.close)
-
-
-def freeze_startup_objects() -> None:
-    """Keep the objects that exist once the app has started (imported modules, the model,
-    the index, the app itself: ~460,000 objects tracked by the garbage collector) out of
-    every later collection (``gc.freeze``).
-
-    Measured (resnet18, 16 clients, 2 cores): every full collection that the requests'
-    garbage triggered scanned all of them and stopped the process for ~200 ms, every 20-40 s
-    under load, and every request in flight waited: p99 217-263 ms in 10 s rounds against
-    66-86 ms frozen (p50 ~50-60 ms both; a full collection now takes 1-4 ms). Frozen objects
-    are still freed by reference counting; only cycles among them wait for
-    :func:`gc.unfreeze` at shutdown. The young generations are collected first; a full
-    collection (~175 ms here) is not, because each test starts an app of its own, and the
-    cyclic garbage it would find is what start-up left since the last one, once.
-    """
-    started = time.perf_counter()
-    gc.collect(1)
-    gc.freeze()
-    logger.info("%d objects kept out of garbage collection (%.0f ms)", gc.get_freeze_count(),
-                (time.perf_counter() - started) * 1000)
 
 
 def _operation_id(route: APIRoute) -> str:

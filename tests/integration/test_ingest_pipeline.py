@@ -190,3 +190,25 @@ def test_the_worker_warm_up_embeds_one_image_and_never_fails(embedder, monkeypat
 
     monkeypatch.setattr(embedder, "embed_tensors", broken)
     _warm_up(embedder, DEFAULT_MAX_PIXELS, embeds=True)  # best effort: nothing raised
+
+
+def test_the_ingest_keeps_the_objects_it_starts_with_out_of_garbage_collection(
+        sessions, media, embedder, image_folder, monkeypatch):
+    """Frozen (``imgret.process.frozen_long_lived``) before the workers fork and while the
+    chunks go through, collectable again once the ingest returns."""
+    import gc
+
+    gc.unfreeze()
+    frozen: list[int] = []
+    real = ingest._ChunkRun.prepare
+
+    def prepare(self, *args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ingest._ChunkRun, "prepare", prepare)
+    report = ingest_source(image_folder, session_factory=sessions, media=media,
+                           embedder=embedder, chunk_size=8, workers=2, progress=False)
+    assert report.added == 20
+    assert len(frozen) == 3 and min(frozen) > 10_000
+    assert gc.get_freeze_count() == 0
