@@ -701,7 +701,11 @@ class _EmbedWorkers:
     def finish(self) -> None:
         """No more slices: each worker exits now, beside this process's last writes,
         instead of at :meth:`close`. Call once every ticket was collected; the files the
-        workers staged are then this process's to rename or remove (a worker leaves them)."""
+        workers staged are then this process's to rename or remove (a worker leaves them).
+        If this process is killed before it does, those files stay until ``imgret gc``
+        sweeps them (``MediaStore.sweep_temporaries``: their writers are gone), where a
+        worker seeing its parent die would have removed them: a window of the run's last
+        write or two."""
         self.finished = True
         for conn in self._conns:
             if conn is not None:
@@ -994,7 +998,7 @@ class SourceNames:
         # keyed by the path's text: splitting a string costs 0.2 us a file, pathlib's parent
         # and name 4.7 us (14 % of a chunk's preparation in a profile of the demo's ingest).
         text = os.fspath(path)
-        head, sep, name = text.rpartition(os.sep)
+        head, _, name = text.rpartition(os.sep)
         folder = self._folders.get(head, ...)
         if folder is ...:
             parent = Path(path).parent
