@@ -46,6 +46,7 @@ Numbers are for this machine only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import logging
 import os
@@ -285,12 +286,12 @@ class FloorPipeline:
         self.items = [ImageQuery(data, 10) for data in self.queries]
         # As the server does once started: no ~200 ms full collection of this process's
         # start-up objects in the middle of a measurement.
-        self._frozen = frozen_long_lived()
-        self._frozen.__enter__()
+        self._frozen = contextlib.ExitStack()
+        self._frozen.enter_context(frozen_long_lived())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._frozen.__exit__(None, None, None)
+        self._frozen.close()
         self.engine.dispose()
 
     def measure(self, mean_batch: float, seconds: float) -> Floor:
