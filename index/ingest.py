@@ -47,12 +47,12 @@ from tqdm.auto import tqdm
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImageDecodeError
+from imgret.files import read_file
 from imgret.images import (
     DEFAULT_MAX_PIXELS,
     DecodeLimits,
     decode_for_embedding,
     embed_encoded,
-    read_file,
 )
 from imgret.process import frozen_long_lived
 from imgret.timing import timed

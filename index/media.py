@@ -26,7 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from imgret.files import TEMP_PREFIX, file_sha256, fsync_dir, remove_stale_temps, write_atomic
+from imgret.files import (
+    TEMP_PREFIX,
+    file_sha256,
+    fsync_dir,
+    read_file,
+    remove_stale_temps,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -340,7 +347,7 @@ class MediaStore:
 
     def read(self, relative_path: str) -> bytes:
         """The bytes at a relative path from :meth:`put` (as stored in the database)."""
-        return self.resolve(relative_path).read_bytes()
+        return read_file(self.resolve(relative_path))
 
     def read_many(self, relative_paths: Sequence[str]) -> list[bytes | None]:
         """:meth:`read` of each path, ``None`` where the file is gone."""

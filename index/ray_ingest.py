@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tqdm.auto import tqdm
 
 from imgret.errors import ImgretError
-from imgret.images import read_file
+from imgret.files import read_file
 from index.media import MediaBackend
 
 logger = logging.getLogger(__name__)

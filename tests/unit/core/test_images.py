@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from imgret.errors import ImageDecodeError, ImageTooLarge
-from imgret.images import decode_image, load_image_file, read_file
+from imgret.images import decode_image, load_image_file
 from tests.support.hostile_images import png_header_only
 from tests.support.images import class_image, image_bytes
 
@@ -99,24 +99,3 @@ def test_load_image_file_names_the_file(tmp_path) -> None:
         load_image_file(bad)
     with pytest.raises(ImageDecodeError, match="missing.jpg"):
         load_image_file(tmp_path / "missing.jpg")
-
-
-@pytest.mark.parametrize("size", [0, 1, 400, (1 << 20) + 3])
-def test_read_file_reads_every_byte(tmp_path, size: int) -> None:
-    path = tmp_path / "blob"
-    data = np.random.default_rng(size).bytes(size)
-    path.write_bytes(data)
-    assert read_file(path) == data
-    assert read_file(str(path)) == data
-
-
-def test_read_file_reads_a_file_to_its_end_not_to_its_size(tmp_path) -> None:
-    """A file with no size up front (as a file that grows after ``fstat``): read whole."""
-    assert read_file("/proc/self/status").startswith(b"Name:")
-
-
-def test_read_file_raises_what_open_raises(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError):
-        read_file(tmp_path / "missing.png")
-    with pytest.raises(IsADirectoryError):
-        read_file(tmp_path)
