@@ -19,9 +19,13 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _depth = 0  # how many frozen_long_lived blocks are open
@@ -58,3 +62,31 @@ def frozen_long_lived() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 gc.unfreeze()
+
+
+def in_own_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a new thread that ends with it: its result, or its
+    exception raised here. The calling thread waits.
+
+    For torch work off a serving process's model thread (loading a model, embedding a gallery
+    upload). Every thread that runs a parallel torch operator keeps a team of OpenMP worker
+    threads for as long as it lives, and once more OpenMP threads exist than cores, libgomp
+    stops spinning between parallel regions, so that each of the many regions of a forward
+    pass waits for its workers to wake: on 2 cores, resnet18 at batch 16 took 35-39 ms per
+    pass on a thread of a process where another thread had run torch before, against 25 ms
+    when it was the only one (docs/service_bench.md, "Stop 26"). A pooled worker thread
+    (anyio's, which FastAPI runs sync routes on) would keep its team; this thread ends, and
+    its team with it.
+    """
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            done.set_exception(exc)
+
+    thread = threading.Thread(target=run, name=f"imgret-{getattr(fn, '__name__', 'task')}")
+    thread.start()
+    thread.join()
+    return done.result()

@@ -17,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from imgret.process import frozen_long_lived
+from imgret.process import frozen_long_lived, in_own_thread
 from imgret.settings import Settings
 from service.auth import (
     API_KEY_HEADER,
@@ -101,8 +101,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             " and, by IMGRET_ALLOW_ANONYMOUS_WRITES=true, on every address"
             if settings.allow_anonymous_writes else "",
         )
-    # Loading a model and rebuilding an index take seconds: keep the loop free meanwhile.
-    resources = await anyio.to_thread.run_sync(load_resources, settings, app.state.metrics)
+    # Loading a model and rebuilding an index take seconds: keep the loop free meanwhile. On
+    # a thread that ends with the loading: torch runs on the batcher's model thread alone
+    # once serving (imgret.process.in_own_thread says why).
+    resources = await anyio.to_thread.run_sync(
+        in_own_thread, load_resources, settings, app.state.metrics)
     app.state.resources = resources
     await resources.batcher.start()
     # A re-embedding whose process died resumes here (it is chunked; nothing is redone).

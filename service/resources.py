@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
+from imgret.process import in_own_thread
 from imgret.settings import Settings
 from index import store, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
@@ -109,9 +110,10 @@ class Resources:
         with self._open_lock:
             embedder = self.embedders.get(version)
             if embedder is None:
-                embedder = versions.load_embedder(
-                    version, session_factory=self.sessions, data_dir=self.settings.data_dir,
-                    device=self.settings.device,
+                # Loaded on a thread that ends with it (imgret.process.in_own_thread).
+                embedder = in_own_thread(
+                    versions.load_embedder, version, session_factory=self.sessions,
+                    data_dir=self.settings.data_dir, device=self.settings.device,
                 )
                 self.embedders[version] = embedder
             return embedder

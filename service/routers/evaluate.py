@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import GalleryError
+from imgret.process import in_own_thread
 from index import store, versions
 from index.search.rerank import Rerank
 from service import evaluations
@@ -98,13 +99,15 @@ async def evaluate_query_set(
     ``worst`` (the n worst queries with their top neighbours), ``rerank`` (+ its
     ``rerank_*`` parameters: rank with k-reciprocal re-ranking or query expansion, as
     ``/search`` does; ``rerank_compare`` with JSON: plain (A) against re-ranked (B), paired).
-    A re-ranked evaluation is not kept as the version's last evaluation. The work runs in a
-    worker thread; the report says which protocol, re-ranking and model version produced it.
+    A re-ranked evaluation is not kept as the version's last evaluation. The work runs on a
+    thread of its own, which ends with it (its torch threads with it: imgret.process); the
+    report says which protocol, re-ranking and model version produced it.
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "application/json":
         options = _parse_json(await request.body())
-        return await anyio.to_thread.run_sync(_evaluate_named, resources, options)
+        return await anyio.to_thread.run_sync(in_own_thread, _evaluate_named, resources,
+                                              options)
     if content_type == "multipart/form-data":
         max_files = resources.settings.evaluate_max_files
         # An uploaded query set is embedded in one request: a named set has no such limit.
@@ -114,7 +117,8 @@ async def evaluate_query_set(
         async with read_form(request, max_files=max_files, max_fields=4 * max_files,
                              too_many_files=too_many) as form:
             upload = await _parse_upload(form)
-        return await anyio.to_thread.run_sync(_evaluate_upload, resources, upload)
+        return await anyio.to_thread.run_sync(in_own_thread, _evaluate_upload, resources,
+                                          upload)
     raise HTTPException(
         415, "send JSON {\"query_set\": NAME, ...} or multipart images + labels"
     )

@@ -8,7 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Path, Query, UploadFile, status
 from fastapi.responses import Response
 
+from imgret.embedder import Embedder
 from imgret.images import DecodeLimits, check_request_pixels
+from imgret.process import in_own_thread
 from index import store
 from index.gc import purge_media
 from index.ingest import AddedItems, NewItem, add_items
@@ -102,16 +104,21 @@ def add_gallery_items(
     serving = resources.serving  # model and index of one version, read once
     size = serving.embedder.spec.image_size
     check_request_pixels([item.data for item in items], size=size, limits=limits)
+    def add(embedder: Embedder) -> AddedItems:
+        # Decoded and embedded on a thread that ends with the request: an anyio worker would
+        # keep the torch threads it started, and slow the model thread's passes for good.
+        return in_own_thread(add_items, items, session_factory=resources.sessions,
+                             media=resources.media, embedder=embedder, limits=limits,
+                             require_active=True)
+
     try:
-        added = add_items(items, session_factory=resources.sessions, media=resources.media,
-                          embedder=serving.embedder, limits=limits, require_active=True)
+        added = add(serving.embedder)
     except store.ModelSwitched:
         # Another version became active while this upload was embedded (by any process): an
         # acknowledged item must have its vector, so follow the switch and embed again.
         resources.follow_active()
         serving = resources.serving
-        added = add_items(items, session_factory=resources.sessions, media=resources.media,
-                          embedder=serving.embedder, limits=limits, require_active=True)
+        added = add(serving.embedder)
     # Committed: now the index. An id deleted meanwhile (by any process) is not added back:
     # the Searcher remembers deletions, and every search first applies the newest ones.
     try:

@@ -1,14 +1,22 @@
-"""imgret.process: long-lived objects kept out of garbage collection for a block."""
+"""imgret.process: long-lived objects kept out of garbage collection for a block, and
+one-off work on a thread that ends with it."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from imgret.process import frozen_long_lived
+from imgret.process import frozen_long_lived, in_own_thread
+from tests.support.threads import (
+    native_threads,
+    native_threads_settle_at,
+    steady_native_threads,
+)
 
 
 def test_objects_are_frozen_for_the_block_and_collectable_after_it() -> None:
@@ -65,3 +73,45 @@ def test_the_frozen_count_is_only_taken_for_a_debug_log(
         pass
     assert len(calls) == 1
     assert "objects kept out of garbage collection" in caplog.text
+
+
+def test_in_own_thread_returns_the_result_or_raises_the_error_of_a_thread_that_ended() -> None:
+    ran_on = []
+
+    def work(a: int, *, b: int) -> int:
+        ran_on.append(threading.current_thread())
+        return a + b
+
+    assert in_own_thread(work, 2, b=3) == 5
+    assert ran_on[0] is not threading.current_thread()
+    assert not ran_on[0].is_alive()
+
+    def fail() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        in_own_thread(fail)
+
+
+def test_torch_threads_started_in_own_thread_end_with_it() -> None:
+    """The team of OpenMP workers a parallel torch operator starts lives as long as the
+    thread that ran it: a pooled thread keeps it (what this helper is for), a thread of
+    ``in_own_thread`` takes it along when it ends."""
+    import torch
+
+    def parallel_work() -> None:
+        assert torch.get_num_threads() == 2
+        torch.ones(1 << 22).add_(1)  # 4 Mi elements: split across the team
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # new threads start with this count too
+    try:
+        before = steady_native_threads()
+        in_own_thread(parallel_work)
+        assert native_threads_settle_at(before)
+        with ThreadPoolExecutor(1) as pool:  # the contrast: a thread that stays
+            pool.submit(parallel_work).result()
+            assert native_threads() == before + 1  # its one OpenMP worker
+        assert native_threads_settle_at(before)
+    finally:
+        torch.set_num_threads(threads)
