@@ -15,6 +15,7 @@ when they collect either (the copy-on-write the ``gc.freeze`` documentation warn
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import logging
 import threading
@@ -77,12 +78,15 @@ def in_own_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     when it was the only one (docs/service_bench.md, "Stop 26"). A pooled worker thread
     (anyio's, which FastAPI runs sync routes on) would keep its team; this thread ends, and
     its team with it.
+
+    ``fn`` runs in a copy of the caller's context variables, as with ``asyncio.to_thread``.
     """
     done: Future[T] = Future()
+    context = contextvars.copy_context()
 
     def run() -> None:
         try:
-            done.set_result(fn(*args, **kwargs))
+            done.set_result(context.run(fn, *args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - raised in the caller
             done.set_exception(exc)
 

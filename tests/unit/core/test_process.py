@@ -3,6 +3,7 @@ one-off work on a thread that ends with it."""
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import logging
 import threading
@@ -91,6 +92,12 @@ def test_in_own_thread_returns_the_result_or_raises_the_error_of_a_thread_that_e
 
     with pytest.raises(KeyError, match="boom"):
         in_own_thread(fail)
+
+
+def test_in_own_thread_sees_the_callers_context_variables() -> None:
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+    request_id.set("req-7")
+    assert in_own_thread(request_id.get) == "req-7"
 
 
 def test_torch_threads_started_in_own_thread_end_with_it() -> None:
