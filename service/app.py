@@ -4,7 +4,6 @@ the model and the index once per process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,6 +39,7 @@ from service.routers import (
     search,
     ui,
 )
+from service.tasks import cancel_and_wait
 from service.telemetry import AccessLogMiddleware, ServiceMetrics
 
 logger = logging.getLogger(__name__)
@@ -118,9 +118,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         with frozen_long_lived():
             yield
     finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
+        await cancel_and_wait(follower)
         await resources.batcher.stop()
         await anyio.to_thread.run_sync(resources.close)
 

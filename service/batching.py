@@ -16,6 +16,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import anyio.to_thread
 from fastapi import HTTPException
 
+from service.tasks import cancel_and_wait
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -187,9 +189,7 @@ class DynamicBatcher(Generic[T, R]):
         """Stop the worker; everything still waiting, and every later call, gets a 503."""
         self._stopped = True
         if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
+            await cancel_and_wait(self._worker)
             self._worker = None
         error = ServiceUnavailable("the server is shutting down; retry in a moment")
         if self._finishing is not None:
@@ -484,9 +484,8 @@ class DynamicBatcher(Generic[T, R]):
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not getter.done():
-                    getter.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await getter
+                    # A stop() landing during this wait must still end the worker.
+                    await cancel_and_wait(getter)
                 if getter.done() and not getter.cancelled():
                     items.append(getter.result())
                     self._batch.append(items[-1])  # answered by whoever ends the worker

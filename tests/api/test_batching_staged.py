@@ -170,6 +170,45 @@ def test_stop_answers_the_batch_in_the_model_and_503s_the_rest_then_ends_its_thr
     assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
 
 
+class _SlowToCancelQueue(asyncio.Queue):
+    """A queue whose ``get``, once cancelled, takes 0.2 s to end, and says when it starts to
+    (``ending``): it holds the batcher's worker in the wait for a getter it has cancelled."""
+
+    ending: asyncio.Event
+
+    async def get(self):
+        try:
+            return await super().get()
+        except asyncio.CancelledError:
+            _SlowToCancelQueue.ending.set()
+            await asyncio.sleep(0.2)
+            raise
+
+
+def test_stop_while_the_worker_waits_for_a_cancelled_getter_still_ends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A batch of one waits up to max_wait_s for company (_more), then cancels its queue getter
+    # and waits for it to end. stop() landing in that wait was swallowed with the getter's
+    # own CancelledError: the worker went on and stop() never returned (a CI hang, ~1 in 50
+    # app shutdowns in a loop before the fix, none in 600 after).
+    monkeypatch.setattr(asyncio, "Queue", _SlowToCancelQueue)
+    batcher = DynamicBatcher(Staged(), max_size=8, max_wait_s=0.1)
+
+    async def run() -> object:
+        _SlowToCancelQueue.ending = asyncio.Event()
+        await batcher.start()
+        first = asyncio.create_task(batcher.submit(1))
+        await asyncio.wait_for(_SlowToCancelQueue.ending.wait(), 5)
+        stopping = asyncio.create_task(batcher.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert stopping in done, "stop() did not return: the worker lost its cancellation"
+        return (await asyncio.gather(first, return_exceptions=True))[0]
+
+    result = asyncio.run(run())
+    assert isinstance(result, ServiceUnavailable), result
+
+
 # --------------------------------------------------------------------------- the pipeline
 
 

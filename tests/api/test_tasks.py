@@ -1,0 +1,57 @@
+"""service.tasks.cancel_and_wait: the task's cancellation is absorbed, the caller's is not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.tasks import cancel_and_wait
+
+
+async def _slow_to_end() -> None:
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.2)  # cleans up for a moment, then ends cancelled
+        raise
+
+
+def test_the_tasks_own_cancellation_is_absorbed() -> None:
+    async def run() -> bool:
+        task = asyncio.create_task(_slow_to_end())
+        await asyncio.sleep(0)
+        await cancel_and_wait(task)
+        return task.cancelled()
+
+    assert asyncio.run(run())
+
+
+def test_a_cancellation_of_the_caller_while_it_waits_propagates() -> None:
+    async def run() -> None:
+        task = asyncio.create_task(_slow_to_end())
+        await asyncio.sleep(0)
+        caller = asyncio.create_task(cancel_and_wait(task))
+        await asyncio.sleep(0.05)  # the caller waits for the task's clean-up
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert task.cancelled()
+
+    asyncio.run(run())
+
+
+def test_an_error_the_task_ends_with_is_raised() -> None:
+    async def fails_on_cancel() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("clean-up failed") from None
+
+    async def run() -> None:
+        task = asyncio.create_task(fails_on_cancel())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="clean-up failed"):
+            await cancel_and_wait(task)
+
+    asyncio.run(run())
