@@ -104,6 +104,7 @@ def add_gallery_items(
     serving = resources.serving  # model and index of one version, read once
     size = serving.embedder.spec.image_size
     check_request_pixels([item.data for item in items], size=size, limits=limits)
+
     def add(embedder: Embedder) -> AddedItems:
         # Decoded and embedded on a thread that ends with the request: an anyio worker would
         # keep the torch threads it started, and slow the model thread's passes for good.
