@@ -318,6 +318,14 @@ def server_cpu_seconds(pid: int) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def histogram_sum_count(base: str, name: str) -> tuple[float, float]:
+    """(sum, count) of one of the server's unlabelled histograms, from ``GET /metrics``."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    total, count = (float(re.search(rf"^{name}_{part} (\S+)$", text, re.M).group(1))
+                    for part in ("sum", "count"))
+    return total, count
+
+
 def batch_histogram(base: str) -> BatchHistogram:
     """Read the server's batch-size histogram from ``GET /metrics``."""
     text = httpx.get(f"{base}/metrics", timeout=30).text

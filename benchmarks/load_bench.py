@@ -36,7 +36,11 @@ connections):
    over rounds damps this shared machine's noise: the floor alone moved 860-1,700 img/s
    between runs of one day);
 6. prints a markdown table (server beside floor, and their ratio, per round; the median
-   ratio) and the highest rate held: p99 under the target with no error at all.
+   ratio) and the highest rate held: p99 under the target with no error at all. Beside
+   them, the mean forward pass per batch in the server (its ``imgret_embed_seconds``) and in
+   the floor's pipeline: the same model should take the same time in both. It did not,
+   38 against 26 ms for resnet18, while a second thread's OpenMP team slowed the server's
+   passes (docs/service_bench.md, "Stop 26").
 
 wrk and the server share this machine's cores, as the floor shares them with nothing: the gap
 between the two columns is HTTP + multipart parsing + the load generator + the batcher.
@@ -64,6 +68,7 @@ from harness import (
     Level,
     batch_histogram,
     fashion_mnist_pngs,
+    histogram_sum_count,
     run_wrk,
     running_server,
     search_bodies,
@@ -156,6 +161,7 @@ class LevelResult:
     server: Level
     batch_mean: float
     cpu_us: tuple[float, float]  # per request: event-loop thread, whole process
+    pass_ms: float  # the server's mean forward pass per batch (imgret_embed_seconds)
     floor: Floor
 
     @property
@@ -171,17 +177,20 @@ def _round(base: str, bodies: list[Path], levels: list[int], pid: int | None,
     results = []
     for connections in levels:
         before = batch_histogram(base)
+        passes_before = histogram_sum_count(base, "imgret_embed_seconds")
         cpu_before = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         level = run_wrk(base, bodies, connections, args.seconds)
         cpu_after = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         batches = batch_histogram(base) - before
+        passes_after = histogram_sum_count(base, "imgret_embed_seconds")
+        pass_ms = _mean_ms(passes_before, passes_after)
         cpu = tuple((b - a) / max(1, level.requests) * 1e6
                     for a, b in zip(cpu_before, cpu_after, strict=True))
         logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, %d socket errors, "
                     "mean batch %.1f", connections, level.rps, level.p99_ms, level.non_2xx,
                     level.socket_errors, batches.mean)
         results.append(LevelResult(level, batches.mean, cpu,  # type: ignore[arg-type]
-                                   floor.measure(batches.mean, args.floor_seconds)))
+                                   pass_ms, floor.measure(batches.mean, args.floor_seconds)))
     return results
 
 
@@ -246,6 +255,7 @@ class Floor:
     service_ips: float
     all_threads: int
     all_ips: float
+    pass_ms: float  # mean forward pass per batch, with the service's threads
 
     @property
     def best(self) -> float:
@@ -302,6 +312,8 @@ class FloorPipeline:
         batch = max(1, round(mean_batch))
         every_core = os.cpu_count() or 1
         rates = {}
+        passes = self.pipeline.metrics.embed_seconds
+        passes_before = _sum_count(passes)
         for threads in (self.service_threads, every_core):
             if threads in rates:
                 continue
@@ -310,11 +322,26 @@ class FloorPipeline:
                 rates[threads] = _pipeline_rate(self.pipeline, self.items, batch, seconds)
             finally:
                 torch.set_num_threads(self.service_threads)
+            if threads == self.service_threads:
+                pass_ms = _mean_ms(passes_before, _sum_count(passes))
         logger.info("floor at batch %d: %.1f img/s (%d torch threads), %.1f img/s (%d)",
                     batch, rates[self.service_threads], self.service_threads,
                     rates[every_core], every_core)
         return Floor(batch, self.service_threads, rates[self.service_threads], every_core,
-                     rates[every_core])
+                     rates[every_core], pass_ms)
+
+
+def _sum_count(histogram) -> tuple[float, float]:
+    """(sum, count) of an unlabelled prometheus_client histogram in this process."""
+    (metric,) = histogram.collect()
+    samples = {sample.name: sample.value for sample in metric.samples}
+    return samples[f"{metric.name}_sum"], samples[f"{metric.name}_count"]
+
+
+def _mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """Mean milliseconds per observation between two (sum, count) readings."""
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count * 1000 if count else float("nan")
 
 
 def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
@@ -358,11 +385,16 @@ def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, mode
         f"{args.floor_seconds:.0f} s right after the level (the server idle), the better of "
         f"the service's torch threads and every core. CPU per request: the server's "
         f"event-loop thread / the whole server process, from /proc, over the level's "
-        f"requests. {len(rounds)} round(s) of every level and its floor; a row per round.\n\n"
+        f"requests. Forward pass: the mean time of one batch's embedding (the "
+        f"imgret_embed_seconds histogram of the server over the level, and of the floor's own "
+        f"pipeline with the service's threads): where they differ, the server's model runs "
+        f"slower than the same model in-process. {len(rounds)} round(s) of every level and "
+        f"its floor; a row per round.\n\n"
         "| round | connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server "
         "batch (mean) | CPU us/request (event loop / process) | floor batch "
-        "| floor img/s (service threads / all cores) | server/floor |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| floor img/s (service threads / all cores) | forward pass ms per batch (server / "
+        "floor) | server/floor |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     for number, results in enumerate(rounds, 1):
         for r in results:
@@ -372,7 +404,7 @@ def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, mode
                 f"| {s.non_2xx} | {s.socket_errors} | {r.batch_mean:.1f} "
                 f"| {c[0]:.0f} / {c[1]:.0f} | {f.batch} | {f.best:.1f} "
                 f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
-                f"| {r.ratio:.2f} |\n"
+                f"| {r.pass_ms:.1f} / {f.pass_ms:.1f} | {r.ratio:.2f} |\n"
             )
     if len(rounds) > 1:
         out.write("\nserver/floor per level over the rounds: ")
