@@ -318,25 +318,24 @@ def server_cpu_seconds(pid: int) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
-def histogram_sum_count(base: str, name: str) -> tuple[float, float]:
-    """(sum, count) of one of the server's unlabelled histograms, from ``GET /metrics``."""
-    text = httpx.get(f"{base}/metrics", timeout=30).text
+def scrape(base: str) -> str:
+    """The server's ``GET /metrics`` text: read once, parsed by the functions below."""
+    return httpx.get(f"{base}/metrics", timeout=30).text
+
+
+def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of one of the server's unlabelled histograms in a :func:`scrape`."""
     total, count = (float(re.search(rf"^{name}_{part} (\S+)$", text, re.M).group(1))
                     for part in ("sum", "count"))
     return total, count
 
 
-def batch_histogram(base: str) -> BatchHistogram:
-    """Read the server's batch-size histogram from ``GET /metrics``."""
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-
-    def value(name: str) -> float:
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
+def batch_histogram(text: str) -> BatchHistogram:
+    """The server's batch-size histogram in a :func:`scrape`."""
     buckets = tuple(
         (float(le), float(count))
         for le, count in re.findall(r'^imgret_batch_size_bucket\{le="([^"]+)"\} (\S+)$', text,
                                     re.M)
     )
-    return BatchHistogram(value("imgret_batch_size_count"), value("imgret_batch_size_sum"),
-                          buckets)
+    total, count = histogram_sum_count(text, "imgret_batch_size")
+    return BatchHistogram(count, total, buckets)

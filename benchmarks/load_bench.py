@@ -71,6 +71,7 @@ from harness import (
     histogram_sum_count,
     run_wrk,
     running_server,
+    scrape,
     search_bodies,
     server_cpu_seconds,
 )
@@ -176,14 +177,14 @@ def _round(base: str, bodies: list[Path], levels: list[int], pid: int | None,
     slow or busy stretch of this shared machine moves both."""
     results = []
     for connections in levels:
-        before = batch_histogram(base)
-        passes_before = histogram_sum_count(base, "imgret_embed_seconds")
+        before = scrape(base)
         cpu_before = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
         level = run_wrk(base, bodies, connections, args.seconds)
         cpu_after = server_cpu_seconds(pid) if pid else (float("nan"),) * 2
-        batches = batch_histogram(base) - before
-        passes_after = histogram_sum_count(base, "imgret_embed_seconds")
-        pass_ms = _mean_ms(passes_before, passes_after)
+        after = scrape(base)
+        batches = batch_histogram(after) - batch_histogram(before)
+        pass_ms = _mean_ms(histogram_sum_count(before, "imgret_embed_seconds"),
+                           histogram_sum_count(after, "imgret_embed_seconds"))
         cpu = tuple((b - a) / max(1, level.requests) * 1e6
                     for a, b in zip(cpu_before, cpu_after, strict=True))
         logger.info("%d connections: %.1f req/s, p99 %.1f ms, %d non-2xx, %d socket errors, "
