@@ -5,7 +5,7 @@ evaluations run their torch work on threads that end, and leave no OpenMP worker
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,55 +18,50 @@ import service.routers.gallery
 from imgret.metrics import retrieval_metrics
 from imgret.process import in_own_thread
 from tests.api.conftest import add_gallery, png
-from tests.support.threads import native_threads_settle_at, steady_native_threads
-
-
-@pytest.fixture
-def two_torch_threads() -> Iterator[None]:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the count every new thread starts with
-    yield
-    torch.set_num_threads(threads)
+from tests.support.threads import (
+    native_threads_settle_at,
+    parallel_torch_op,
+    steady_native_threads,
+    torch_threads,
+)
 
 
 def _parallel_torch_first(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, first running a parallel torch operator on the thread that calls it, as
     loading or running a real model on 2 cores does (the tests' tiny model is too small to
     start OpenMP workers)."""
-    import torch
-
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        torch.ones(1 << 22).add_(1)
+        parallel_torch_op()
         return fn(*args, **kwargs)
 
     return run
 
 
 def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
-    make_local_client, monkeypatch: pytest.MonkeyPatch, two_torch_threads: None
+    make_local_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for module, name in [(service.app, "load_resources"),
                          (service.routers.gallery, "add_items"),
                          (service.routers.evaluate, "_evaluate_upload"),
                          (service.resources.versions, "load_embedder")]:
         monkeypatch.setattr(module, name, _parallel_torch_first(getattr(module, name)))
-    # The BLAS libraries start one pool of threads per process, the first time they are used
-    # (scipy's by the evaluation's confidence intervals): started here, before counting.
-    in_own_thread(retrieval_metrics, np.eye(4, dtype=np.float32), np.arange(4) % 2,
-                  np.eye(4, dtype=np.float32), np.arange(4) % 2, k=1, bootstrap=10)
-    before = steady_native_threads()
-    with make_local_client() as client:
-        assert native_threads_settle_at(before), "start-up"
-        add_gallery(client, classes=2, per_class=2)
-        assert native_threads_settle_at(before), "POST /gallery"
-        response = client.post("/evaluate", data={"labels": ["0", "1"]}, files=[
-            ("images", (f"q{c}.png", png(c, 9), "image/png")) for c in (0, 1)])
-        assert response.status_code == 200, response.text
-        assert native_threads_settle_at(before), "POST /evaluate"
-        version = client.get("/health").json()["model_version"]
-        client.app.state.resources.embedders.clear()  # loaded again, as on a switch
-        client.app.state.resources.embedder_for(version)
-        assert native_threads_settle_at(before), "a model loaded for a version"
+    with torch_threads(2):
+        # The BLAS libraries start one pool of threads per process, the first time they are
+        # used (scipy's by the evaluation's confidence intervals): started here, before
+        # counting.
+        in_own_thread(retrieval_metrics, np.eye(4, dtype=np.float32), np.arange(4) % 2,
+                      np.eye(4, dtype=np.float32), np.arange(4) % 2, k=1, bootstrap=10)
+        before = steady_native_threads()
+        with make_local_client() as client:
+            assert native_threads_settle_at(before), "start-up"
+            add_gallery(client, classes=2, per_class=2)
+            assert native_threads_settle_at(before), "POST /gallery"
+            response = client.post("/evaluate", data={"labels": ["0", "1"]}, files=[
+                ("images", (f"q{c}.png", png(c, 9), "image/png")) for c in (0, 1)])
+            assert response.status_code == 200, response.text
+            assert native_threads_settle_at(before), "POST /evaluate"
+            version = client.get("/health").json()["model_version"]
+            client.app.state.resources.embedders.clear()  # loaded again, as on a switch
+            client.app.state.resources.embedder_for(version)
+            assert native_threads_settle_at(before), "a model loaded for a version"

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from sqlalchemy import select
 
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
@@ -15,6 +14,7 @@ from index import ingest, store
 from index.ingest import _EmbedWorkers, _warm_up, ingest_source
 from index.media import sha256_hex
 from index.models import GalleryItem
+from tests.support.threads import torch_threads
 
 
 def _vectors(sessions) -> dict[str, np.ndarray]:
@@ -84,13 +84,9 @@ def test_every_worker_mode_gives_the_same_vectors_and_errors(embedder, image_fol
     size = embedder.spec.image_size
     # The reference runs here on two OpenMP threads before the workers fork: a child that
     # then used several threads would hang (each keeps to one).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size)
                                     for p in paths])
-    finally:
-        torch.set_num_threads(threads)
     with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers,
                        embed_in_workers=embed_in_workers) as pool:
         tickets = [pool.submit(part) for part in slices]

@@ -1,10 +1,13 @@
-"""The threads of this process that Python did not start (OpenMP workers among them)."""
+"""The threads of this process that Python did not start (OpenMP workers among them), and
+torch work that starts them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 
 def native_threads() -> int:
@@ -35,3 +38,25 @@ def steady_native_threads(steady_s: float = 0.2, timeout_s: float = 5.0) -> int:
         if now != count:
             count, since = now, time.monotonic()
     return count
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` intra-op threads for the block (threads started in it begin with that
+    count too), then back to what it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def parallel_torch_op() -> None:
+    """A torch operator large enough to be split across the calling thread's OpenMP team
+    (4 Mi elements), so that the thread starts one."""
+    import torch
+
+    torch.ones(1 << 22).add_(1)

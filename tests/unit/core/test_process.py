@@ -16,7 +16,9 @@ from imgret.process import frozen_long_lived, in_own_thread
 from tests.support.threads import (
     native_threads,
     native_threads_settle_at,
+    parallel_torch_op,
     steady_native_threads,
+    torch_threads,
 )
 
 
@@ -120,11 +122,9 @@ def test_torch_threads_started_in_own_thread_end_with_it() -> None:
 
     def parallel_work() -> None:
         assert torch.get_num_threads() == 2
-        torch.ones(1 << 22).add_(1)  # 4 Mi elements: split across the team
+        parallel_torch_op()
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # new threads start with this count too
-    try:
+    with torch_threads(2):
         before = steady_native_threads()
         in_own_thread(parallel_work)
         assert native_threads_settle_at(before)
@@ -132,5 +132,3 @@ def test_torch_threads_started_in_own_thread_end_with_it() -> None:
             pool.submit(parallel_work).result()
             assert native_threads() == before + 1  # its one OpenMP worker
         assert native_threads_settle_at(before)
-    finally:
-        torch.set_num_threads(threads)
