@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_DEVICE
 from training.config import LossConfig, TrainConfig
 
 
@@ -21,8 +22,9 @@ def eight_classes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tiny_config(eight_classes: Path) -> TrainConfig:
-    """A run that takes about a second on a CPU: tiny_cnn, 16 px, 2 epochs of 24 images."""
+    """A run that takes about a second on a CPU: tiny_cnn, 16 px, 2 epochs of 24 images (on
+    ``IMGRET_TEST_DEVICE``: the CUDA path, bf16 autocast included, on a GPU machine)."""
     return TrainConfig(
         data=str(eight_classes), backbone="tiny_cnn", dim=8, image_size=16, epochs=2,
-        batch_size=8, lr=1e-2, device="cpu", loss=LossConfig("triplet"),
+        batch_size=8, lr=1e-2, device=TEST_DEVICE, loss=LossConfig("triplet"),
     )

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import training.loop as loop
 from cli.main import app
 from imgret.checkpoint import load_checkpoint
+from tests.conftest import TEST_DEVICE
 from training.config import LossConfig, TrainConfig, TrainConfigError
 from training.loop import train
 from training.run_dir import LAST_FILE
@@ -25,7 +26,7 @@ def test_train_cli_writes_the_run_directory(eight_classes: Path, tmp_path: Path)
     result = CliRunner().invoke(app, [
         "train", "--data", str(eight_classes), "--loss", "triplet", "--backbone", "tiny_cnn",
         "--dim", "8", "--image-size", "16", "--epochs", "2", "--batch-size", "8",
-        "--device", "cpu", "--no-progress", "--out", str(out),
+        "--device", TEST_DEVICE, "--no-progress", "--out", str(out),
     ])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "test MAP@R" in result.output and "class-disjoint split" in result.output
@@ -58,7 +59,7 @@ def test_train_cli_writes_the_run_directory(eight_classes: Path, tmp_path: Path)
     again = CliRunner().invoke(app, [
         "train", "--data", str(eight_classes), "--loss", "triplet", "--backbone", "tiny_cnn",
         "--dim", "8", "--image-size", "16", "--epochs", "2", "--batch-size", "8",
-        "--device", "cpu", "--no-progress", "--out", str(out), "--resume",
+        "--device", TEST_DEVICE, "--no-progress", "--out", str(out), "--resume",
     ])
     assert again.exit_code == 0, again.output + repr(again.exception)
     assert metrics["model_version"] in again.output
