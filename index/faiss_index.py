@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import re
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -274,6 +275,29 @@ def stored_ids(index: faiss.Index) -> np.ndarray:
     raise IndexStale(f"cannot list the ids of a {type(top).__name__}")
 
 
+# FAISS GPU resources and GPU indexes are not thread-safe: every use of a GPU mirror in this
+# process (copies, searches, updates) holds this lock.
+GPU_LOCK = threading.Lock()
+# Temporary memory reserved per device by the shared FAISS GPU resources. FAISS reserves up to
+# 1.5 GiB per StandardGpuResources, and faiss.index_cpu_to_all_gpus makes new ones for every
+# copy: a process that placed a few dozen indexes (rebuilds, model switches, tests) ran the
+# device out of memory, and FAISS then aborts the process instead of raising (seen on an
+# H200: the API tests on 12 workers). One set per process, capped, is what FAISS advises;
+# searches that need more fall back to per-call allocations inside FAISS.
+GPU_TEMP_MEMORY = 256 << 20
+_GPU_RESOURCES: list = []
+
+
+def _copy_to_gpus(index: faiss.Index, options, ngpu: int) -> faiss.Index:
+    """``index`` copied to the first ``ngpu`` GPUs with this process's shared resources."""
+    with GPU_LOCK:
+        while len(_GPU_RESOURCES) < ngpu:
+            resources = faiss.StandardGpuResources()
+            resources.setTempMemory(GPU_TEMP_MEMORY)
+            _GPU_RESOURCES.append(resources)
+        return faiss.index_cpu_to_gpu_multiple_py(_GPU_RESOURCES[:ngpu], index, co=options)
+
+
 def place_index(
     index: faiss.Index, *, use_gpu: bool | None = None
 ) -> tuple[faiss.Index | None, str]:
@@ -298,7 +322,7 @@ def place_index(
     try:
         options = faiss.GpuMultipleClonerOptions()
         options.shard = True  # split the vectors across GPUs: memory scales with GPU count
-        gpu_index = faiss.index_cpu_to_all_gpus(index, co=options, ngpu=ngpu)
+        gpu_index = _copy_to_gpus(index, options, ngpu)
     except (AttributeError, RuntimeError) as exc:
         logger.warning(
             "FAISS index stays on CPU: %s has no GPU version or the copy failed (%s)",

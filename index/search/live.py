@@ -16,6 +16,7 @@ import numpy as np
 
 from index.build import BuiltIndex
 from index.faiss_index import (
+    GPU_LOCK,
     place_index,
     search_index,
     search_params,
@@ -123,7 +124,8 @@ class LiveIndex:
         self.index.add_with_ids(new_vectors, new_ids)
         if self._gpu is not None:
             try:
-                self._gpu.add_with_ids(new_vectors, new_ids)
+                with GPU_LOCK:
+                    self._gpu.add_with_ids(new_vectors, new_ids)
             except RuntimeError as exc:
                 logger.warning("GPU mirror dropped (add failed: %s); searching on CPU", exc)
                 self._gpu, self.device = None, "cpu"
@@ -156,7 +158,8 @@ class LiveIndex:
             self.tombstones.update(present)
         if self._gpu is not None:
             try:
-                self._gpu.remove_ids(array)
+                with GPU_LOCK:
+                    self._gpu.remove_ids(array)
             except RuntimeError:
                 self._gpu_stale.update(present)
         self.catalog.remove(present)
@@ -185,7 +188,8 @@ class LiveIndex:
         if mask is None and self._gpu is not None:
             # Over-fetch by the removed ids the mirror still holds; the live mask drops them.
             fetch = min(want + len(self._gpu_stale), _GPU_MAX_K, self._gpu.ntotal)
-            distances, labels = self._gpu.search(queries, max(fetch, 1))
+            with GPU_LOCK:  # concurrent readers would share FAISS's GPU scratch memory
+                distances, labels = self._gpu.search(queries, max(fetch, 1))
             check = self.catalog.live
         elif mask is None:
             distances, labels = self._search_cpu(queries, want)

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from tests.api.conftest import add_gallery, png, search
+from tests.conftest import TEST_DEVICE
 
 
 def test_health_reports_model_index_and_device(local_client) -> None:
@@ -15,7 +16,7 @@ def test_health_reports_model_index_and_device(local_client) -> None:
     body = local_client.get("/health").json()
     assert body["status"] == "ok"
     assert body["index_size"] == 6
-    assert body["device"] == "cpu"
+    assert body["device"] == TEST_DEVICE
     assert body["model_version"].startswith("tiny_cnn-d16-")
 
 

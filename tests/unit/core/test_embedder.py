@@ -187,15 +187,24 @@ def test_forward_passes_from_many_threads_never_overlap(images) -> None:
             inside -= 1
 
     model.register_forward_pre_hook(count_in)
-    model.register_forward_hook(count_out)
+    # always_call: a pass that raises must not look like an overlap; its error is reported.
+    model.register_forward_hook(count_out, always_call=True)
     embedder = Embedder.from_model(model, batch_size=2, device=TEST_DEVICE)
     expected = embedder.embed(images)
     results: list[np.ndarray] = []
-    threads = [threading.Thread(target=lambda: results.append(embedder.embed(images)))
-               for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def embed() -> None:
+        try:
+            results.append(embedder.embed(images))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=embed) for _ in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    assert not errors, errors
     assert most == 1
     assert len(results) == 6 and all(np.allclose(r, expected, atol=1e-6) for r in results)

@@ -23,3 +23,23 @@ def _one_faiss_thread():
     faiss.omp_set_num_threads(1)
     yield
     faiss.omp_set_num_threads(before)
+
+
+class _FakeClonerOptions:
+    shard = False
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """``install(ngpu, copy)``: ``place_index`` sees ``ngpu`` GPUs and copies with
+    ``copy(index, options, ngpu)``, a CPU stand-in for FAISS's GPU copy."""
+    import faiss
+
+    from index import faiss_index
+
+    def install(ngpu, copy):
+        monkeypatch.setattr(faiss, "get_num_gpus", lambda: ngpu)
+        monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", _FakeClonerOptions, raising=False)
+        monkeypatch.setattr(faiss_index, "_copy_to_gpus", copy)
+
+    return install

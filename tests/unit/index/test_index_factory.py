@@ -90,7 +90,8 @@ def test_search_params_carry_the_selector_where_the_index_supports_one(vectors):
     assert params.nprobe == 8  # every list
 
 
-def test_placement_stays_on_cpu_without_gpus(caplog):
+def test_placement_stays_on_cpu_without_gpus(monkeypatch, caplog):
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)  # also on a GPU machine
     index = create_index(check_factory("Flat", 16), 16)
     caplog.set_level("INFO", logger="index.faiss_index")
     gpu, device = place_index(index)
@@ -98,21 +99,15 @@ def test_placement_stays_on_cpu_without_gpus(caplog):
     assert "faiss.get_num_gpus() == 0" in caplog.text
 
 
-class _FakeClonerOptions:
-    shard = False
-
-
-def test_gpu_branch_shards_across_all_gpus(monkeypatch, vectors):
-    """The GPU branch, driven through a CPU stand-in for index_cpu_to_all_gpus."""
+def test_gpu_branch_shards_across_all_gpus(fake_gpus, vectors):
+    """The GPU branch, driven through a CPU stand-in for the GPU copy."""
     calls = {}
 
-    def fake_to_all_gpus(index, co=None, ngpu=-1):
-        calls.update(shard=co.shard, ngpu=ngpu)
+    def fake_copy(index, options, ngpu):
+        calls.update(shard=options.shard, ngpu=ngpu)
         return faiss.clone_index(index)
 
-    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 2)
-    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", _FakeClonerOptions, raising=False)
-    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", fake_to_all_gpus)
+    fake_gpus(2, fake_copy)
     index = create_index(check_factory("Flat", 16), 16)
     index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
     gpu, device = place_index(index)
@@ -120,13 +115,11 @@ def test_gpu_branch_shards_across_all_gpus(monkeypatch, vectors):
     assert device == "cuda x2 (sharded)" and gpu.ntotal == len(vectors)
 
 
-def test_gpu_copy_failure_falls_back_to_cpu(monkeypatch, caplog):
-    def failing(index, co=None, ngpu=-1):
+def test_gpu_copy_failure_falls_back_to_cpu(fake_gpus, caplog):
+    def failing(index, options, ngpu):
         raise RuntimeError("Error in f at x.cpp:1: HNSW not supported on GPU")
 
-    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 1)
-    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", _FakeClonerOptions, raising=False)
-    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", failing)
+    fake_gpus(1, failing)
     gpu, device = place_index(create_index(check_factory("HNSW16", 16), 16))
     assert (gpu, device) == (None, "cpu")
     assert "stays on CPU" in caplog.text

@@ -241,20 +241,15 @@ class _FakeGpuIndex:
 
 
 def test_gpu_branch_serves_unfiltered_searches_and_never_returns_removed_ids(
-    monkeypatch, vectors
+    fake_gpus, vectors
 ):
     mirrors = []
 
-    def to_all_gpus(index, co=None, ngpu=-1):
+    def to_gpus(index, options, ngpu):
         mirrors.append(_FakeGpuIndex(index))
         return mirrors[-1]
 
-    class Options:
-        shard = False
-
-    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 2)
-    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
-    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", to_all_gpus)
+    fake_gpus(2, to_gpus)
     index = trained_index("Flat")
     index.add_with_ids(vectors[:500], np.arange(1, 501))
     searcher = Searcher(index, model_version="m", factory="Flat",
