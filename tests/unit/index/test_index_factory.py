@@ -115,6 +115,41 @@ def test_gpu_branch_shards_across_all_gpus(fake_gpus, vectors):
     assert device == "cuda x2 (sharded)" and gpu.ntotal == len(vectors)
 
 
+def test_gpu_copies_share_one_capped_set_of_resources(monkeypatch, vectors):
+    """Each GPU copy used to make its own FAISS resources (up to 1.5 GiB reserved each) until
+    FAISS aborted the process: every copy now shares one capped set per process."""
+    from index import faiss_index
+
+    made, copies = [], []
+
+    class Options:
+        shard = False
+
+    class Resources:
+        def __init__(self):
+            made.append(self)
+
+        def setTempMemory(self, size):  # noqa: N802 (FAISS's name)
+            self.temp = size
+
+    def to_gpus(resources, index, co=None):
+        copies.append(list(resources))
+        return faiss.clone_index(index)
+
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 2)
+    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
+    monkeypatch.setattr(faiss, "StandardGpuResources", Resources, raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu_multiple_py", to_gpus, raising=False)
+    monkeypatch.setattr(faiss_index, "_GPU_RESOURCES", [])
+    for _ in range(5):
+        index = create_index(check_factory("Flat", 16), 16)
+        index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+        gpu, device = place_index(index)
+        assert device == "cuda x2 (sharded)" and gpu.ntotal == len(vectors)
+    assert len(made) == 2 and all(r.temp == faiss_index.GPU_TEMP_MEMORY for r in made)
+    assert copies == [made] * 5
+
+
 def test_gpu_copy_failure_falls_back_to_cpu(fake_gpus, caplog):
     def failing(index, options, ngpu):
         raise RuntimeError("Error in f at x.cpp:1: HNSW not supported on GPU")

@@ -269,6 +269,52 @@ def test_gpu_branch_serves_unfiltered_searches_and_never_returns_removed_ids(
     assert all(len(row) == 10 for row in filtered)
 
 
+def test_concurrent_searches_use_the_gpu_mirror_one_at_a_time(fake_gpus, vectors):
+    """FAISS GPU resources are not thread-safe: readers that share the searcher's read lock
+    must still enter the mirror one at a time, and every result stays exact."""
+    import time
+
+    inside, most = 0, 0
+    guard = threading.Lock()
+
+    class SlowMirror(_FakeGpuIndex):
+        def search(self, queries, k):
+            nonlocal inside, most
+            with guard:
+                inside += 1
+                most = max(most, inside)
+            time.sleep(0.005)  # overlapping readers would be caught in here
+            try:
+                return super().search(queries, k)
+            finally:
+                with guard:
+                    inside -= 1
+
+    fake_gpus(1, lambda index, options, ngpu: SlowMirror(index))
+    ids = np.arange(1, 301, dtype=np.int64)
+    index = trained_index("Flat")
+    index.add_with_ids(vectors[:300], ids)
+    searcher = Searcher(index, model_version="m", factory="Flat",
+                        infos={int(i): ItemInfo("l") for i in ids})
+    assert searcher.device == "cuda x1 (sharded)"
+    want = brute_force(vectors[:8], vectors[:300], ids, 5)[0].tolist()
+    results, errors = [], []
+
+    def search() -> None:
+        try:
+            results.append([[hit.id for hit in row] for row in searcher.search(vectors[:8], 5)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=search) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and most == 1 and len(results) == 8
+    assert all(result == want for result in results)
+
+
 def test_query_time_knobs_are_applied(vectors):
     from index.faiss_index import unwrap
 
