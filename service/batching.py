@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import anyio.to_thread
 from fastapi import HTTPException
 
-from service.tasks import cancel_and_wait
+from service.tasks import cancel_and_wait, finished
 
 logger = logging.getLogger(__name__)
 
@@ -192,10 +192,12 @@ class DynamicBatcher(Generic[T, R]):
             await cancel_and_wait(self._worker)
             self._worker = None
         error = ServiceUnavailable("the server is shutting down; retry in a moment")
+        interrupted: asyncio.CancelledError | None = None
         if self._finishing is not None:
-            # The batch in the model is answered (graceful), as a plain batch is.
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._finishing)
+            try:
+                await finished(self._finishing)  # the batch in the model is answered
+            except asyncio.CancelledError as exc:
+                interrupted = exc  # stop() itself was cancelled: 503 everyone, then re-raise
             self._finishing = None
             self._fail(self._finishing_batch, error)
             self._finishing_batch = []
@@ -207,6 +209,10 @@ class DynamicBatcher(Generic[T, R]):
                 self._fail([self._queue.get_nowait()], error)
         pools = [pool for pool in (self._decode_pool, self._model_pool) if pool is not None]
         self._decode_pool = self._model_pool = None
+        if interrupted is not None:
+            for pool in pools:
+                pool.shutdown(wait=False)
+            raise interrupted
         for pool in pools:
             # Waits for a decode the worker left behind (it cannot be interrupted): no thread
             # outlives the batcher.

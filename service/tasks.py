@@ -23,3 +23,21 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             raise
+
+
+async def finished(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` to end without cancelling it (it is shielded).
+
+    Whatever the task ends with (a result, an error, its own cancellation) is absorbed: the
+    caller only waits. A cancellation of the caller is raised, the task going on. A
+    ``contextlib.suppress(BaseException)`` around the wait, which the batcher's ``stop()``
+    had, swallowed the caller's cancellation too, and the cancelled shutdown ran on.
+    """
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # the task's callers see its error; this caller only waits
+        pass

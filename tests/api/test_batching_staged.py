@@ -170,6 +170,32 @@ def test_stop_answers_the_batch_in_the_model_and_503s_the_rest_then_ends_its_thr
     assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
 
 
+def test_a_cancelled_stop_still_503s_everyone_then_raises() -> None:
+    # stop() waits for the batch in the model; a cancellation of stop() itself used to be
+    # swallowed there (contextlib.suppress(BaseException)), and the cancelled shutdown ran on.
+    staged = Staged()
+
+    async def run() -> tuple[bool, list[object]]:
+        async with one_in_the_model(staged, max_size=2) as (batcher, in_model):
+            queued = [asyncio.create_task(batcher.submit(x)) for x in (2, 3, 4)]
+            await asyncio.sleep(0.05)
+            stopping = asyncio.create_task(batcher.stop())
+            await asyncio.sleep(0.05)  # stop() now waits for the batch in the model
+            stopping.cancel()
+            raised = False
+            try:
+                await asyncio.wait_for(stopping, 5)
+            except asyncio.CancelledError:
+                raised = True
+            results = await asyncio.wait_for(
+                asyncio.gather(in_model, *queued, return_exceptions=True), 5)
+            return raised, results
+
+    raised, results = asyncio.run(run())
+    assert raised, "stop() swallowed its own cancellation"
+    assert all(isinstance(r, ServiceUnavailable) for r in results), results
+
+
 class _SlowToCancelQueue(asyncio.Queue):
     """A queue whose ``get``, once cancelled, takes 0.2 s to end, and says when it starts to
     (``ending``): it holds the batcher's worker in the wait for a getter it has cancelled."""

@@ -1,4 +1,5 @@
-"""service.tasks.cancel_and_wait: the task's cancellation is absorbed, the caller's is not."""
+"""service.tasks: cancel_and_wait and finished absorb the task's own ending (its cancellation,
+and for finished its error too), never the caller's cancellation."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from service.tasks import cancel_and_wait
+from service.tasks import cancel_and_wait, finished
 
 
 async def _slow_to_end() -> None:
@@ -53,5 +54,32 @@ def test_an_error_the_task_ends_with_is_raised() -> None:
         await asyncio.sleep(0)
         with pytest.raises(RuntimeError, match="clean-up failed"):
             await cancel_and_wait(task)
+
+    asyncio.run(run())
+
+
+def test_finished_waits_without_cancelling_and_absorbs_the_tasks_error() -> None:
+    async def fails_later() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("the batch failed")
+
+    async def run() -> bool:
+        task = asyncio.create_task(fails_later())
+        await finished(task)
+        return task.done() and not task.cancelled() and isinstance(task.exception(),
+                                                                    RuntimeError)
+
+    assert asyncio.run(run())
+
+
+def test_a_cancellation_of_the_caller_of_finished_propagates_and_the_task_goes_on() -> None:
+    async def run() -> None:
+        task = asyncio.create_task(asyncio.sleep(0.2, result="done"))
+        caller = asyncio.create_task(finished(task))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert await task == "done"  # shielded: the caller's cancellation did not reach it
 
     asyncio.run(run())
