@@ -16,10 +16,11 @@ ARG EXTRAS=postgres
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
     && /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]"
-# The gpu profile swaps faiss-cpu for faiss-gpu (both ship the module `faiss`).
+# The gpu profile swaps faiss-cpu for faiss-gpu (both ship the module `faiss`). 1.15.1 is the
+# version run on an H200 (docs/gpu_bench.md); faiss-gpu-cu12 1.14.1 has no Hopper (sm_90) code.
 ARG GPU=0
 RUN if [ "$GPU" = "1" ]; then /opt/venv/bin/pip uninstall -y faiss-cpu \
-    && /opt/venv/bin/pip install --no-cache-dir "faiss-gpu>=1.9"; fi
+    && /opt/venv/bin/pip install --no-cache-dir "faiss-gpu>=1.15.1"; fi
 
 FROM python:${PYTHON}-slim AS runtime
 RUN useradd --create-home --uid 10001 imgret && mkdir -p /data && chown imgret /data
