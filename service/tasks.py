@@ -20,8 +20,7 @@ async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
     try:
         await task
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
+        if _caller_cancelled():
             raise
 
 
@@ -36,8 +35,14 @@ async def finished(task: asyncio.Future[Any]) -> None:
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
+        if _caller_cancelled():
             raise
     except Exception:  # the task's callers see its error; this caller only waits
         pass
+
+
+def _caller_cancelled() -> bool:
+    """Whether the running task has been asked to cancel (not: a task it awaited ended
+    cancelled)."""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
