@@ -21,6 +21,7 @@ from index.media import sha256_hex
 from index.search import Searcher
 from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
+from tests.support.threads import run_in_threads
 
 
 def _open(sessions, tmp_path, embedder) -> Searcher:
@@ -117,20 +118,9 @@ def test_dedup_waits_for_a_concurrent_delete_instead_of_acknowledging_a_deleted_
 
 def test_two_uploads_of_the_same_new_bytes_at_once_make_one_item(sessions, media, embedder):
     data = image_bytes(class_image(5, 0))
-    results: list = []
-    errors: list = []
-
-    def upload() -> None:
-        try:
-            results.append(_add(sessions, media, embedder, data, label="same"))
-        except Exception as exc:  # the old code: a unique-key IntegrityError (a 500)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=upload) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    # The old code: a unique-key IntegrityError (a 500) in all but one.
+    results, errors = run_in_threads(
+        lambda: _add(sessions, media, embedder, data, label="same"), 4, timeout_s=60)
     assert errors == []
     assert len({r.ids[0] for r in results}) == 1
     assert sorted(r.created[0] for r in results) == [False, False, False, True]

@@ -19,6 +19,7 @@ from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, UnknownName
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image
+from tests.support.threads import Overlap, run_in_threads
 
 SPEC = ModelSpec(backbone="tiny_cnn", dim=16, image_size=32)
 
@@ -167,44 +168,14 @@ def test_every_backbone_embeds(backbone: str, size: int) -> None:
 def test_forward_passes_from_many_threads_never_overlap(images) -> None:
     """Concurrent uploads and search batches share one Embedder: one forward pass at a time
     (concurrent passes only multiply activation memory on a CPU), each chunk on its own."""
-    import threading
-    import time
-
     model = _model()
-    inside, most = 0, 0
-    guard = threading.Lock()
-
-    def count_in(*_):
-        nonlocal inside, most
-        with guard:
-            inside += 1
-            most = max(most, inside)
-        time.sleep(0.01)  # a slow layer: overlapping threads would be caught in here
-
-    def count_out(*_):
-        nonlocal inside
-        with guard:
-            inside -= 1
-
-    model.register_forward_pre_hook(count_in)
-    # always_call: a pass that raises must not look like an overlap; its error is reported.
-    model.register_forward_hook(count_out, always_call=True)
+    overlap = Overlap()
+    # 10 ms in a slow layer; always_call: a pass that raises must not look like an overlap.
+    model.register_forward_pre_hook(lambda *_: overlap.enter(linger_s=0.01))
+    model.register_forward_hook(lambda *_: overlap.leave(), always_call=True)
     embedder = Embedder.from_model(model, batch_size=2, device=TEST_DEVICE)
     expected = embedder.embed(images)
-    results: list[np.ndarray] = []
-    errors: list[BaseException] = []
-
-    def embed() -> None:
-        try:
-            results.append(embedder.embed(images))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=embed) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results, errors = run_in_threads(lambda: embedder.embed(images), 6)
     assert not errors, errors
-    assert most == 1
+    assert overlap.most == 1
     assert len(results) == 6 and all(np.allclose(r, expected, atol=1e-6) for r in results)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.threads import omp_threads
 from tests.unit.index.vectors import clustered_vectors
 
 
@@ -17,12 +18,8 @@ def vectors() -> np.ndarray:
 @pytest.fixture(autouse=True, scope="session")
 def _one_faiss_thread():
     """FAISS's OpenMP threads spin on a loaded CI machine; the tiny test data needs one."""
-    import faiss
-
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+    with omp_threads(1):
+        yield
 
 
 class _FakeClonerOptions:

@@ -11,6 +11,7 @@ import pytest
 from index.faiss_index import check_factory, create_index, set_search_defaults
 from index.search import Hit, ReadWriteLock, Searcher, SearchFilter
 from index.store import ItemInfo
+from tests.support.threads import Overlap, run_in_threads
 from tests.unit.index.vectors import clustered_vectors
 
 FACTORIES = ["Flat", "IVF8,Flat", "HNSW16", "PQ4x4"]  # exact, IVF, graph, no-selector codes
@@ -272,23 +273,12 @@ def test_gpu_branch_serves_unfiltered_searches_and_never_returns_removed_ids(
 def test_concurrent_searches_use_the_gpu_mirror_one_at_a_time(fake_gpus, vectors):
     """FAISS GPU resources are not thread-safe: readers that share the searcher's read lock
     must still enter the mirror one at a time, and every result stays exact."""
-    import time
-
-    inside, most = 0, 0
-    guard = threading.Lock()
+    overlap = Overlap()
 
     class SlowMirror(_FakeGpuIndex):
         def search(self, queries, k):
-            nonlocal inside, most
-            with guard:
-                inside += 1
-                most = max(most, inside)
-            time.sleep(0.005)  # overlapping readers would be caught in here
-            try:
+            with overlap.section(linger_s=0.005):  # overlapping readers would be caught here
                 return super().search(queries, k)
-            finally:
-                with guard:
-                    inside -= 1
 
     fake_gpus(1, lambda index, options, ngpu: SlowMirror(index))
     ids = np.arange(1, 301, dtype=np.int64)
@@ -298,20 +288,9 @@ def test_concurrent_searches_use_the_gpu_mirror_one_at_a_time(fake_gpus, vectors
                         infos={int(i): ItemInfo("l") for i in ids})
     assert searcher.device == "cuda x1 (sharded)"
     want = brute_force(vectors[:8], vectors[:300], ids, 5)[0].tolist()
-    results, errors = [], []
-
-    def search() -> None:
-        try:
-            results.append([[hit.id for hit in row] for row in searcher.search(vectors[:8], 5)])
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=search) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and most == 1 and len(results) == 8
+    results, errors = run_in_threads(
+        lambda: [[hit.id for hit in row] for row in searcher.search(vectors[:8], 5)], 8)
+    assert not errors and overlap.most == 1 and len(results) == 8
     assert all(result == want for result in results)
 
 

@@ -4,8 +4,6 @@ OpenMP thread counts that stay each thread's own under concurrent searches."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import faiss
 import numpy as np
@@ -15,22 +13,12 @@ from index.faiss_index import check_factory, create_index
 from index.search import Searcher, SearchFilter
 from index.search.threads import ExactFlat, faiss_threads, uses_blas_path
 from index.store import ItemInfo
+from tests.support.threads import omp_threads
 from tests.unit.index.vectors import clustered_vectors
 
 DIM = 128  # 1,000 queries of 128-d reach FAISS's BLAS path, 1 query does not
 N = 5_000
 K = 10
-
-
-@contextmanager
-def omp_threads(n: int) -> Iterator[None]:
-    """This thread on ``n`` OpenMP threads for the test (the session fixture sets one)."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(n)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
