@@ -37,6 +37,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from imgret.embedder import Embedder  # noqa: E402
 from imgret.metrics import retrieval_metrics  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+T = TypeVar("T")
 
 
 def sync() -> None:
@@ -55,18 +57,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median seconds per call; GPU work is synchronised before and after each call."""
+def timed(fn: Callable[[], T], repeats: int, warmup: int = 2) -> tuple[float, T]:
+    """Median seconds per call, and the last call's result (so that checking it costs no
+    extra run); GPU work is synchronised before and after each call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), result
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -88,14 +91,14 @@ def ceilings(args) -> dict[str, float]:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         a = torch.randn(n, n, device=DEVICE, dtype=dtype)
         b = torch.randn(n, n, device=DEVICE, dtype=dtype)
-        t = timed(lambda a=a, b=b: a @ b, args.repeats)
+        t, _ = timed(lambda a=a, b=b: a @ b, args.repeats)
         out[name] = 2 * n**3 / t
     torch.backends.cuda.matmul.allow_tf32 = False
     size = (4 << 30) if not args.quick else (64 << 20)
     src = torch.empty(size // 4, device=DEVICE, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    out["copy"] = 2 * size / timed(lambda: dst.copy_(src), args.repeats)
-    out["read"] = size / timed(lambda: src.sum(), args.repeats)
+    out["copy"] = 2 * size / timed(lambda: dst.copy_(src), args.repeats)[0]
+    out["read"] = size / timed(lambda: src.sum(), args.repeats)[0]
     table(f"Ceilings measured on {device_name()}", ["what", "rate"], [
         ["bf16 matrix product 8192³", f"{out['bf16'] / 1e12:.0f} TFLOP/s"],
         ["TF32 matrix product 8192³", f"{out['tf32'] / 1e12:.0f} TFLOP/s"],
@@ -120,7 +123,7 @@ def embed(args, peak: dict[str, float]) -> None:
     torch.manual_seed(0)
     embedder = Embedder(EmbeddingNet(spec), spec, device=DEVICE, batch_size=batch)
     host = torch.randn(batch, 3, size, size)
-    t_product = timed(lambda: embedder.embed_tensors(host), args.repeats)
+    t_product, _ = timed(lambda: embedder.embed_tensors(host), args.repeats)
 
     model = embedder.model.eval()
     gpu = host.to(DEVICE)
@@ -132,13 +135,13 @@ def embed(args, peak: dict[str, float]) -> None:
         with torch.inference_mode(), autocast:
             return model(gpu)
 
-    t_bare = timed(bare, args.repeats)
+    t_bare, _ = timed(bare, args.repeats)
     with FlopCounterMode(display=False) as counter:
         bare()
     flops = counter.get_total_flops() / batch
     roof = peak["bf16"] / flops
     torch.backends.cudnn.benchmark = True
-    t_tuned = timed(bare, args.repeats)
+    t_tuned, _ = timed(bare, args.repeats)
     torch.backends.cudnn.benchmark = False
     rows = [
         ["Embedder.embed_tensors (host in, host out)", f"{batch / t_product:,.0f}",
@@ -179,7 +182,7 @@ def search(args, peak: dict[str, float]) -> None:
         def peer(q=queries_gpu):
             return torch.topk(q @ gallery_gpu.T, k, dim=1)
 
-        t_peer = timed(peer, reps)
+        t_peer, (_, want) = timed(peer, reps)
         if batch == 1:
             t_roof = gallery.nbytes / peak["read"]
             bound = "read bandwidth"
@@ -187,9 +190,7 @@ def search(args, peak: dict[str, float]) -> None:
             t_roof = 2 * batch * n * d / peak["fp32"]
             bound = f"fp32 rate (TF32: {batch / (2 * batch * n * d / peak['tf32']):,.0f} q/s)"
         if gpu_index is not None:
-            t_faiss = timed(lambda g=gpu_index, q=queries: g.search(q, k), reps)
-            _, got = gpu_index.search(queries, k)
-            _, want = peer()
+            t_faiss, (_, got) = timed(lambda g=gpu_index, q=queries: g.search(q, k), reps)
             agree = float(np.mean(got == want.cpu().numpy()))
             faiss_cells = [f"{batch / t_faiss:,.0f}", f"{t_roof / t_faiss:.2f}", f"{agree:.4f}"]
         else:
@@ -262,12 +263,11 @@ def metrics(args) -> None:
         x, y, _ = clustered(n, 128, 100, noise, seed=0)
         xg, yg = torch.from_numpy(x).to(DEVICE), torch.from_numpy(y).to(DEVICE)
         reps = args.repeats if n <= 20_000 else 1
-        t_pml = timed(lambda xg=xg, yg=yg: calc.get_accuracy(xg, yg, xg, yg,
-                                                             ref_includes_query=True), reps, 1)
-        ref = calc.get_accuracy(xg, yg, xg, yg, ref_includes_query=True)
-        t_ours = timed(lambda x=x, y=y: retrieval_metrics(x, y, x, y, query_in_gallery=True,
-                                                          bootstrap=0, device=DEVICE), reps, 1)
-        rep = retrieval_metrics(x, y, x, y, query_in_gallery=True, bootstrap=0, device=DEVICE)
+        t_pml, ref = timed(lambda xg=xg, yg=yg: calc.get_accuracy(xg, yg, xg, yg,
+                                                                  ref_includes_query=True),
+                           reps, 1)
+        t_ours, rep = timed(lambda x=x, y=y: retrieval_metrics(
+            x, y, x, y, query_in_gallery=True, bootstrap=0, device=DEVICE), reps, 1)
         chunk = max(1, (256 << 20) // (4 * n))
         buf = torch.empty(chunk, n, device=DEVICE)
         host = torch.empty(chunk, n, pin_memory=DEVICE == "cuda")
@@ -279,8 +279,8 @@ def metrics(args) -> None:
                 if copy:
                     host[: len(part)].copy_(buf[: len(part)])
 
-        t_mm = timed(lambda: product(False), reps, 1)
-        t_mm_copy = timed(lambda: product(True), reps, 1)
+        t_mm, _ = timed(lambda: product(False), reps, 1)
+        t_mm_copy, _ = timed(lambda: product(True), reps, 1)
         diff = max(abs(rep["map_at_r"] - ref["mean_average_precision_at_r"]),
                    abs(rep["r_precision"] - ref["r_precision"]),
                    abs(rep["precision_at_1"] - ref["precision_at_1"]))
