@@ -164,12 +164,26 @@ class SearchPipeline:
                       into: PreparedBatch | None = None) -> PreparedBatch:
         """Stage 1: decode ``queries`` into a new batch, or add them to ``into`` (same served
         version, same budget). Every batch this returns must reach :meth:`finish_batch` or
-        :meth:`discard_batch`."""
+        :meth:`discard_batch`.
+
+        A batch answers with the version it was started with. If the process switched since
+        (``serving`` names another version now), ``queries`` are not added: they are handed
+        back as :class:`~service.batching.Deferred` and start the next batch, with the new
+        version. A request that arrives after a switch was acknowledged is thus never
+        answered by the old model (tests/integration/test_model_switch.py caught one that
+        joined a batch begun before the switch, 0.24 s after the activation's 200).
+        """
         if into is None:
             into = PreparedBatch(self.serving(), PixelBudget(
                 self.batch_max_pixels, setting="IMGRET_BATCH_MAX_PIXELS", scope="batch"))
             with self._running_lock:
                 self._running += 1
+        elif self.serving().version != into.serving.version:
+            into.full = True
+            for query in queries:
+                into.queries.append(query)
+                into.results.append(Deferred())
+            return into
         batch = into
         embedder = batch.serving.embedder
         with self.metrics.timed(self.metrics.decode_seconds):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from service.batching import Deferred, DynamicBatcher, ServiceUnavailable, StagedBatchFn
-from service.pipeline import Answer, ImageQuery, SearchPipeline, Serving
+from service.pipeline import ImageQuery, SearchPipeline, Serving
 from service.telemetry import ServiceMetrics
 
 
@@ -256,25 +256,70 @@ class CountingPipeline(SearchPipeline):
         return torch.full((1, 3, 4, 4), float(query.k))
 
 
-def test_a_batch_reads_the_served_version_once_whatever_its_chunks() -> None:
-    versions = iter(["v1", "v2", "v3"])
+def test_a_batch_keeps_its_version_and_defers_queries_that_arrive_after_a_switch() -> None:
+    served = ["v1"]
     reads: list[str] = []
 
     def serving() -> Serving:
-        reads.append(next(versions))
-        return Serving(reads[-1], _Embedder(), _Searcher())  # type: ignore[arg-type]
+        reads.append(served[0])
+        return Serving(served[0], _Embedder(), _Searcher())  # type: ignore[arg-type]
 
     pipeline = CountingPipeline(serving, max_pixels=10**6, metrics=ServiceMetrics())
     batch = pipeline.prepare_batch([ImageQuery(b"a", 1)])
     assert pipeline.running == 1
-    pipeline.prepare_batch([ImageQuery(b"b", 2), ImageQuery(b"c", 3)], into=batch)
+    pipeline.prepare_batch([ImageQuery(b"b", 2)], into=batch)  # same version: joins
+    assert not batch.full
+    served[0] = "v2"  # the process switches while the batch is being collected
+    pipeline.prepare_batch([ImageQuery(b"c", 3), ImageQuery(b"d", 1)], into=batch)
+    assert batch.full  # takes nothing more
     results = pipeline.finish_batch(batch)
-    assert reads == ["v1"]  # one read for the whole batch
-    assert [r.serving.version for r in results if isinstance(r, Answer)] == ["v1"] * 3
+    assert [r.serving.version for r in results[:2]] == ["v1", "v1"]  # what it began with
+    assert all(isinstance(r, Deferred) for r in results[2:])  # never answered by v1
     assert pipeline.running == 0
     pipeline.discard_batch(batch)  # idempotent
     assert pipeline.running == 0
-    assert [r.serving.version for r in pipeline([ImageQuery(b"d", 1)])] == ["v2"]
+    assert [r.serving.version for r in pipeline([ImageQuery(b"c", 3)])] == ["v2"]
+    assert reads == ["v1", "v1", "v2", "v2"]  # once per batch, and once per chunk added
+
+
+def test_through_the_batcher_a_query_after_a_switch_is_answered_by_the_new_version() -> None:
+    """A batch begun before a switch keeps collecting while the model is busy; a query that
+    arrives after the switch must wait for the next batch rather than join it."""
+    served = ["v1"]
+    pipeline = CountingPipeline(lambda: Serving(served[0], _Embedder(), _Searcher()),  # type: ignore[arg-type]
+                                max_pixels=10**6, metrics=ServiceMetrics())
+    in_model = threading.Event()
+    release = threading.Event()
+    finish = pipeline.finish_batch
+
+    def slow_finish(batch):
+        in_model.set()
+        assert release.wait(30)
+        return finish(batch)
+
+    pipeline.finish_batch = slow_finish  # type: ignore[method-assign]
+
+    async def run() -> tuple[list, list]:
+        batcher = DynamicBatcher(pipeline, max_size=8, max_wait_s=0.0, overlap=True)
+        await batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.submit(ImageQuery(b"a", 1)))
+            await asyncio.to_thread(in_model.wait, 30)  # batch 1 (v1) is in the model
+            second = asyncio.ensure_future(batcher.submit(ImageQuery(b"b", 1)))
+            for _ in range(50):  # batch 2 begins (v1) and waits for the model
+                await asyncio.sleep(0.01)
+            served[0] = "v2"  # the switch is acknowledged here
+            third = asyncio.ensure_future(batcher.submit(ImageQuery(b"c", 1)))
+            await asyncio.sleep(0.05)
+            release.set()
+            return await asyncio.gather(first, second), [await third]
+        finally:
+            release.set()
+            await batcher.stop()
+
+    before, after = asyncio.run(run())
+    assert [a.serving.version for a in before] == ["v1", "v1"]
+    assert [a.serving.version for a in after] == ["v2"]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
