@@ -112,9 +112,9 @@ class SearchPipeline:
     Two stages, so that the batcher can overlap them (:class:`~service.batching.DynamicBatcher`
     runs :meth:`prepare_batch` on its decode thread and :meth:`finish_batch` on its model
     thread: the next batch is decoded while this one is in the model): :meth:`prepare_batch`
-    reads the served version once and decodes (it may be called again with ``into`` to add
-    queries that arrived meanwhile), :meth:`finish_batch` embeds and searches.
-    ``pipeline(queries)`` runs both at once.
+    reads the served version and decodes (it may be called again with ``into`` to add
+    queries that arrived meanwhile, unless the process switched versions since),
+    :meth:`finish_batch` embeds and searches. ``pipeline(queries)`` runs both at once.
 
     The batch has a decoded-pixel budget, charged from each image's header before it is
     decoded: once it is spent, the remaining queries are handed back as
@@ -123,7 +123,8 @@ class SearchPipeline:
     batch is always taken (it may be as large as the per-image limit allows).
 
     Args:
-        serving: returns the served :class:`Serving` (read once per batch), or a fixed one.
+        serving: returns the served :class:`Serving` (read when a batch begins and when
+            queries are added to it), or a fixed one.
         max_pixels: decompression-bomb limit per image (``IMGRET_MAX_IMAGE_PIXELS``).
         metrics: where decode, embed and search times go.
         batch_max_pixels: the batch's decoded-pixel budget (``IMGRET_BATCH_MAX_PIXELS``).
