@@ -10,7 +10,7 @@ so that writes reach their handlers) and checks each response:
 * ``content_type_conformance``: the content type is one the schema documents;
 * ``response_schema_conformance``: the body validates against the documented schema.
 
-Bounded: ``IMGRET_FUZZ_EXAMPLES`` examples per operation and mode (default 25), no shrinking,
+Bounded: ``IMGRET_FUZZ_EXAMPLES`` examples per operation and mode (default 50), no shrinking,
 no example database; every failure is collected and reported together. ``pytest -s`` prints
 the number of cases run per operation.
 """
