@@ -306,8 +306,11 @@ def test_through_the_batcher_a_query_after_a_switch_is_answered_by_the_new_versi
             first = asyncio.ensure_future(batcher.submit(ImageQuery(b"a", 1)))
             await asyncio.to_thread(in_model.wait, 30)  # batch 1 (v1) is in the model
             second = asyncio.ensure_future(batcher.submit(ImageQuery(b"b", 1)))
-            for _ in range(50):  # batch 2 begins (v1) and waits for the model
+            for _ in range(3000):  # batch 2 begins (v1) and waits for the model
+                if pipeline.running == 2:
+                    break
                 await asyncio.sleep(0.01)
+            assert pipeline.running == 2
             served[0] = "v2"  # the switch is acknowledged here
             third = asyncio.ensure_future(batcher.submit(ImageQuery(b"c", 1)))
             await asyncio.sleep(0.05)
