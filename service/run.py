@@ -14,10 +14,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from imgret.checkpoint import resolve_checkpoint_path
 from imgret.errors import CheckpointError
 from imgret.settings import Settings
-from index.db import safe_url, upgrade_to_head
 from service.auth import check_write_exposure, normalized_origins
 from service.telemetry import MULTIPROC_DIR_ENV
 
@@ -53,18 +51,22 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
         ImgretError: no model configured, an unusable checkpoint, or a non-loopback ``host``
             without ``IMGRET_API_KEY`` (and without ``IMGRET_ALLOW_ANONYMOUS_WRITES=true``).
     """
-    import uvicorn
-
-    from service.app import create_app
-
-    # Before anything slow: an open write API on a network interface is refused outright,
-    # and a malformed IMGRET_ALLOWED_ORIGINS is named here rather than in every worker.
+    # Before anything slow (importing torch and the app takes seconds): an open write API on
+    # a network interface is refused outright, and a malformed IMGRET_ALLOWED_ORIGINS is
+    # named here rather than in every worker.
     check_write_exposure(settings, host)
     normalized_origins(settings.allowed_origins)
     if settings.model is None:
         raise CheckpointError(
             "no model: set IMGRET_MODEL (or pass --model) to a run directory or its model.pt"
         )
+
+    import uvicorn
+
+    from imgret.checkpoint import resolve_checkpoint_path
+    from index.db import safe_url, upgrade_to_head
+    from service.app import create_app
+
     resolve_checkpoint_path(settings.model)  # fail here, not in every worker
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.db_url)
