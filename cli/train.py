@@ -110,11 +110,13 @@ def train_command(
     last.pt (for --resume). Prints test MAP@R of the model, the untrained network and raw
     pixels, each with its 95% interval and the split it comes from.
     """
+    # The options are checked before torch and the training stack are imported (seconds).
+    loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
+    config = _config(base, seed=seed, loss=loss_block)
+
     from training.loop import train
 
-    loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
-    result = train(_config(base, seed=seed, loss=loss_block), out, resume=resume,
-                   progress=progress)
+    result = train(config, out, resume=resume, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun, rank 0 reports the run
     echo_run(result)
