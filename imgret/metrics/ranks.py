@@ -22,6 +22,10 @@ prefetch of the next score row while one is counted (the chunk comes back from D
 kernel time). Stop 24 (-30 % together): two uint16 histograms flushed into int64 totals
 instead of four of int32, one suffix pass over the totals, the relevant items laid out in
 cell order, and each candidate's cell kept from the counting pass; see docs/metrics_bench.md.
+Stop 29 (-16 % kernel time on the hard set, AMD Zen 4): a candidate is one int64 store
+(gallery index << 32 | cell) instead of two int32 ones, and the candidate count is unsigned, so
+numba emits no negative-index wrap-around in the counting loop (8 instructions per kept item,
+down from 13 with two reloads from the stack).
 
 One engine (issue 11): this was the fastest of the three exact engines the module had, measured
 on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
@@ -193,8 +197,7 @@ def rank_kernel(S, rel_off, rel_col, out):
         flag = np.empty(stride, np.uint8)
         cells = np.empty(BLOCK + LANES, np.int32)
         idx = np.empty(BLOCK + LANES, np.int32)
-        cand = np.empty(n, np.int32)  # the candidates' gallery indices, and their cells
-        ccell = np.empty(n, np.int32)
+        cand = np.empty(n, np.int64)  # the candidates: gallery index << 32 | cell
         vals = np.empty(max_rel, np.float32)
         rcell = np.empty(max_rel, np.int64)
         tstart = np.empty(stride + 1, np.int64)
@@ -246,7 +249,7 @@ def rank_kernel(S, rel_off, rel_col, out):
                 tstart[c] += 1
             for c in range(n_cells + 2):
                 totals[c] = 0
-            n_cand = 0
+            n_cand = np.uint64(0)
             for b0 in range(0, n, BLOCK):
                 if b0 > 0 and b0 % (FLUSH_BLOCKS * BLOCK) == 0:
                     _add_counts(hist, totals, n_cells + 2, stride)
@@ -266,22 +269,20 @@ def rank_kernel(S, rel_off, rel_col, out):
                     for u in range(WAYS):  # unrolled: WAYS independent counters
                         c0 = np.uint32(cells[i + u])
                         hist[u * stride + c0] += 1
-                        cand[n_cand] = idx[i + u]
-                        ccell[n_cand] = c0
+                        cand[n_cand] = (np.int64(idx[i + u]) << 32) | c0
                         n_cand += flag[c0]
                 for i in range(k4, k):
                     c0 = np.uint32(cells[i])
                     hist[c0] += 1
-                    cand[n_cand] = idx[i]
-                    ccell[n_cand] = c0
+                    cand[n_cand] = (np.int64(idx[i]) << 32) | c0
                     n_cand += flag[c0]
             _add_counts(hist, totals, n_cells + 2, stride)
             for j in range(n_rel):
                 beats[j] = 0
             for p in range(n_cand):
-                e = cand[p]
+                e = cand[p] >> 32
                 x = row[e]
-                c = ccell[p]  # kept from the counting pass, not recomputed from x
+                c = cand[p] & 0xFFFFFFFF  # kept from the counting pass, not recomputed from x
                 q0 = tstart[c]  # a flagged cell holds at least one relevant item
                 v = svals[q0]
                 beats[q0] += (x > v) | ((x == v) & (e < scol[q0]))
