@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import logging
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -132,23 +133,28 @@ def main() -> None:
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
 
-        floors, pooled, forwards = [], [], []
+        floors, pooled, forwards, pooled_cpu = [], [], [], []
         runs: dict[tuple[str, str], list] = {target: [] for target in targets}
+        cpu: dict[tuple[str, str], list[float]] = {target: [] for target in targets}
         # Every path runs with this process's start-up objects frozen out of garbage
         # collection, as the ingest freezes them itself: a full collection scanning them
         # stopped this process for 200-300 ms, landing in whichever run was going on.
         with _frozen_long_lived():
             for round_ in range(args.repeat):
                 floors.append(_floor(paths, embedder))
+                before = cpu_seconds()
                 rate = _pooled_floor(paths, embedder)
                 if rate is not None:
                     pooled.append(rate)
+                    pooled_cpu.append(cpu_seconds() - before)
                 forwards.append(_forward(paths, embedder))
                 for db, backend in targets:
+                    before = cpu_seconds()
                     runs[db, backend].append(ingest_fresh(
                         folder, work / f"{db}-{backend}-{round_}", checkpoint,
                         args.postgres if db == "postgresql" else None, args,
                         media_backend=backend))
+                    cpu[db, backend].append(cpu_seconds() - before)
                 logger.info("round %d: floor %.0f img/s, pooled %s, ingest %s", round_ + 1,
                             floors[-1], f"{pooled[-1]:.0f}" if pooled else "-",
                             ", ".join(f"{db}/{backend} {runs[db, backend][-1][0]:.0f} img/s"
@@ -167,25 +173,33 @@ def main() -> None:
         f"{date.today().isoformat()}.",
         "",
         "| path | images/s (median) | runs | ratio to the floor (a) | to the pooled "
-        "floor (b) |",
-        "|---|---:|---|---:|---:|",
+        "floor (b) | CPU s per run (median) | (b)'s CPU / this CPU |",
+        "|---|---:|---|---:|---:|---:|---:|",
         f"| (a) floor: read + decode + embed, in-process | {floor:.0f} | "
-        f"{_list(floors)} | 1.00 | {_ratio(floor, pooled_floor)} |",
+        f"{_list(floors)} | 1.00 | {_ratio(floor, pooled_floor)} | – | – |",
     ]
+    pooled_cpu_s = statistics.median(pooled_cpu) if pooled_cpu else None
     if pooled_floor:
         lines.append(f"| (b) pooled floor: the same in the ingest's worker processes "
                      f"(decode + embed) | {pooled_floor:.0f} | {_list(pooled)} | "
-                     f"{pooled_floor / floor:.2f} | 1.00 |")
+                     f"{pooled_floor / floor:.2f} | 1.00 | {pooled_cpu_s:.2f} | 1.00 |")
     for (db, backend), results in runs.items():
         rates = [rate for rate, _ in results]
         rate = statistics.median(rates)
+        used = statistics.median(cpu[db, backend])
         lines.append(f"| (c) `index.jobs.ingest`, {db}, media {backend} | {rate:.0f} | "
                      f"{_list(rates)} | {_ratio(rate, floor, bold=not pooled_is_bar)} | "
-                     f"{_ratio(rate, pooled_floor, bold=pooled_is_bar)} |")
+                     f"{_ratio(rate, pooled_floor, bold=pooled_is_bar)} | {used:.2f} | "
+                     f"{_ratio(pooled_cpu_s, used) if pooled_cpu_s else '–'} |")
     lines.append(f"| forward pass alone (preprocessed tensors) | "
                  f"{statistics.median(forwards):.0f} | {_list(forwards)} | "
                  f"{statistics.median(forwards) / floor:.2f} | "
-                 f"{_ratio(statistics.median(forwards), pooled_floor)} |")
+                 f"{_ratio(statistics.median(forwards), pooled_floor)} | – | – |")
+    lines += ["", "CPU s: user + system time of this process and of the worker processes it "
+              "waited for, over the run (a PostgreSQL server's own work is not in it). With "
+              "every core busy in both, a path cannot beat the pooled floor's rate by more "
+              "than the last column: the work it adds to decoding and embedding (hashing, "
+              "media files, SQL) needs CPU of its own."]
     for (db, backend), results in runs.items():
         rate, report = sorted(results, key=lambda r: r[0])[len(results) // 2]
         stages = ", ".join(f"{stage} {report.seconds[stage]:.2f}" for stage in report.seconds)
@@ -195,6 +209,13 @@ def main() -> None:
     print("\n" + text)
     if args.out:
         args.out.write_text(text + "\n")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that were waited for."""
+    own, children = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _ratio(rate: float, floor: float | None, *, bold: bool = False) -> str:
