@@ -40,6 +40,7 @@ kernel.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -61,6 +62,7 @@ def exact_ranks(
     evaluated: np.ndarray,
     chunk_size: int,
     consume: Consumer,
+    record: Callable[[str, float], object] | None = None,
 ) -> None:
     """Exact ranks of the relevant items of every evaluated query, handed to ``consume``.
 
@@ -68,6 +70,9 @@ def exact_ranks(
     ``R > 0``. ``consume(lo, hi, ranks, offsets)`` receives the evaluated queries ``lo:hi``
     (positions in ``evaluated``), chunk by chunk, with their relevant ranks in ascending order,
     CSR by ``offsets``: memory holds one chunk's scores and ranks, never all of them.
+    ``record(part, seconds)``, when given, is called per chunk with the seconds of
+    ``"product"`` (the scores) and ``"ranks"`` (relevance pairs and the rank kernel), so that
+    ``benchmarks/metrics_bench.py`` can set each beside its floor.
     """
     kernel = compiled_kernel()
     n_g = g.shape[0]
@@ -80,17 +85,22 @@ def exact_ranks(
     for lo in range(0, len(evaluated), chunk):
         qs = evaluated[lo : lo + chunk]
         S = buf[: len(qs)]
+        started = time.perf_counter()
         rows = torch.from_numpy(qs).to(q.device)
         if q.device.type == "cpu":
             torch.mm(q[rows], g.T, out=torch.from_numpy(S))
         else:  # the kernel runs on the host: bring the scores there
             torch.from_numpy(S).copy_(q[rows] @ g.T)
+        scored = time.perf_counter()
         rel_row, rel_col, rm_row, rm_col = plan.pairs(qs)
         if rm_row.size:
             S.reshape(-1)[rm_row * n_g + rm_col] = -np.inf
         offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(qs)))])
         ranks = np.empty(len(rel_col), np.int64)
         kernel(S, offsets, rel_col, ranks)  # each query's ranks in ascending order
+        if record is not None:
+            record("product", scored - started)
+            record("ranks", time.perf_counter() - scored)
         consume(lo, lo + len(qs), ranks, offsets)
 
 
