@@ -40,7 +40,6 @@ kernel.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +47,7 @@ import torch
 
 from imgret.metrics.jit import compile_loop, with_globals
 from imgret.metrics.relevance import RelevancePlan
+from imgret.timing import timed
 
 # Default size of one chunk of the float32 score matrix (chunk_size x gallery); one is held.
 CHUNK_BYTES = 256 << 20
@@ -75,6 +75,7 @@ def exact_ranks(
     ``benchmarks/metrics_bench.py`` can set each beside its floor.
     """
     kernel = compiled_kernel()
+    spend = record or (lambda part, seconds: None)
     n_g = g.shape[0]
     chunk = min(chunk_size, len(evaluated))
     # Allocated by torch: 64-byte aligned, where NumPy's large arrays start 16 bytes past a
@@ -85,22 +86,19 @@ def exact_ranks(
     for lo in range(0, len(evaluated), chunk):
         qs = evaluated[lo : lo + chunk]
         S = buf[: len(qs)]
-        started = time.perf_counter()
-        rows = torch.from_numpy(qs).to(q.device)
-        if q.device.type == "cpu":
-            torch.mm(q[rows], g.T, out=torch.from_numpy(S))
-        else:  # the kernel runs on the host: bring the scores there
-            torch.from_numpy(S).copy_(q[rows] @ g.T)
-        scored = time.perf_counter()
-        rel_row, rel_col, rm_row, rm_col = plan.pairs(qs)
-        if rm_row.size:
-            S.reshape(-1)[rm_row * n_g + rm_col] = -np.inf
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(qs)))])
-        ranks = np.empty(len(rel_col), np.int64)
-        kernel(S, offsets, rel_col, ranks)  # each query's ranks in ascending order
-        if record is not None:
-            record("product", scored - started)
-            record("ranks", time.perf_counter() - scored)
+        with timed(functools.partial(spend, "product")):
+            rows = torch.from_numpy(qs).to(q.device)
+            if q.device.type == "cpu":
+                torch.mm(q[rows], g.T, out=torch.from_numpy(S))
+            else:  # the kernel runs on the host: bring the scores there
+                torch.from_numpy(S).copy_(q[rows] @ g.T)
+        with timed(functools.partial(spend, "ranks")):
+            rel_row, rel_col, rm_row, rm_col = plan.pairs(qs)
+            if rm_row.size:
+                S.reshape(-1)[rm_row * n_g + rm_col] = -np.inf
+            offsets = np.concatenate([[0], np.cumsum(np.bincount(rel_row, minlength=len(qs)))])
+            ranks = np.empty(len(rel_col), np.int64)
+            kernel(S, offsets, rel_col, ranks)  # each query's ranks in ascending order
         consume(lo, lo + len(qs), ranks, offsets)
 
 

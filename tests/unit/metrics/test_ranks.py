@@ -82,6 +82,19 @@ def test_exact_ranks_match_a_full_sort(loo, cameras, chunk_size):
     assert sum(map(len, expected)) == plan.num_relevant[evaluated].sum()
 
 
+def test_record_gets_each_chunks_product_and_rank_seconds():
+    x, y = integer_embeddings(300, seed=9)
+    plan = RelevancePlan(y, y, None, None, 300, 300, True)
+    evaluated = np.flatnonzero(plan.num_relevant > 0)
+    calls = []
+    xt = torch.from_numpy(x)
+    exact_ranks(xt, xt, plan, evaluated, 128, lambda *_: None,
+                lambda part, seconds: calls.append((part, seconds)))
+    chunks = -(-len(evaluated) // 128)
+    assert [part for part, _ in calls] == ["product", "ranks"] * chunks
+    assert all(seconds > 0 for _, seconds in calls)
+
+
 @pytest.mark.parametrize("noise", [0.5, 2.5])  # sparse and dense sets of close competitors
 @pytest.mark.parametrize("rows", [1, 240])  # one score row, many rows in parallel
 def test_compiled_kernel_matches_a_full_sort(noise, rows):
