@@ -257,6 +257,7 @@ class Floor:
     all_threads: int
     all_ips: float
     pass_ms: float  # mean forward pass per batch, with the service's threads
+    cpu_us: float  # this process's CPU per image, with the service's threads
 
     @property
     def best(self) -> float:
@@ -312,7 +313,7 @@ class FloorPipeline:
 
         batch = max(1, round(mean_batch))
         every_core = os.cpu_count() or 1
-        rates = {}
+        rates, cpu = {}, {}
         passes = self.pipeline.metrics.embed_seconds
         passes_before = _sum_count(passes)
         for threads in (self.service_threads, every_core):
@@ -320,7 +321,8 @@ class FloorPipeline:
                 continue
             torch.set_num_threads(threads)
             try:
-                rates[threads] = _pipeline_rate(self.pipeline, self.items, batch, seconds)
+                rates[threads], cpu[threads] = _pipeline_rate(self.pipeline, self.items,
+                                                              batch, seconds)
             finally:
                 torch.set_num_threads(self.service_threads)
             if threads == self.service_threads:
@@ -329,7 +331,7 @@ class FloorPipeline:
                     batch, rates[self.service_threads], self.service_threads,
                     rates[every_core], every_core)
         return Floor(batch, self.service_threads, rates[self.service_threads], every_core,
-                     rates[every_core], pass_ms)
+                     rates[every_core], pass_ms, cpu[self.service_threads])
 
 
 def _sum_count(histogram) -> tuple[float, float]:
@@ -345,8 +347,9 @@ def _mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
     return (after[0] - before[0]) / count * 1000 if count else float("nan")
 
 
-def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
-    """Images/s of ``pipeline(batch of items)`` back to back, after a warm-up."""
+def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> tuple[float, float]:
+    """Images/s of ``pipeline(batch of items)`` back to back, after a warm-up, and this
+    process's CPU microseconds (every thread, user + system) per image meanwhile."""
     position = 0
 
     def next_batch() -> list:
@@ -359,6 +362,7 @@ def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
     while time.perf_counter() < warm_until:
         pipeline(next_batch())
     done = 0
+    cpu_started = time.process_time()
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         results = pipeline(next_batch())
@@ -366,7 +370,8 @@ def _pipeline_rate(pipeline, items: list, batch: int, seconds: float) -> float:
         if errors:
             raise RuntimeError(f"the floor's pipeline failed: {errors[0]!r}")
         done += len(results)
-    return done / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    return done / elapsed, (time.process_time() - cpu_started) / max(1, done) * 1e6
 
 
 # --------------------------------------------------------------------------- report
@@ -389,13 +394,16 @@ def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, mode
         f"requests. Forward pass: the mean time of one batch's embedding (the "
         f"imgret_embed_seconds histogram of the server over the level, and of the floor's own "
         f"pipeline with the service's threads): where they differ, the server's model runs "
-        f"slower than the same model in-process. {len(rounds)} round(s) of every level and "
-        f"its floor; a row per round.\n\n"
+        f"slower than the same model in-process. Floor CPU: this process's CPU per image "
+        f"while the floor ran with the service's threads; floor CPU / server CPU bounds "
+        f"server/floor when every core is busy (the request path's own CPU, and wrk's, "
+        f"come on top). {len(rounds)} round(s) of every level and its floor; a row per "
+        f"round.\n\n"
         "| round | connections | req/s | p50 ms | p99 ms | non-2xx | socket errors | server "
         "batch (mean) | CPU us/request (event loop / process) | floor batch "
         "| floor img/s (service threads / all cores) | forward pass ms per batch (server / "
-        "floor) | server/floor |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "floor) | floor CPU us/image | floor CPU / server CPU | server/floor |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     for number, results in enumerate(rounds, 1):
         for r in results:
@@ -405,7 +413,8 @@ def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, mode
                 f"| {s.non_2xx} | {s.socket_errors} | {r.batch_mean:.1f} "
                 f"| {c[0]:.0f} / {c[1]:.0f} | {f.batch} | {f.best:.1f} "
                 f"({f.service_ips:.1f} @{f.service_threads} / {f.all_ips:.1f} @{f.all_threads}) "
-                f"| {r.pass_ms:.1f} / {f.pass_ms:.1f} | {r.ratio:.2f} |\n"
+                f"| {r.pass_ms:.1f} / {f.pass_ms:.1f} | {f.cpu_us:.0f} "
+                f"| {f.cpu_us / c[1]:.2f} | {r.ratio:.2f} |\n"
             )
     if len(rounds) > 1:
         out.write("\nserver/floor per level over the rounds: ")
