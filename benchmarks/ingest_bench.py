@@ -37,8 +37,12 @@ It prints a markdown table with the medians and the ratios ingest / floor (the i
 target is >= 0.80) and ingest / pooled floor: the higher of the two floors is the bar (both
 are bare decode + embed of the same files; which is faster depends on the machine), and the
 ingest's per-stage seconds of the median run (with workers, ``decode`` and ``embed`` are
-the seconds the workers spent on them, summed over the workers). Numbers are for this
-machine only, and noisy on a shared one: compare ratios from one run, not absolute rates.
+the seconds the workers spent on them, summed over the workers). Beside each rate it
+prints the CPU seconds of the run (this process and the workers it waited for) and the
+pooled floor's CPU over them: with every core busy, what ingest adds to decoding and
+embedding needs CPU of its own, so that quotient bounds ingest / pooled floor. Numbers are
+for this machine only, and noisy on a shared one: compare ratios from one run, not absolute
+rates.
 Run it against an older tree by copying this file into that tree's ``benchmarks/`` (it
 imports the tree it sits in); there the pooled floor is skipped.
 """

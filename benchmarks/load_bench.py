@@ -37,7 +37,9 @@ connections):
    between runs of one day);
 6. prints a markdown table (server beside floor, and their ratio, per round; the median
    ratio) and the highest rate held: p99 under the target with no error at all. Beside
-   them, the mean forward pass per batch in the server (its ``imgret_embed_seconds``) and in
+   them, the floor's CPU per image over the server's CPU per request (with every core busy,
+   server/floor cannot pass it: the request path's CPU is taken from the pipeline), and
+   the mean forward pass per batch in the server (its ``imgret_embed_seconds``) and in
    the floor's pipeline: the same model should take the same time in both. It did not,
    38 against 26 ms for resnet18, while a second thread's OpenMP team slowed the server's
    passes (docs/service_bench.md, "Stop 26").
