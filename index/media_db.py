@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from sqlalchemy import delete, select
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import ImgretError
@@ -65,26 +64,20 @@ class DatabaseMediaStore:
         rows = {sha: data for data, sha in items}
         if not rows:
             return paths
+        # The keys already stored are read first, then the others go in with one bulk insert
+        # (store.insert_rows, as the gallery rows do): on PostgreSQL an executemany of INSERT
+        # ... ON CONFLICT took ~70 us per image of an ingest chunk, most of it one round of
+        # statement handling per row. Safe under the gallery write lock, which every writer
+        # of media_blobs holds: no key can appear between the read and the insert (a writer
+        # without it would make the insert fail on the key, not store twice).
+        for chunk in store.chunks(sorted(rows)):
+            for sha in session.scalars(select(MediaBlob.sha256)
+                                       .where(MediaBlob.sha256.in_(chunk))):
+                del rows[sha]
         now = utcnow()
-        if session.get_bind().dialect.name == "postgresql":
-            # The keys already stored are read first, then the others go in with one COPY
-            # (as the gallery rows do, store.insert_items): an executemany of INSERT ... ON
-            # CONFLICT took ~70 us per image of an ingest chunk, most of it one round of
-            # statement handling per row. Safe under the gallery write lock, which every
-            # writer of media_blobs holds: no key can appear between the read and the COPY
-            # (a writer without it would make the COPY fail on the key, not store twice).
-            for chunk in store.chunks(sorted(rows)):
-                for sha in session.scalars(select(MediaBlob.sha256)
-                                           .where(MediaBlob.sha256.in_(chunk))):
-                    del rows[sha]
-            store.copy_rows(session, MediaBlob.__table__,
-                            [{"sha256": sha, "data": data, "created_at": now}
-                             for sha, data in rows.items()])
-        else:
-            session.execute(
-                sqlite_insert(MediaBlob).on_conflict_do_nothing(index_elements=["sha256"]),
-                [{"sha256": sha, "data": data, "created_at": now} for sha, data in rows.items()],
-            )
+        store.insert_rows(session, MediaBlob.__table__,
+                          [{"sha256": sha, "data": data, "created_at": now}
+                           for sha, data in rows.items()])
         return paths
 
     def exists(self, sha256: str) -> bool:

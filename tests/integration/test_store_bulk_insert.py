@@ -1,0 +1,73 @@
+"""``index.store.insert_rows``, the one bulk insert (COPY on PostgreSQL, a DBAPI executemany on
+SQLite), on both databases: rows stored exactly as SQLAlchemy stores them, and the ids handed
+back in the order of the rows."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, insert, select, text
+
+from index import store
+from index.models import GalleryItem, MediaBlob, utcnow
+
+
+def _row(n: int, now, camera: int | None = 3) -> dict:
+    """A gallery item row; rows differ only in their key (sha256, media path, source)."""
+    return {"sha256": f"{n:064x}", "media_path": f"00/00/{n:064x}", "content_type": "image/png",
+            "label": "shirt", "camera": camera, "metadata": {"k": "v", "é": [1.5, None]},
+            "source": f"s/{n}.png", "created_at": now}
+
+
+def test_rows_are_stored_as_sqlalchemy_stores_them(sessions) -> None:
+    """Every column of a row put in by insert_rows reads back, raw, the same as the same row
+    put in by SQLAlchemy's own executemany: timestamps, JSON, NULLs and bytes alike."""
+    table = GalleryItem.__table__
+    now = utcnow()
+    with sessions.begin() as session:
+        ours = store.insert_rows(session, table, [_row(1, now), _row(3, now, None)],
+                                 return_ids=True)
+        theirs = [session.scalar(insert(table).returning(table.c.id), row)
+                  for row in (_row(2, now), _row(4, now, None))]
+        store.insert_rows(session, MediaBlob.__table__,
+                          [{"sha256": "a" * 64, "data": b"\x00\xffbytes", "created_at": now}])
+        session.execute(insert(MediaBlob.__table__),
+                        [{"sha256": "b" * 64, "data": b"\x00\xffbytes", "created_at": now}])
+    columns = [c.name for c in table.columns if c.name not in ("id", "sha256", "media_path",
+                                                               "source")]
+    with sessions() as session:
+        raw = {row[0]: row[1:] for row in session.execute(text(
+            f"SELECT id, {', '.join(columns)} FROM gallery_items"))}
+        blobs = dict(session.execute(text("SELECT sha256, data FROM media_blobs")).all())
+        times = dict(session.execute(text("SELECT sha256, created_at FROM media_blobs")).all())
+        items = {i.id: i for i in session.scalars(select(GalleryItem))}
+    assert len(ours) == 2 and len(theirs) == 2
+    # The same raw representation, column by column (camera set, then NULL).
+    assert raw[ours[0]] == raw[theirs[0]]
+    assert raw[ours[1]] == raw[theirs[1]]
+    assert bytes(blobs["a" * 64]) == bytes(blobs["b" * 64]) == b"\x00\xffbytes"
+    assert times["a" * 64] == times["b" * 64]
+    # And through the ORM: every value as given.
+    for item_id, n, camera in zip(ours, (1, 3), (3, None), strict=True):
+        item = items[item_id]
+        assert (item.sha256, item.label, item.camera, item.meta, item.source) == (
+            f"{n:064x}", "shirt", camera, {"k": "v", "é": [1.5, None]}, f"s/{n}.png")
+        assert item.created_at.replace(tzinfo=None) == now.replace(tzinfo=None)
+
+
+def test_ids_come_back_in_row_order_after_deletes(sessions) -> None:
+    """The ids returned map each row to its own id, also once the newest rows were deleted
+    (ids are never reused: the next ones are larger than any the table had)."""
+    table = GalleryItem.__table__
+    now = utcnow()
+    with sessions.begin() as session:
+        first = store.insert_rows(session, table, [_row(n, now) for n in range(10)],
+                                  return_ids=True)
+        session.execute(delete(table).where(table.c.id >= first[7]))
+    with sessions.begin() as session:
+        second = store.insert_rows(session, table, [_row(n, now) for n in range(20, 25)],
+                                   return_ids=True)
+        assert store.insert_rows(session, table, []) == []
+    assert min(second) > max(first)
+    with sessions() as session:
+        by_id = dict(session.execute(select(table.c.id, table.c.sha256)).all())
+    assert [by_id[i] for i in first[:7]] == [f"{n:064x}" for n in range(7)]
+    assert [by_id[i] for i in second] == [f"{n:064x}" for n in range(20, 25)]
