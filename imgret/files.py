@@ -1,20 +1,22 @@
 """Crash-safe files: the one atomic writer (checkpoints, training records, index, manifest,
 media) and its clean-up.
 
-A file is written to a uniquely named temporary file in its final folder (``mkstemp``: two
-threads or processes never share one), flushed and fsync'd, renamed over the target, and the
-folder is fsync'd so that the rename itself survives a power cut. A reader, or a crash, sees
-the old file or the new one, never half of one. A SIGKILL between ``mkstemp`` and the rename
-leaves a temporary file behind, named after the writer's process id:
-:func:`remove_stale_temps` deletes those whose process is gone (or that are old) at start-up.
+A file is written to a uniquely named temporary file in its final folder
+(:func:`create_temp`: two threads or processes never share one), flushed and fsync'd, renamed
+over the target, and the folder is fsync'd so that the rename itself survives a power cut. A
+reader, or a crash, sees the old file or the new one, never half of one. A SIGKILL between
+creating the temporary file and the rename leaves it behind, named after the writer's process
+id: :func:`remove_stale_temps` deletes those whose process is gone (or that are old) at
+start-up.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import itertools
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,9 +43,7 @@ def write_atomic(path: str | Path, data: bytes | Iterable[bytes]) -> None:
 def write_atomic_with(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     """Like :func:`write_atomic`, for a writer that wants a file (``torch.save(obj, f)``)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-{path.name}.",
-                               dir=path.parent)
+    fd, tmp = create_temp(os.fspath(path.parent), path.name)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -54,6 +54,37 @@ def write_atomic_with(path: str | Path, write: Callable[[BinaryIO], object]) -> 
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+_TEMP_NUMBERS = itertools.count()
+
+
+def create_temp(folder: str, name: str) -> tuple[int, str]:
+    """Create a new temporary file ``<folder>/.tmp-<pid>-<name>.<n>``, open for writing with
+    mode 0600 (as ``mkstemp`` makes them), and return its descriptor and path. The folder and
+    its parents are made when missing.
+
+    ``n`` counts per process (a name already taken, by a process of an earlier boot with the
+    same pid, is skipped), so no two threads or processes ever get the same file, and the pid
+    lets :func:`remove_stale_temps` tell a dead writer's file. ``mkstemp`` drew eight random
+    letters in Python for every name, and the callers ran an ``mkdir`` per file to be sure
+    of the folder; here the folder is made only when the ``open`` says it is missing.
+    """
+    prefix = os.path.join(folder, f"{TEMP_PREFIX}{os.getpid()}-{name}.")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    made = False
+    for _ in range(10_000):  # mkstemp's TMP_MAX
+        path = f"{prefix}{next(_TEMP_NUMBERS)}"
+        try:
+            return os.open(path, flags, 0o600), path
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            if made:
+                raise
+            os.makedirs(folder, exist_ok=True)
+            made = True
+    raise FileExistsError(errno.EEXIST, f"no free temporary file name in {folder}")
 
 
 def fsync_dir(folder: str | Path) -> None:
