@@ -43,6 +43,16 @@ pooled floor's CPU over them: with every core busy, what ingest adds to decoding
 embedding needs CPU of its own, so that quotient bounds ingest / pooled floor. Numbers are
 for this machine only, and noisy on a shared one: compare ratios from one run, not absolute
 rates.
+
+Each round also times what a new media file costs in the work dir (``MediaStore.stage`` of
+256 new keys into a fresh store: a fan-out folder and a file each, as in a fresh ingest) and
+prints it under the table: the media-files backend's ratio follows it. On an ext4 file system
+without a journal (this project's VMs) creating a file in a block group where many files were
+deleted in the last 5-300 s costs 10-30 times more (the kernel skips each recently deleted
+inode when it allocates one: ``recently_deleted`` in a profile), so the work dir matters:
+everything goes under ``TMPDIR`` (default ``/tmp``), and a folder where nothing was deleted
+in the last minutes (not one a test suite or an earlier run just cleaned up) measures the
+backend rather than that leftover.
 Run it against an older tree by copying this file into that tree's ``benchmarks/`` (it
 imports the tree it sits in); there the pooled floor is skipped.
 """
@@ -137,7 +147,7 @@ def main() -> None:
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
 
-        floors, pooled, forwards, pooled_cpu = [], [], [], []
+        floors, pooled, forwards, pooled_cpu, file_us = [], [], [], [], []
         runs: dict[tuple[str, str], list] = {target: [] for target in targets}
         cpu: dict[tuple[str, str], list[float]] = {target: [] for target in targets}
         # Every path runs with this process's start-up objects frozen out of garbage
@@ -152,6 +162,7 @@ def main() -> None:
                     pooled.append(rate)
                     pooled_cpu.append(cpu_seconds() - before)
                 forwards.append(_forward(paths, embedder))
+                file_us.append(_media_file_cost(work / f"probe-{round_}"))
                 for db, backend in targets:
                     before = cpu_seconds()
                     runs[db, backend].append(ingest_fresh(
@@ -204,6 +215,9 @@ def main() -> None:
               "every core busy in both, a path cannot beat the pooled floor's rate by more "
               "than the last column: the work it adds to decoding and embedding (hashing, "
               "media files, SQL) needs CPU of its own."]
+    lines += ["", f"A new media file in the work dir ({work.parent}), per round: "
+              f"{' / '.join(f'{us:.0f}' for us in file_us)} us (a fan-out folder and a file, "
+              "`MediaStore.stage` into a fresh store)."]
     for (db, backend), results in runs.items():
         rate, report = sorted(results, key=lambda r: r[0])[len(results) // 2]
         stages = ", ".join(f"{stage} {report.seconds[stage]:.2f}" for stage in report.seconds)
@@ -271,6 +285,19 @@ def _floor(paths: list[Path], embedder) -> float:
                   for path in paths[at : at + embedder.batch_size]]
         n += len(embedder.embed(images))
     return n / (time.perf_counter() - start)
+
+
+def _media_file_cost(store_dir: Path, files: int = 256) -> float:
+    """Microseconds per new media file in a fresh store under ``store_dir``."""
+    from index.media import MediaStore, sha256_hex
+
+    store = MediaStore(store_dir)
+    blobs = [i.to_bytes(4, "little") * 100 for i in range(files)]
+    keys = [sha256_hex(blob) for blob in blobs]
+    start = time.perf_counter()
+    for blob, key in zip(blobs, keys, strict=True):
+        store.stage(blob, key)
+    return (time.perf_counter() - start) / files * 1e6
 
 
 def _pooled_floor(paths: list[Path], embedder) -> float | None:
