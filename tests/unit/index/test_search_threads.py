@@ -77,6 +77,23 @@ def test_exact_flat_matches_faiss_including_short_rows(gallery):
     np.testing.assert_allclose(scores[:, :7], want_scores[:, :7], rtol=0, atol=1e-6)
 
 
+def test_exact_flat_reuses_its_score_buffer_across_searches_of_any_size(gallery):
+    """One thread's searches share a score buffer: a larger search, then smaller ones on
+    another gallery, each still exact (no score of an earlier search leaks into a later one)."""
+    vectors, ids = gallery
+    small = create_index(check_factory("Flat", DIM), DIM)
+    small.add_with_ids(vectors[:300], ids[:300])
+    large = create_index(check_factory("Flat", DIM), DIM)
+    large.add_with_ids(vectors, ids)
+    for index, n, batch, seed in [(large, N, 200, 6), (small, 300, 1, 7), (large, N, 1, 8),
+                                  (small, 300, 37, 9)]:
+        queries = clustered_vectors(batch, DIM, clusters=50, seed=seed)
+        scores, labels = ExactFlat.of(index).search(queries, K)
+        want_ids, want_scores = numpy_exact(queries, vectors[:n], ids[:n], K)
+        np.testing.assert_array_equal(labels, want_ids)
+        np.testing.assert_allclose(scores, want_scores, rtol=0, atol=1e-6)
+
+
 def test_exact_flat_only_for_exact_inner_product_indexes():
     assert ExactFlat.of(faiss.IndexIDMap2(faiss.IndexFlatIP(8))) is not None
     assert ExactFlat.of(faiss.IndexIDMap(faiss.IndexFlat(8, faiss.METRIC_INNER_PRODUCT)))
