@@ -761,46 +761,60 @@ def insert_rows(session: Session, table, params: Sequence[Mapping[str, Any]], *,
     Returns:
         The new ids with ``return_ids``, else an empty list.
     """
+    if return_ids and not table.kwargs.get("sqlite_autoincrement"):
+        raise ValueError(f"{table.name}: new ids come back only from a table whose ids are "
+                         "never reused (sqlite_autoincrement)")
     if not params:
         return []
-    columns = list(params[0])
-    connection = session.connection()
-    raw = connection.connection.driver_connection
+    if session.get_bind().dialect.name == "postgresql":
+        return _copy_rows(session, table, params, return_ids)
+    _executemany_rows(session, table, params)
+    if not return_ids:
+        return []
     key = next(iter(table.primary_key.columns))
-    if connection.dialect.name == "postgresql":
-        from psycopg.types.json import Jsonb
+    newest = session.scalars(select(key).order_by(key.desc()).limit(len(params)))
+    return [int(i) for i in reversed(newest.all())]
 
-        ids: list[int] = []
-        if return_ids:
-            ids = sorted(int(i) for i in session.scalars(
-                text("SELECT nextval(pg_get_serial_sequence(:t, :c)) "
-                     "FROM generate_series(1, :n)"),
-                {"t": table.name, "c": key.name, "n": len(params)}))
-            params = [{**row, key.name: i} for row, i in zip(params, ids, strict=True)]
-            columns.append(key.name)
-        json_columns = {c for c in columns if isinstance(table.c[c].type, JSON)}
-        names = ", ".join(f'"{c}"' for c in columns)
-        with raw.cursor() as cursor, cursor.copy(
-            f'COPY "{table.name}" ({names}) FROM STDIN'
-        ) as copy:
-            for row in params:
-                copy.write_row([Jsonb(row[c]) if c in json_columns else row[c]
-                                for c in columns])
-        return ids
+
+def _copy_rows(session: Session, table, params: Sequence[Mapping[str, Any]],
+               return_ids: bool) -> list[int]:
+    """:func:`insert_rows` on PostgreSQL: the ids from the sequence, then one ``COPY``."""
+    from psycopg.types.json import Jsonb
+
+    columns = list(params[0])
+    ids: list[int] = []
+    if return_ids:
+        key = next(iter(table.primary_key.columns)).name
+        ids = sorted(int(i) for i in session.scalars(
+            text("SELECT nextval(pg_get_serial_sequence(:t, :c)) FROM generate_series(1, :n)"),
+            {"t": table.name, "c": key, "n": len(params)}))
+        params = [{**row, key: i} for row, i in zip(params, ids, strict=True)]
+        columns.append(key)
+    json_columns = {c for c in columns if isinstance(table.c[c].type, JSON)}
+    names = ", ".join(f'"{c}"' for c in columns)
+    raw = session.connection().connection.driver_connection
+    with raw.cursor() as cursor, cursor.copy(
+        f'COPY "{table.name}" ({names}) FROM STDIN'
+    ) as copy:
+        for row in params:
+            copy.write_row([Jsonb(row[c]) if c in json_columns else row[c] for c in columns])
+    return ids
+
+
+def _executemany_rows(session: Session, table, params: Sequence[Mapping[str, Any]]) -> None:
+    """:func:`insert_rows` on SQLite: one DBAPI ``executemany`` of the converted values."""
+    connection = session.connection()
+    columns = list(params[0])
     values = [_bound(table.c[c].type, connection.dialect, [row[c] for row in params])
               for c in columns]
     names = ", ".join(f'"{c}"' for c in columns)
-    cursor = raw.cursor()
+    cursor = connection.connection.driver_connection.cursor()
     try:
         cursor.executemany(
             f'INSERT INTO "{table.name}" ({names}) VALUES ({", ".join("?" * len(columns))})',
             zip(*values, strict=True))
     finally:
         cursor.close()
-    if not return_ids:
-        return []
-    newest = session.scalars(select(key).order_by(key.desc()).limit(len(params)))
-    return [int(i) for i in reversed(newest.all())]
 
 
 def _bound(column_type, dialect, values: list) -> list:

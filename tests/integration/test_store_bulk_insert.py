@@ -4,6 +4,7 @@ back in the order of the rows."""
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import delete, insert, select, text
 
 from index import store
@@ -66,6 +67,8 @@ def test_ids_come_back_in_row_order_after_deletes(sessions) -> None:
         second = store.insert_rows(session, table, [_row(n, now) for n in range(20, 25)],
                                    return_ids=True)
         assert store.insert_rows(session, table, []) == []
+        with pytest.raises(ValueError, match="sqlite_autoincrement"):
+            store.insert_rows(session, MediaBlob.__table__, [], return_ids=True)
     assert min(second) > max(first)
     with sessions() as session:
         by_id = dict(session.execute(select(table.c.id, table.c.sha256)).all())
