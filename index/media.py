@@ -249,7 +249,8 @@ class MediaStore:
             _write_all(fd, data)
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
         os.close(fd)
         return tmp
