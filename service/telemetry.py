@@ -181,9 +181,19 @@ class AccessLogMiddleware:
             request_id = uuid.uuid4().hex
         status = 500  # what the client sees if the app raises before answering
         sent_bytes = 0
+        elapsed: float | None = None
+
+        def count() -> float:
+            # Before the last body message goes out: a client that has its answer finds its
+            # request in every scrape it makes next (counted after it, a scrape could miss it).
+            seconds = time.perf_counter() - start
+            method, route = scope["method"], _route_template(scope)
+            self.metrics.requests.labels(method, route, str(status)).inc()
+            self.metrics.latency.labels(method, route).observe(seconds)
+            return seconds
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status, sent_bytes
+            nonlocal status, sent_bytes, elapsed
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
@@ -191,16 +201,17 @@ class AccessLogMiddleware:
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
                 sent_bytes += len(message.get("body", b""))
+                if not message.get("more_body", False) and elapsed is None:
+                    elapsed = count()
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            elapsed = time.perf_counter() - start
+            if elapsed is None:  # no complete answer went out (the app raised, or cancelled)
+                elapsed = count()
             route = _route_template(scope)
             method = scope["method"]
-            self.metrics.requests.labels(method, route, str(status)).inc()
-            self.metrics.latency.labels(method, route).observe(elapsed)
             client = scope.get("client")
             access_logger.info(
                 json.dumps(

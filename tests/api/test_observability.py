@@ -105,3 +105,40 @@ def test_a_started_app_keeps_its_start_up_objects_out_of_garbage_collection(make
         assert gc.get_freeze_count() > 10_000
         assert client.get("/health").status_code == 200
     assert gc.get_freeze_count() == 0
+
+
+def test_a_request_is_counted_before_its_answer_is_complete() -> None:
+    """Whoever has a whole answer finds its request in the next scrape: the access-log
+    middleware counts before the last body message goes out (and, when the app raises, as a
+    500 on the way out)."""
+    import asyncio
+
+    from service.telemetry import AccessLogMiddleware, ServiceMetrics
+
+    metrics = ServiceMetrics()
+
+    def counted(status: str) -> float:
+        return metrics.registry.get_sample_value(
+            "imgret_http_requests_total", {"method": "GET", "route": "<unmatched>",
+                                           "status": status}) or 0.0
+
+    async def answer(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        await send({"type": "http.response.body", "body": b"end"})
+
+    async def fail(scope, receive, send) -> None:
+        raise RuntimeError("boom")
+
+    seen: list[tuple[bool, float]] = []
+
+    async def send(message) -> None:
+        if message["type"] == "http.response.body":
+            seen.append((message.get("more_body", False), counted("200")))
+
+    scope = {"type": "http", "method": "GET", "path": "/x", "headers": []}
+    asyncio.run(AccessLogMiddleware(answer, metrics=metrics)(scope, None, send))
+    assert seen == [(True, 0.0), (False, 1.0)]  # counted before the last part, once
+    with pytest.raises(RuntimeError):
+        asyncio.run(AccessLogMiddleware(fail, metrics=metrics)(dict(scope), None, send))
+    assert counted("500") == 1.0 and counted("200") == 1.0
