@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from imgret.metrics import retrieval_metrics
-from imgret.metrics.ranks import CHUNK_BYTES, exact_ranks
+from imgret.metrics.ranks import CHUNK_BYTES, default_chunk_size, exact_ranks
 from imgret.metrics.relevance import RelevancePlan
 
 
@@ -62,11 +62,6 @@ def clustered(n: int, d: int, classes: int, noise: float, seed: int, centres=Non
         y /= np.linalg.norm(y, axis=1, keepdims=True)
         x[i : i + step] = y
     return x, labels, centres
-
-
-def default_chunk(n: int) -> int:
-    """retrieval_metrics' default queries per chunk for an n x n leave-one-out run."""
-    return max(1, min(n, CHUNK_BYTES // (4 * n)))
 
 
 def best_time(fn, repeats: int):
@@ -100,7 +95,7 @@ def part1(args) -> list[dict]:
         def full_mm(xt=xt):
             return torch.mm(xt, xt.T).shape
 
-        chunk = default_chunk(args.n)
+        chunk = default_chunk_size(args.n, args.n)
         buf = torch.empty(chunk, args.n)
 
         def chunked_mm(xt=xt, buf=buf, chunk=chunk):
@@ -283,8 +278,9 @@ def main() -> None:
         )
     print(
         f"\nfloor: the same product in chunks of the default chunk size ({CHUNK_BYTES >> 20} "
-        f"MiB of scores, {default_chunk(args.n)} queries) into one reused buffer: the GEMM "
-        "work any exact chunked method has to do. Timed in the same run, alternating with ours."
+        f"MiB of scores, {default_chunk_size(args.n, args.n)} queries) into one reused buffer: "
+        "the GEMM work any exact chunked method has to do. Timed in the same run, alternating "
+        "with ours."
     )
     print(
         "\nof ours: `exact_ranks` alone, best of its own alternating runs, by part: the "

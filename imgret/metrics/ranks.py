@@ -52,6 +52,11 @@ from imgret.timing import timed
 # Default size of one chunk of the float32 score matrix (chunk_size x gallery); one is held.
 CHUNK_BYTES = 256 << 20
 
+
+def default_chunk_size(n_queries: int, n_gallery: int) -> int:
+    """Queries per chunk when the caller gives none: as many as fit CHUNK_BYTES of scores."""
+    return max(1, min(n_queries, CHUNK_BYTES // (4 * n_gallery)))
+
 Consumer = Callable[[int, int, np.ndarray, np.ndarray], None]
 
 

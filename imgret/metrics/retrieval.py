@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from imgret.metrics.definitions import build_report, per_query_values, value_names
-from imgret.metrics.ranks import CHUNK_BYTES, exact_ranks
+from imgret.metrics.ranks import default_chunk_size, exact_ranks
 from imgret.metrics.relevance import RelevancePlan
 from imgret.metrics.validation import (
     as_int_vector,
@@ -99,7 +99,7 @@ def retrieval_metrics(
         "the gallery size" + (" minus one (query_in_gallery)" if query_in_gallery else ""),
     )
     if chunk_size is None:
-        chunk_size = max(1, min(n_q, CHUNK_BYTES // (4 * n_g)))
+        chunk_size = default_chunk_size(n_q, n_g)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     validate_bootstrap(bootstrap)
