@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from imgret.checkpoint import EmbeddingNet, ModelSpec  # noqa: E402
 from imgret.embedder import Embedder  # noqa: E402
 from imgret.metrics import retrieval_metrics  # noqa: E402
+from imgret.metrics.ranks import default_chunk_size  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 T = TypeVar("T")
@@ -268,7 +269,7 @@ def metrics(args) -> None:
                            reps, 1)
         t_ours, rep = timed(lambda x=x, y=y: retrieval_metrics(
             x, y, x, y, query_in_gallery=True, bootstrap=0, device=DEVICE), reps, 1)
-        chunk = max(1, (256 << 20) // (4 * n))
+        chunk = default_chunk_size(n, n)  # retrieval_metrics' own
         buf = torch.empty(chunk, n, device=DEVICE)
         host = torch.empty(chunk, n, pin_memory=DEVICE == "cuda")
 
