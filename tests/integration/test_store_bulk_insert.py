@@ -74,3 +74,40 @@ def test_ids_come_back_in_row_order_after_deletes(sessions) -> None:
         by_id = dict(session.execute(select(table.c.id, table.c.sha256)).all())
     assert [by_id[i] for i in first[:7]] == [f"{n:064x}" for n in range(7)]
     assert [by_id[i] for i in second] == [f"{n:064x}" for n in range(20, 25)]
+
+
+def test_concurrent_writers_each_get_their_own_ids(sessions) -> None:
+    """Four threads, each on its own connection, insert batches at the same time: every id
+    handed back names the row its caller inserted (SQLite's write lock, held from a
+    transaction's first write, keeps another writer's rows out of the newest ids read back)."""
+    import threading
+
+    table = GalleryItem.__table__
+    start = threading.Barrier(4)
+    got: dict[int, list[tuple[list[int], list[str]]]] = {}
+    errors: list[BaseException] = []
+
+    def write(worker: int) -> None:
+        try:
+            start.wait()
+            for batch in range(15):
+                keys = [worker * 10_000 + batch * 100 + i for i in range(1 + batch % 7)]
+                with sessions.begin() as session:
+                    ids = store.insert_rows(session, table, [_row(k, utcnow()) for k in keys],
+                                            return_ids=True)
+                got.setdefault(worker, []).append((ids, [f"{k:064x}" for k in keys]))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    with sessions() as session:
+        by_id = dict(session.execute(select(table.c.id, table.c.sha256)).all())
+    pairs = [(i, sha) for batches in got.values() for ids, shas in batches
+             for i, sha in zip(ids, shas, strict=True)]
+    assert len(pairs) == len(by_id) == 4 * sum(1 + b % 7 for b in range(15))
+    assert all(by_id[i] == sha for i, sha in pairs)
