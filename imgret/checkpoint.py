@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,10 +78,14 @@ class Checkpoint:
     spec: ModelSpec
     model_version: str
     extra: dict[str, Any] = field(default_factory=dict)
+    # The full SHA-256 of config + weights (:func:`content_digest`); the version is its prefix.
+    digest: str = ""
 
 
-def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
-    """A content hash of the weights and config: same weights + config, same version."""
+def content_digest(model: nn.Module, spec: ModelSpec) -> str:
+    """The full SHA-256 (hex) of the config and the weights: a model's identity. The version
+    name carries only its first 12 digits, so two different models may share a name; the
+    full digest tells them apart."""
     digest = hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
@@ -88,7 +93,17 @@ def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
         if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16
             tensor = tensor.float()
         digest.update(tensor.numpy().tobytes())
-    return f"{spec.backbone}-d{spec.dim}-{digest.hexdigest()[:12]}"
+    return digest.hexdigest()
+
+
+def version_name(spec: ModelSpec, digest: str) -> str:
+    """The model version: backbone, dimension and the first 12 digits of the content digest."""
+    return f"{spec.backbone}-d{spec.dim}-{digest[:12]}"
+
+
+def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
+    """A content hash of the weights and config: same weights + config, same version."""
+    return version_name(spec, content_digest(model, spec))
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
@@ -131,11 +146,16 @@ def save_checkpoint(
     return version
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Rebuild the model from ``model.pt`` (or its run directory) on the CPU, in eval mode."""
-    path = resolve_checkpoint_path(path)
+def load_checkpoint(source: str | Path | bytes) -> Checkpoint:
+    """Rebuild the model from ``model.pt`` (or its run directory, or the file's bytes) on the
+    CPU, in eval mode."""
+    if isinstance(source, bytes | bytearray):
+        path: Path | str = "checkpoint"
+        handle: Any = io.BytesIO(source)
+    else:
+        path = handle = resolve_checkpoint_path(source)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a bad file
         raise CheckpointError(f"{path}: cannot read checkpoint ({exc})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
@@ -150,5 +170,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: weights do not match the config ({exc})") from None
     model.eval()
-    return Checkpoint(model, spec, payload["model_version"], payload.get("extra", {}))
+    return Checkpoint(model, spec, payload["model_version"], payload.get("extra", {}),
+                      digest=content_digest(model, spec))
 
