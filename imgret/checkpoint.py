@@ -1,4 +1,32 @@
-"""The model and its checkpoint: ModelSpec + EmbeddingNet, saved so that it rebuilds itself."""
+"""The model and its checkpoint: ModelSpec + EmbeddingNet, saved so that it rebuilds itself.
+
+A checkpoint is untrusted input (it may be uploaded), so :func:`load_checkpoint` checks it in
+an order where nothing large is allocated before it is known to fit, and every refusal is a
+:class:`~imgret.errors.CheckpointError` naming what is wrong without quoting the file:
+
+1. Size: the file (or bytes) at most ``max_bytes`` (:data:`MAX_CHECKPOINT_BYTES`, 512 MiB:
+   vit_b_16, the largest backbone, is ~330 MiB in float32).
+2. Zip directory, read with :mod:`zipfile` before ``torch.load`` (torch.save writes a zip):
+   its end record names at most :data:`MAX_ARCHIVE_ENTRIES` entries in a directory of at most
+   :data:`MAX_DIRECTORY_BYTES`; every entry is *stored* (torch.save never compresses, and a
+   deflated entry is how a 200 KB file inflates to a 200 MB tensor); the uncompressed sizes
+   sum to at most ``max_bytes``; the pickle (``data.pkl``) is at most
+   :data:`MAX_PICKLE_BYTES` (unpickled objects can be ~40x their pickle). A file that is not
+   a zip (torch's legacy format included) is refused.
+3. ``torch.load(weights_only=True)``: only tensors and plain containers come back.
+4. Structure: a dict with exactly ``format``, ``spec``, ``model_version``, ``state_dict`` and
+   optionally ``extra`` (a dict); ``model_version`` a string.
+5. Spec: :class:`ModelSpec`'s bounds: ``backbone`` a key of ``imgret.backbones.BACKBONES``,
+   ``1 <= dim <=`` :data:`MAX_DIM`, :data:`MIN_IMAGE_SIZE` ``<= image_size <=``
+   :data:`MAX_IMAGE_SIZE`, ``mean`` finite, ``std`` finite and > 0.
+6. Weights against the spec before any real model exists: the spec's network is built on the
+   meta device (no memory), its size must fit ``max_bytes``, and the state dict must have
+   exactly its tensor names and shapes, floating-point dtypes where it has them, and only
+   finite values (a NaN or infinite weight makes every embedding NaN, which no index can
+   rank, so such a model is refused rather than served).
+7. Only then the real model is built and loaded, and ``model_version`` must be the version
+   its weights and spec hash to.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +34,45 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
+import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Annotated, Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
-from imgret.backbones import build_backbone
+from imgret.backbones import BACKBONES, build_backbone
 from imgret.errors import CheckpointError
 from imgret.files import write_atomic_with
-from imgret.validation import describe
 
 CHECKPOINT_FILE = "model.pt"
 FORMAT = "imgret-checkpoint-v1"
+
+MIB = 1 << 20
+# The default byte budget of a checkpoint: the file, its uncompressed contents and the model
+# its spec describes (float32) must each fit.
+MAX_CHECKPOINT_BYTES = 512 * MIB
+# torch.save writes one entry per storage plus ~6 (resnet50: 326, efficientnet_b0: ~366).
+MAX_ARCHIVE_ENTRIES = 4096
+# Central directory records are ~60-100 bytes each for torch's short names.
+MAX_DIRECTORY_BYTES = 1 * MIB
+# The pickle holds tensor names and ``extra`` (config, metrics): a few KB to a few hundred.
+MAX_PICKLE_BYTES = 4 * MIB
+# Spec bounds: they admit every size the project trains and serves (8..224 px, dim 8..512)
+# with room above (ViT fine-tuning at 384/448 px; 4096-d embeddings).
+MAX_DIM = 4096
+MIN_IMAGE_SIZE = 8
+MAX_IMAGE_SIZE = 512
+PAYLOAD_KEYS = ("format", "spec", "model_version", "state_dict", "extra")
+
+_Mean = Annotated[float, Field(allow_inf_nan=False)]
+_Std = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 @pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -34,18 +84,28 @@ class ModelSpec:
 
     Attributes:
         backbone: a key of ``imgret.backbones.BACKBONES``.
-        dim: embedding size (output of the projection head).
-        image_size: square input side in pixels.
-        mean, std: per-channel normalisation of the input (RGB, 0..1 scale).
+        dim: embedding size (output of the projection head), 1 to :data:`MAX_DIM`.
+        image_size: square input side in pixels, :data:`MIN_IMAGE_SIZE` to
+            :data:`MAX_IMAGE_SIZE`.
+        mean, std: per-channel normalisation of the input (RGB, 0..1 scale); finite, std > 0.
         grayscale: inputs are greyscale images replicated to 3 channels (Fashion-MNIST).
     """
 
     backbone: str = "resnet18"
-    dim: int = 128
-    image_size: int = 224
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    dim: int = Field(128, ge=1, le=MAX_DIM)
+    image_size: int = Field(224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE)
+    mean: tuple[_Mean, _Mean, _Mean] = (0.485, 0.456, 0.406)
+    std: tuple[_Std, _Std, _Std] = (0.229, 0.224, 0.225)
     grayscale: bool = False
+
+    @field_validator("backbone")
+    @classmethod
+    def _known_backbone(cls, name: str) -> str:
+        # The message lists the valid names and never repeats the value (it may come from an
+        # uploaded file).
+        if name not in BACKBONES:
+            raise ValueError(f"must be one of {', '.join(sorted(BACKBONES))}")
+        return name
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict (tuples kept: ``torch.load(weights_only=True)`` reads them)."""
@@ -146,30 +206,190 @@ def save_checkpoint(
     return version
 
 
-def load_checkpoint(source: str | Path | bytes) -> Checkpoint:
+def load_checkpoint(
+    source: str | Path | bytes, *, max_bytes: int = MAX_CHECKPOINT_BYTES
+) -> Checkpoint:
     """Rebuild the model from ``model.pt`` (or its run directory, or the file's bytes) on the
-    CPU, in eval mode."""
-    if isinstance(source, bytes | bytearray):
-        path: Path | str = "checkpoint"
-        handle: Any = io.BytesIO(source)
-    else:
-        path = handle = resolve_checkpoint_path(source)
+    CPU, in eval mode, after the checks of this module's docstring.
+
+    Args:
+        source: a run directory, a ``model.pt`` path, or the file's bytes.
+        max_bytes: the byte budget (file, uncompressed contents, model).
+
+    Raises:
+        CheckpointError: anything missing, malformed, over the budget or inconsistent.
+    """
+    if isinstance(source, bytes | bytearray | memoryview):
+        if len(source) > max_bytes:
+            raise CheckpointError(f"checkpoint: {_over('the file', len(source), max_bytes)}")
+        return _load(io.BytesIO(source), "checkpoint", max_bytes)
+    path = resolve_checkpoint_path(source)
+    try:
+        handle = path.open("rb")
+    except OSError:
+        raise CheckpointError(f"{path}: cannot open the checkpoint") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > max_bytes:
+            raise CheckpointError(f"{path}: {_over('the file', size, max_bytes)}")
+        # One open file for the checks and torch.load: both read the same bytes.
+        return _load(handle, str(path), max_bytes)
+
+
+def _over(what: str, size: int, budget: int) -> str:
+    return f"{what} is {size / MIB:.1f} MiB, over the budget of {budget / MIB:.1f} MiB"
+
+
+def _load(handle: IO[bytes], label: str, max_bytes: int) -> Checkpoint:
+    def refuse(problem: str) -> CheckpointError:
+        return CheckpointError(f"{label}: {problem}")
+
+    problem = _archive_problem(handle, max_bytes)
+    if problem:
+        raise refuse(problem)
+    handle.seek(0)
     try:
         payload = torch.load(handle, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad file
-        raise CheckpointError(f"{path}: cannot read checkpoint ({exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an imgret checkpoint (expected {FORMAT})")
+    except Exception:  # torch raises many types; their text may quote the file
+        raise refuse("cannot read checkpoint: not a torch checkpoint, truncated or "
+                     "corrupt") from None
+    spec, state = _checked_payload(payload, refuse)
+    problem = _weights_problem(spec, state, max_bytes)
+    if problem:
+        raise refuse(problem)
+    model = EmbeddingNet(spec)
+    try:
+        model.load_state_dict(state)
+    except Exception:  # names, shapes and dtypes are checked: this is a storage too small
+        raise refuse("weights do not match the config (a tensor's data is corrupt)") from None
+    model.eval()
+    digest = content_digest(model, spec)
+    version = version_name(spec, digest)
+    if payload["model_version"] != version:
+        raise refuse(f"model_version is not the hash of its weights and config ({version}); "
+                     "save it again with imgret.checkpoint.save_checkpoint")
+    return Checkpoint(model, spec, version, payload.get("extra", {}), digest=digest)
+
+
+def _archive_problem(handle: IO[bytes], max_bytes: int) -> str | None:
+    """What makes the zip directory unsafe to hand to ``torch.load``; None when it is fine.
+    Reads only the directory, never an entry's data."""
+    not_zip = "cannot read checkpoint: not a zip archive (torch.save writes one)"
+    try:
+        # zipfile's own reader of the end record: the directory's size and entry count are
+        # known before zipfile builds one object per entry.
+        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+        if end is None:
+            return not_zip
+        if (end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ARCHIVE_ENTRIES  # type: ignore[attr-defined]
+                or end[zipfile._ECD_SIZE] > MAX_DIRECTORY_BYTES):  # type: ignore[attr-defined]
+            return f"too many archive entries (at most {MAX_ARCHIVE_ENTRIES})"
+        handle.seek(0)
+        entries = zipfile.ZipFile(handle).infolist()
+    except Exception:  # zipfile raises BadZipFile, OSError, struct.error, ...
+        return not_zip
+    if len(entries) > MAX_ARCHIVE_ENTRIES:
+        return f"too many archive entries (at most {MAX_ARCHIVE_ENTRIES})"
+    if any(e.compress_type != zipfile.ZIP_STORED or e.compress_size != e.file_size
+           for e in entries):
+        return "the archive has compressed entries (torch.save writes them stored)"
+    total = sum(e.file_size for e in entries)
+    if total > max_bytes:
+        return _over("the uncompressed content", total, max_bytes)
+    pickle_size = max((e.file_size for e in entries if e.filename.endswith("data.pkl")),
+                      default=0)
+    if pickle_size > MAX_PICKLE_BYTES:
+        return _over("the pickled structure (data.pkl)", pickle_size, MAX_PICKLE_BYTES)
+    return None
+
+
+def _checked_payload(payload: Any, refuse: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The spec and the state dict of a loaded payload whose structure is checked."""
+    if not isinstance(payload, dict):
+        raise refuse(f"not an imgret checkpoint (it holds a {type(payload).__name__}, "
+                     "not a dict)")
+    if payload.get("format") != FORMAT:
+        raise refuse(f"not an imgret checkpoint (expected format {FORMAT})")
+    if not set(payload) <= set(PAYLOAD_KEYS):
+        raise refuse(f"unknown top-level keys (allowed: {', '.join(PAYLOAD_KEYS)})")
+    for key, kind in (("spec", dict), ("state_dict", dict), ("model_version", str)):
+        if key not in payload:
+            raise refuse(f"no {key}")
+        if not isinstance(payload[key], kind):
+            raise refuse(f"{key} is a {type(payload[key]).__name__}, not a {kind.__name__}")
+    if not isinstance(payload.get("extra", {}), dict):
+        raise refuse(f"extra is a {type(payload['extra']).__name__}, not a dict")
     try:
         spec = TypeAdapter(ModelSpec).validate_python(payload["spec"])
     except ValidationError as exc:
-        raise CheckpointError(f"{path}: bad model config ({describe(exc)})") from None
-    model = EmbeddingNet(spec)
-    try:
-        model.load_state_dict(payload["state_dict"])
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path}: weights do not match the config ({exc})") from None
-    model.eval()
-    return Checkpoint(model, spec, payload["model_version"], payload.get("extra", {}),
-                      digest=content_digest(model, spec))
+        raise refuse(f"bad model config ({_spec_problems(exc)})") from None
+    return spec, payload["state_dict"]
 
+
+def _spec_problems(exc: ValidationError) -> str:
+    """pydantic's messages, without the values and without keys that are not fields (both
+    come from the file)."""
+    fields = [f.name for f in dataclasses.fields(ModelSpec)]
+    problems = []
+    for error in exc.errors():
+        loc = error["loc"]
+        if loc and loc[0] in fields:
+            name = "spec." + ".".join(map(str, loc))
+            problems.append(f"{name}: {error['msg'].removeprefix('Value error, ')}")
+        elif error["type"] == "unexpected_keyword_argument":
+            problems.append(f"spec has an unknown field (fields: {', '.join(fields)})")
+        elif loc:
+            problems.append("spec has a key that is not a field name")
+        else:
+            problems.append(f"spec: {error['msg']}")
+    return "; ".join(dict.fromkeys(problems))
+
+
+def expected_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The state dict the spec's network has, as meta tensors (names, shapes, dtypes; no
+    memory is allocated, whatever the spec's size).
+
+    Raises:
+        CheckpointError: the backbone cannot be built with this spec.
+    """
+    try:
+        with torch.device("meta"):
+            return EmbeddingNet(spec).state_dict()
+    except Exception:  # e.g. ViT needs image_size divisible by its patch size
+        raise CheckpointError(f"the {spec.backbone} backbone cannot be built at image_size "
+                              f"{spec.image_size}") from None
+
+
+def _weights_problem(spec: ModelSpec, state: Mapping[Any, Any], max_bytes: int) -> str | None:
+    """What is wrong with the state dict for this spec; None when it fits exactly. Names
+    from the file are never quoted: only the expected ones."""
+    try:
+        expected = expected_state(spec)
+    except CheckpointError as exc:
+        return str(exc)
+    needed = sum(t.numel() * t.element_size() for t in expected.values())
+    if needed > max_bytes:
+        return _over(f"the model the spec describes ({spec.backbone}, dim {spec.dim}, "
+                     f"image_size {spec.image_size})", needed, max_bytes)
+    missing = [name for name in expected if name not in state]
+    unexpected = sum(1 for name in state if name not in expected)
+    if missing or unexpected:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        return (f"weights do not match the config: {len(missing)} missing tensors"
+                f"{f' ({shown})' if missing else ''}, {unexpected} unexpected")
+    for name, want in expected.items():
+        got = state[name]
+        if (not isinstance(got, torch.Tensor) or got.layout != torch.strided
+                or got.device.type != "cpu"):
+            return f"state_dict.{name} is not a dense CPU tensor"
+        if tuple(got.shape) != tuple(want.shape):
+            return (f"state_dict.{name} has shape {tuple(got.shape)}, the config needs "
+                    f"{tuple(want.shape)}")
+        if want.is_floating_point():
+            if not got.is_floating_point():
+                return f"state_dict.{name} is {got.dtype}, not a floating-point tensor"
+            if not bool(torch.isfinite(got).all()):
+                return f"state_dict.{name} holds NaN or infinite values"
+        elif got.dtype != want.dtype:
+            return f"state_dict.{name} is {got.dtype}, the config needs {want.dtype}"
+    return None

@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
+from imgret.backbones import build_backbone
 from imgret.checkpoint import (
     EmbeddingNet,
     ModelSpec,
@@ -135,8 +137,10 @@ def test_bad_checkpoints_are_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_backbone_lists_valid_ones() -> None:
+    with pytest.raises(ValidationError, match="(?s)backbone.*must be one of .*resnet18"):
+        ModelSpec(backbone="resnet9000")
     with pytest.raises(UnknownName, match="resnet18"):
-        EmbeddingNet(ModelSpec(backbone="resnet9000"))
+        build_backbone("resnet9000", image_size=32)
 
 
 def test_backbone_weights_load_from_a_local_file(tmp_path: Path) -> None:
