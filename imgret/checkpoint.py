@@ -316,9 +316,9 @@ def _checked_payload(payload: Any, refuse: Any) -> tuple[ModelSpec, dict[str, to
         if key not in payload:
             raise refuse(f"no {key}")
         if not isinstance(payload[key], kind):
-            raise refuse(f"{key} is a {type(payload[key]).__name__}, not a {kind.__name__}")
+            raise refuse(f"{key} should be a {kind.__name__}, not {type(payload[key]).__name__}")
     if not isinstance(payload.get("extra", {}), dict):
-        raise refuse(f"extra is a {type(payload['extra']).__name__}, not a dict")
+        raise refuse(f"extra should be a dict, not {type(payload['extra']).__name__}")
     try:
         spec = TypeAdapter(ModelSpec).validate_python(payload["spec"])
     except ValidationError as exc:

@@ -49,7 +49,7 @@ def test_to_dict_is_what_the_version_hash_has_always_read() -> None:
      ({**GREY.to_dict(), "dim": "wide"}, "bad model config .*spec.dim: Input should be a valid "
                                          "integer"),
      ({**GREY.to_dict(), "mean": [0.5, 0.5]}, "bad model config .*spec.mean.2: Field required"),
-     ("resnet18", "spec is a str, not a dict")],
+     ("resnet18", "spec should be a dict, not str")],
 )
 def test_a_bad_spec_is_a_checkpoint_error(tmp_path: Path, spec: object, message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
