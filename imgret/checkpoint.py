@@ -260,7 +260,7 @@ def _load(handle: IO[bytes], label: str, max_bytes: int) -> Checkpoint:
     model = EmbeddingNet(spec)
     try:
         model.load_state_dict(state)
-    except Exception:  # names, shapes and dtypes are checked: this is a storage too small
+    except Exception:  # names, shapes and dtypes are checked: not expected to happen
         raise refuse("weights do not match the config (a tensor's data is corrupt)") from None
     model.eval()
     digest = content_digest(model, spec)
@@ -278,12 +278,14 @@ def _archive_problem(handle: IO[bytes], max_bytes: int) -> str | None:
     try:
         # zipfile's own reader of the end record: the directory's size and entry count are
         # known before zipfile builds one object per entry.
-        end = zipfile._EndRecData(handle)  # type: ignore[attr-defined]
+        end = zipfile._EndRecData(handle)
         if end is None:
             return not_zip
-        if (end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ARCHIVE_ENTRIES  # type: ignore[attr-defined]
-                or end[zipfile._ECD_SIZE] > MAX_DIRECTORY_BYTES):  # type: ignore[attr-defined]
+        if end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ARCHIVE_ENTRIES:
             return f"too many archive entries (at most {MAX_ARCHIVE_ENTRIES})"
+        if end[zipfile._ECD_SIZE] > MAX_DIRECTORY_BYTES:
+            return _over("the archive directory", end[zipfile._ECD_SIZE],
+                         MAX_DIRECTORY_BYTES)
         handle.seek(0)
         entries = zipfile.ZipFile(handle).infolist()
     except Exception:  # zipfile raises BadZipFile, OSError, struct.error, ...
@@ -347,7 +349,8 @@ def _spec_problems(exc: ValidationError) -> str:
 
 def expected_state(spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The state dict the spec's network has, as meta tensors (names, shapes, dtypes; no
-    memory is allocated, whatever the spec's size).
+    memory is allocated, whatever the spec's size). ``torch.device`` as a context is
+    thread-local: models built meanwhile in other threads stay real.
 
     Raises:
         CheckpointError: the backbone cannot be built with this spec.

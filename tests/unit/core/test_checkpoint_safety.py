@@ -34,6 +34,7 @@ from imgret.checkpoint import (
     version_name,
 )
 from imgret.errors import CheckpointError
+from tests.support.threads import run_in_threads
 
 # Planted in every hostile file (as a value, a key, a name, raw bytes): no message may carry
 # any 6-character piece of it.
@@ -158,6 +159,7 @@ CASES: list[tuple[str, Callable[[dict, bytes], bytes], str]] = [
      "compressed entries"),
     ("too-many-entries", lambda p, b: rezipped(b, pad_entries=MAX_ARCHIVE_ENTRIES),
      "too many archive entries"),
+    ("directory-too-big", lambda p, b: _long_names(b), "the archive directory is 1.1 MiB"),
     ("pickle-too-big",
      lambda p, b: saved({**p, "extra": {"note": SECRET * (MAX_PICKLE_BYTES // len(SECRET))}}),
      r"data\.pkl\) is 4\.0 MiB, over the budget"),
@@ -257,6 +259,17 @@ def _legacy(payload: dict) -> bytes:
     return buffer.getvalue()
 
 
+def _long_names(data: bytes) -> bytes:
+    """Few entries, but a central directory of over 1 MiB (names of 60 KB)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+        for n in range(20):
+            dst.writestr(f"{n}{SECRET}".ljust(60_000, "x"), b"")
+    return out.getvalue()
+
+
 def _zip_of_text() -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -323,6 +336,23 @@ def test_the_meta_state_is_the_real_one_for_every_backbone(backbone: str) -> Non
         assert (meta[name].shape, meta[name].dtype) == (tensor.shape, tensor.dtype), name
 
 
+def test_loads_beside_model_building_in_other_threads_leave_real_models_real(
+    good_path: Path,
+) -> None:
+    """The meta device of the checks is per thread: a model built while another thread
+    checks a checkpoint (an upload beside training or ingest) has real weights."""
+
+    def load_or_build() -> list[torch.device]:
+        devices = [load_checkpoint(good_path).model.head.weight.device]
+        for _ in range(20):
+            devices.append(EmbeddingNet(SPEC).head.weight.device)
+        return devices
+
+    results, errors = run_in_threads(load_or_build, 6, timeout_s=120)
+    assert not errors and len(results) == 6
+    assert {device.type for devices in results for device in devices} == {"cpu"}
+
+
 def test_every_spec_the_project_uses_is_within_bounds() -> None:
     """The sizes of training/, the demo, the benchmarks and the tests."""
     for backbone, dim, size in [("tiny_cnn", 8, 8), ("tiny_cnn", 16, 32), ("small_cnn", 64, 28),
@@ -340,6 +370,7 @@ _MEASURE = """
 import json, resource, sys
 from imgret.checkpoint import load_checkpoint
 from imgret.errors import CheckpointError
+from tests.support.threads import run_in_threads
 load_checkpoint(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
