@@ -50,6 +50,7 @@ from torch import nn
 from imgret.backbones import BACKBONES, build_backbone
 from imgret.errors import CheckpointError
 from imgret.files import write_atomic_with
+from imgret.validation import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 
 CHECKPOINT_FILE = "model.pt"
 FORMAT = "imgret-checkpoint-v1"
@@ -64,11 +65,6 @@ MAX_ARCHIVE_ENTRIES = 4096
 MAX_DIRECTORY_BYTES = 1 * MIB
 # The pickle holds tensor names and ``extra`` (config, metrics): a few KB to a few hundred.
 MAX_PICKLE_BYTES = 4 * MIB
-# Spec bounds: they admit every size the project trains and serves (8..224 px, dim 8..512)
-# with room above (ViT fine-tuning at 384/448 px; 4096-d embeddings).
-MAX_DIM = 4096
-MIN_IMAGE_SIZE = 8
-MAX_IMAGE_SIZE = 512
 PAYLOAD_KEYS = ("format", "spec", "model_version", "state_dict", "extra")
 
 _Mean = Annotated[float, Field(allow_inf_nan=False)]

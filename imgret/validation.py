@@ -15,6 +15,14 @@ from pydantic import ValidationError
 
 from imgret.errors import ImgretError
 
+# Bounds of a model spec, shared by checkpoints (imgret.checkpoint.ModelSpec) and the training
+# config, kept here because this module does not import torch (a training option is checked
+# before torch loads). They admit every size the project trains and serves (8..224 px, dim
+# 8..512) with room above (ViT fine-tuning at 384/448 px; 4096-d embeddings).
+MAX_DIM = 4096
+MIN_IMAGE_SIZE = 8
+MAX_IMAGE_SIZE = 512
+
 
 def describe(exc: ValidationError) -> str:
     """``field: problem (got value)`` per error, ``; ``-joined; a check over several fields

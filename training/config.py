@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from imgret.errors import ImgretError
-from imgret.validation import raising
+from imgret.validation import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, raising
 
 FASHION_MNIST = "fashion-mnist"
 # Fields that may differ between the runs of one benchmark.
@@ -111,8 +111,10 @@ class TrainConfig:
     backbone: str = Field(
         "resnet18",
         description="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16")
-    dim: int = Field(128, gt=0, description="embedding size")
-    image_size: int = Field(224, ge=8, description="input side in px")
+    dim: int = Field(128, gt=0, le=MAX_DIM, description="embedding size")
+    image_size: int = Field(
+        224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE, description="input side in px"
+    )
     backbone_weights: str | None = Field(
         None, description="local torchvision state dict for the trunk (nothing is "
         "downloaded); default: random init")

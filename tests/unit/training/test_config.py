@@ -25,6 +25,8 @@ SAVED_KEYS = [
      ({"device": "gpu"}, "device"), ({"val_fraction": 0.0}, "val_fraction"),
      ({"test_fraction": 1.0}, "test_fraction"), ({"dim": 0}, "dim"),
      ({"image_size": 4}, "image_size"), ({"epochs": 0}, "epochs"),
+     # Past the checkpoint's spec bounds: refused here, before a model is built.
+     ({"dim": 8192}, "dim"), ({"image_size": 1024}, "image_size"),
      ({"batch_size": 1}, "batch_size"), ({"m_per_class": 1}, "m_per_class"),
      ({"lr": 0.0}, "lr"), ({"weight_decay": -1e-4}, "weight_decay"),
      ({"warmup_epochs": -1}, "warmup_epochs"), ({"time_budget_s": 0}, "time_budget_s"),
