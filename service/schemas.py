@@ -28,6 +28,7 @@ from index.search.rerank import (
     Rerank,
     rerank_options,
 )
+from service.limits import SEARCH_CANDIDATES_MAX
 from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
 
 K_MAX = 1000
@@ -217,9 +218,21 @@ class RerankRequest(BaseModel):
         )
 
 
-def parse_rerank_fields(form: FormData) -> Rerank | None:
+class SearchRerankRequest(RerankRequest):
+    """``/search``'s and ``/search/batch``'s re-ranking: :class:`RerankRequest` within the
+    search budget (at most ``SEARCH_CANDIDATES_MAX`` candidates: see ``service.limits`` for
+    the measurement). An evaluation is a job of its own and keeps the wider bounds."""
+
+    rerank_candidates: int | None = Field(
+        None, ge=1, le=SEARCH_CANDIDATES_MAX,
+        description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
+                    "below rank N keep their order")
+
+
+def parse_rerank_fields(form: FormData,
+                        model: type[RerankRequest] = RerankRequest) -> Rerank | None:
     """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked by
-    :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
+    ``model``'s :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
     values: dict[str, Any] = {}
     for name in RERANK_FIELDS:
         sent = form.getlist(name)
@@ -227,7 +240,7 @@ def parse_rerank_fields(form: FormData) -> Rerank | None:
             raise HTTPException(422, f"{name} was sent more than once: send it once")
         values[name] = str(sent[0]) if sent else None
     try:
-        return RerankRequest.parse(values)
+        return model.parse(values)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
 
