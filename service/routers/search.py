@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
+import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import FormData, UploadFile
@@ -18,15 +20,16 @@ from index import store
 from index.search import SearchFilter
 from index.search.rerank import Rerank
 from service.deps import ResourcesDep
-from service.pipeline import Answer, ImageQuery
+from service.limits import check_search_budget
+from service.pipeline import Answer, ImageQuery, ItemQuery, Serving
 from service.resources import Resources
 from service.routers.gallery import image_uri
 from service.schemas import (
     K_MAX,
     RERANK_FIELDS,
-    RerankRequest,
     SearchBatchResponse,
     SearchHit,
+    SearchRerankRequest,
     SearchResponse,
     form_field_schemas,
     parse_rerank_fields,
@@ -49,15 +52,16 @@ ID_MAX = 2**63 - 1
 _ERRORS = {
     400: {"description": "a malformed multipart body"},
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
-    422: {"description": "not an image, or invalid options"},
-    503: {"description": "the search queue is full or the server is shutting down; retry "
-                        "after Retry-After seconds"},
+    422: {"description": "not an image, invalid options, or a request over the search "
+                        "budget (results and re-ranking: see service.limits)"},
+    503: {"description": "the search or re-ranking queue is full or the server is shutting "
+                        "down; retry after Retry-After seconds"},
 }
 
 
 class SearchFields(BaseModel):
     """The option fields of ``/search`` and ``/search/batch`` besides re-ranking (which is
-    :class:`~service.schemas.RerankRequest`'s)."""
+    :class:`~service.schemas.SearchRerankRequest`'s)."""
 
     k: int | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
                                                               "also be sent as ?k=")
@@ -131,7 +135,7 @@ def read_search_form(
         k_query = _QueryK.model_validate({"k": request.query_params.get("k")}).k
     except ValidationError as exc:
         raise request_validation_error(exc, "query") from None
-    rerank = parse_rerank_fields(form)
+    rerank = parse_rerank_fields(form, SearchRerankRequest)
     if parsed.k is not None and k_query is not None and parsed.k != k_query:
         raise HTTPException(422, f"k is {parsed.k} in the form but {k_query} in the query string")
     k = parsed.k if parsed.k is not None else k_query if k_query is not None else K_DEFAULT
@@ -148,7 +152,7 @@ def _form_body(fields: type[SearchFields], files: dict[str, Any]) -> dict[str, A
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object",
         "properties": {**files, **form_field_schemas(fields),
-                       **form_field_schemas(RerankRequest)},
+                       **form_field_schemas(SearchRerankRequest)},
     }}}}}
 
 
@@ -175,9 +179,11 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
         if (search.item_id is None) == (len(search.files) == 0):
             raise HTTPException(
                 422, "send exactly one of `image` (a file) or `id` (a gallery item)")
+        check_search_budget(search.options.k, [search.options.rerank])
         if search.item_id is not None:
-            answer = await anyio.to_thread.run_sync(
-                _search_by_item, resources, search.item_id, search.options)
+            # Queued and batched like an image: the same queue, its limit and its 503s.
+            answer = await resources.batcher.submit(
+                _item_query(resources, search.item_id, search.options))
         else:
             if len(search.files) != 1:
                 raise HTTPException(
@@ -191,9 +197,17 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     )
 
 
-def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) -> Answer:
-    """Search with a stored item's vector of the served version, leaving the item out."""
-    serving = resources.serving  # read once: the vector and the index of one version
+def _item_query(resources: Resources, item_id: int, options: SearchOptions) -> ItemQuery:
+    """The pipeline's query for a stored item: its vector, the item itself left out."""
+    base = options.filters or SearchFilter()
+    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
+    return ItemQuery(item_id, functools.partial(_stored_vector, resources, item_id),
+                     options.k, flt, rerank=options.rerank)
+
+
+def _stored_vector(resources: Resources, item_id: int, serving: Serving) -> np.ndarray:
+    """The item's stored ``(d,)`` vector for ``serving``'s version (the batch's: the vector
+    and the index of one version); 404 / 409 when there is none."""
     with resources.sessions() as session:
         version = store.get_model_version(session=session, version=serving.version)
         if store.get_item(item_id, session=session) is None:
@@ -204,10 +218,7 @@ def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) 
             409, f"gallery item {item_id} has no embedding for model version {serving.version} "
                  "yet; retry shortly"
         )
-    base = options.filters or SearchFilter()
-    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
-    hits = serving.searcher.search(page.vectors[:1], options.k, flt, rerank=options.rerank)[0]
-    return Answer(hits, serving)
+    return page.vectors[0]
 
 
 def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
@@ -241,6 +252,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
                 413, f"{len(images)} images: send at most {settings.search_batch_max_files} "
                      "per request (IMGRET_SEARCH_BATCH_MAX_FILES)"
             )
+        check_search_budget(options.k, [options.rerank] * len(images))
         blobs = [await upload.read() for upload in images]
     # Headers only, off the event loop: the whole request is priced before decoding starts.
     await anyio.to_thread.run_sync(
