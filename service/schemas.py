@@ -29,7 +29,7 @@ from index.search.rerank import (
     rerank_options,
 )
 from service.limits import SEARCH_CANDIDATES_MAX
-from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
+from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, WholeNumber
 
 K_MAX = 1000
 WORST_MAX = 100
@@ -149,19 +149,19 @@ class RerankRequest(BaseModel):
         None, description="k_reciprocal: Zhong et al. 2017 over the top rerank_candidates; "
                           "query_expansion: search again with the query averaged with its "
                           "top rerank_top_m. Default: no re-ranking")
-    rerank_k1: int | None = Field(None, ge=1, le=K1_MAX,
+    rerank_k1: WholeNumber | None = Field(None, ge=1, le=K1_MAX,
                                   description="k_reciprocal: k1 (default 20)")
-    rerank_k2: int | None = Field(None, ge=1, le=K1_MAX + 1,
+    rerank_k2: WholeNumber | None = Field(None, ge=1, le=K1_MAX + 1,
                                   description="k_reciprocal: k2, 1 = no local expansion "
                                               "(default 6)")
     rerank_lambda: float | None = Field(None, ge=0.0, le=1.0,
                                         description="k_reciprocal: weight of the original "
                                                     "distance (default 0.3)")
-    rerank_candidates: int | None = Field(
+    rerank_candidates: WholeNumber | None = Field(
         None, ge=1, le=CANDIDATES_MAX,
         description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
                     "below rank N keep their order")
-    rerank_top_m: int | None = Field(None, ge=1, le=TOP_M_MAX,
+    rerank_top_m: WholeNumber | None = Field(None, ge=1, le=TOP_M_MAX,
                                      description="query_expansion: neighbours averaged "
                                                  "(default 5)")
     rerank_alpha: float | None = Field(None, ge=0.0, le=ALPHA_MAX,
@@ -223,7 +223,7 @@ class SearchRerankRequest(RerankRequest):
     search budget (at most ``SEARCH_CANDIDATES_MAX`` candidates: see ``service.limits`` for
     the measurement). An evaluation is a job of its own and keeps the wider bounds."""
 
-    rerank_candidates: int | None = Field(
+    rerank_candidates: WholeNumber | None = Field(
         None, ge=1, le=SEARCH_CANDIDATES_MAX,
         description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
                     "below rank N keep their order")

@@ -38,6 +38,7 @@ from service.validation import (
     LABEL_MAX,
     Camera,
     SafeText,
+    WholeNumber,
     check_form_fields,
     parse_json_object,
     read_form,
@@ -63,7 +64,7 @@ class SearchFields(BaseModel):
     """The option fields of ``/search`` and ``/search/batch`` besides re-ranking (which is
     :class:`~service.schemas.SearchRerankRequest`'s)."""
 
-    k: int | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
                                                               "also be sent as ?k=")
     label: SafeText | None = Field(None, max_length=LABEL_MAX,
                                    description="only items with this label")
@@ -75,14 +76,14 @@ class SearchFields(BaseModel):
 class ItemSearchFields(SearchFields):
     """``/search``'s fields: the options and the ``id`` of a gallery item to search with."""
 
-    id: int | None = Field(None, ge=1, le=ID_MAX,
+    id: WholeNumber | None = Field(None, ge=1, le=ID_MAX,
                            description="search with this gallery item's stored embedding "
                                        "instead of an image (the item itself is left out of "
                                        "the results)")
 
 
 class _QueryK(BaseModel):
-    k: int | None = Field(None, ge=1, le=K_MAX)
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX)
 
 
 @dataclass(frozen=True)
