@@ -169,10 +169,12 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
 
     Send an ``image`` file, or the ``id`` of a gallery item: its stored embedding for the
     served version is the query (no upload, no decoding; the web page uses it when a
-    neighbour is clicked). Concurrent image requests are decoded and embedded together
-    (dynamic batching), off the event loop. ``score`` is the cosine similarity of unit
-    embeddings: higher is better. ``model_version`` names the version whose model embedded
-    the query and whose index ranked it (always the same one).
+    neighbour is clicked). Both kinds wait in the same queue and are batched together
+    (dynamic batching), off the event loop; re-ranking is finished on its own bounded pool.
+    A request over the search budget (``service.limits``: ``k``, re-ranking candidates) gets
+    422 before it is queued. ``score`` is the cosine similarity of unit embeddings: higher is
+    better. ``model_version`` names the version whose model embedded the query and whose
+    index ranked it (always the same one).
     """
     start = time.perf_counter()
     async with read_form(request) as form:
@@ -239,7 +241,9 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
 
     A corrupt image fails the whole request with 422, naming its position (``images[i]``).
     More files than ``IMGRET_SEARCH_BATCH_MAX_FILES``, or files whose headers together declare
-    more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded.
+    more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded; a
+    request over the search budget (queries x ``k`` results, queries x re-ranking cost:
+    ``service.limits``) gets 422.
     """
     start = time.perf_counter()
     settings = resources.settings
