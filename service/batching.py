@@ -147,27 +147,24 @@ class FollowUpPool:
         with self._lock:
             self._reserved -= cost
 
-    async def run(self, finish: Callable[[], R], cost: int) -> R:
-        """Run ``finish`` on a worker thread; its ``cost`` (reserved) comes back when it ends
-        in its thread, or at once if it never starts."""
+    def submit(self, finish: Callable[[], R], cost: int) -> asyncio.Future[R]:
+        """Queue ``finish`` for a worker thread now; its ``cost`` (reserved) comes back when
+        it ends in its thread, or when it is cancelled before it starts (cancelling the
+        returned future does that; stopping the pool too, and then the future is cancelled).
+
+        Raises:
+            ServiceUnavailable: the pool is stopped (the cost is given back).
+        """
         executor = self._executor
-        if executor is None:
-            self.release(cost)
-            raise ServiceUnavailable("the server is shutting down; retry in a moment")
         try:
+            if executor is None:
+                raise RuntimeError("stopped")
             future = executor.submit(finish)
-        except RuntimeError:  # shut down meanwhile
+        except RuntimeError:  # stopped, or shut down meanwhile
             self.release(cost)
             raise ServiceUnavailable("the server is shutting down; retry in a moment") from None
         future.add_done_callback(lambda _: self.release(cost))
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if future.cancelled() and self._stopping and not (task and task.cancelling()):
-                raise ServiceUnavailable("the server is shutting down; retry in a moment") \
-                    from None
-            raise
+        return asyncio.wrap_future(future)
 
 
 class Deferred(Exception):
@@ -399,14 +396,25 @@ class DynamicBatcher(Generic[T, R]):
         if self.followups is None:
             raise RuntimeError("the batch function returned a FollowUp but the batcher has "
                                "no follow-up pool")
-        runs = []
-        for row, result in followups:
-            cost = costs[row] if row < len(costs) else 0
-            unspent[0] -= cost
-            runs.append(self.followups.run(result.finish, cost))
+        runs: list[asyncio.Future[Any]] = []
+        try:
+            for row, result in followups:
+                cost = costs[row] if row < len(costs) else 0
+                unspent[0] -= cost  # the pool's now: given back when its work ends
+                runs.append(self.followups.submit(result.finish, cost))
+        except ServiceUnavailable:
+            for run in runs:
+                run.cancel()
+            raise
+        # If this caller goes away, gather cancels the runs: a queued one never starts, a
+        # running one finishes in its thread (and only then gives its cost back).
         finished = await asyncio.gather(*runs, return_exceptions=True)
         out = list(results)
         for (row, _), value in zip(followups, finished, strict=True):
+            if isinstance(value, asyncio.CancelledError):
+                # Not this caller's cancellation (that would have ended the gather): the
+                # pool stopped before the work started.
+                value = ServiceUnavailable("the server is shutting down; retry in a moment")
             out[row] = value
         return out
 

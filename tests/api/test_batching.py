@@ -361,6 +361,7 @@ class Halver:
         self.release = threading.Event()
         self.batch_threads: set[str] = set()
         self.followup_threads: list[str] = []
+        self.batched: list[int] = []
 
     def finish(self, x: int) -> float:
         self.followup_threads.append(threading.current_thread().name)
@@ -371,6 +372,7 @@ class Halver:
 
     def __call__(self, items: Sequence[int]) -> list:
         self.batch_threads.add(threading.current_thread().name)
+        self.batched.extend(items)
         return [FollowUp(functools.partial(self.finish, -x)) if x < 0 else 2 * x
                 for x in items]
 
@@ -475,3 +477,40 @@ def test_stop_answers_queued_follow_ups_503_and_lets_the_running_one_finish() ->
     assert "shutting down" in second.detail
     assert reserved == 0
     assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
+
+
+def test_a_cancelled_caller_of_a_queued_follow_up_frees_its_units_and_it_never_runs() -> None:
+    async def run() -> tuple[int, int, int]:
+        halver = Halver()
+        batcher = _followup_batcher(halver, capacity=20)
+        await batcher.start()
+        pool = batcher.followups
+        try:
+            first = asyncio.create_task(batcher.submit(-2))
+            await asyncio.to_thread(halver.started.wait, 10)
+            second = asyncio.create_task(batcher.submit(-4))
+            for _ in range(100):
+                if -4 in halver.batched:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # its caller hands the follow-up to the pool
+            assert pool.reserved == 20
+            second.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await second
+            queued_freed = pool.reserved
+            halver.release.set()
+            assert await asyncio.wait_for(first, 10) == 1.0
+            for _ in range(100):
+                if pool.reserved == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return queued_freed, pool.reserved, len(halver.followup_threads)
+        finally:
+            halver.release.set()
+            await batcher.stop()
+
+    queued_freed, reserved, ran = asyncio.run(run())
+    assert queued_freed == 10  # the running one still holds its 10
+    assert reserved == 0
+    assert ran == 1  # the cancelled one never started
