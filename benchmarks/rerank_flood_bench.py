@@ -3,6 +3,7 @@ maximal re-ranked requests runs, beside its p99 without the flood, in one run.
 
     python benchmarks/rerank_flood_bench.py [--gallery 50000] [--clients 4] [--flood 8]
                                             [--seconds 20] [--work DIR]
+                                            [--ignore-retry-after]
 
 What it does (loopback only; every phase is bounded in time and in connections; about
 ``40 + 3 x (seconds + 2)`` s plus the gallery fill, under three minutes at the defaults):
@@ -18,7 +19,9 @@ What it does (loopback only; every phase is bounded in time and in connections; 
    (the same, while ``--flood`` other connections, from another process, send the largest
    request the search budget allows, back to back: ``POST /search/batch`` with as many images
    as ``REQUEST_RERANK_SEARCHES_MAX`` admits at ``rerank_candidates`` = 100, k1 = 100 and the
-   largest ``k``), and **plain** again (how much the figure moves without a flood);
+   largest ``k``; after a 503 a flood connection waits its ``Retry-After``, unless
+   ``--ignore-retry-after``: then the flood is one of request rate, which no per-request
+   budget bounds), and **plain** again (how much the figure moves without a flood);
 4. prints, per phase, the plain searches' count, rate, p50 and p99 beside the first plain
    phase's (the peer: target flood p99 <= 2x), and the flood's answers (200, 503 with
    Retry-After, other); and the flood's re-ranked queries per second beside the floor: one
@@ -70,9 +73,11 @@ class Phase:
 
 
 async def _closed_loop(url: str, make_request, seconds: float, warmup: float,
-                       clients: int) -> tuple[list[float], dict[str, int]]:
+                       clients: int, *, retry_after: bool = False,
+                       ) -> tuple[list[float], dict[str, int]]:
     """``clients`` connections, each sending ``make_request(client, i)`` back to back for
-    ``warmup + seconds``; latencies and status counts of the last ``seconds`` only."""
+    ``warmup + seconds`` (with ``retry_after``, waiting as a 503's ``Retry-After`` says);
+    latencies and status counts of the last ``seconds`` only."""
     latencies: list[float] = []
     counts: dict[str, int] = {}
     start = time.perf_counter()
@@ -94,6 +99,9 @@ async def _closed_loop(url: str, make_request, seconds: float, warmup: float,
                     if status == "200":
                         latencies.append((done - now) * 1000)
                 i += clients
+                if retry_after and status == "503":
+                    wait = float(response.headers.get("Retry-After", "1"))
+                    await asyncio.sleep(max(0.0, min(wait, end - time.perf_counter())))
 
     await asyncio.gather(*(one(c) for c in range(clients)))
     return latencies, counts
@@ -117,10 +125,10 @@ def _flood_request(images: list[bytes], per_request: int, k: int):
 
 
 def _flood_process(url: str, seconds: float, warmup: float, clients: int, per_request: int,
-                   k: int, out) -> None:
+                   k: int, retry_after: bool, out) -> None:
     images = [class_png(i % 10, 1000 + i) for i in range(32)]
     _, counts = asyncio.run(_closed_loop(url, _flood_request(images, per_request, k), seconds,
-                                         warmup, clients))
+                                         warmup, clients, retry_after=retry_after))
     out.put(counts)
 
 
@@ -131,7 +139,8 @@ def run_phase(name: str, url: str, args: argparse.Namespace, images: list[bytes]
     if flood:
         process = multiprocessing.get_context("spawn").Process(
             target=_flood_process,
-            args=(url, args.seconds, WARMUP_S, args.flood, per_request, k, queue))
+            args=(url, args.seconds, WARMUP_S, args.flood, per_request, k,
+                  not args.ignore_retry_after, queue))
         process.start()
         time.sleep(1.0)  # the child's imports: its connections start with the warm-up
     latencies, counts = asyncio.run(_closed_loop(url, _plain_request(images), args.seconds,
@@ -210,6 +219,8 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=8, help="flood connections")
     parser.add_argument("--seconds", type=float, default=20.0, help="per phase (<= 60)")
     parser.add_argument("--work", type=Path, default=None, help="work dir (default: a temp)")
+    parser.add_argument("--ignore-retry-after", action="store_true",
+                        help="flood clients resend at once after a 503 (a request-rate flood)")
     args = parser.parse_args()
     args.seconds = min(args.seconds, 60.0)
 
@@ -261,7 +272,9 @@ def main() -> None:
     print(f"Gallery {args.gallery:,} synthetic {dim}-d vectors (exact Flat); untrained "
           f"tiny_cnn; plain: {args.clients} connections, POST /search k = 10; flood: "
           f"{args.flood} connections, POST /search/batch of {per_request} images, "
-          f"k_reciprocal candidates = {SEARCH_CANDIDATES_MAX}, k1 = 100, k = {k}; "
+          f"k_reciprocal candidates = {SEARCH_CANDIDATES_MAX}, k1 = 100, k = {k}, "
+          f"{'resent at once after' if args.ignore_retry_after else 'waiting out'} each "
+          "503's Retry-After; "
           f"{args.seconds:.0f} s per phase after {WARMUP_S:.0f} s of warm-up; one run.")
     print()
     print("| phase | plain requests | plain req/s | p50 ms | p99 ms | p99 / no-flood p99 "
