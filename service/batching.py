@@ -88,20 +88,23 @@ class FollowUpPool:
     went away. So at most ``capacity`` units of work are queued or running at any time.
 
     Args:
-        workers: threads (each at ``nice`` + ``nice`` when the OS allows, so the model
-            thread's OpenMP team keeps the cores it needs: a flood of follow-up work slows
-            itself first).
+        workers: threads, each ``nice`` steps below the process's CPU priority where the OS
+            allows (Linux: per thread), so the model thread's OpenMP team keeps the cores it
+            needs and a flood of follow-up work slows itself first.
         capacity: the most cost units reserved at once.
         what: the name of the work and its setting, for the 503's message.
+        name: the threads' name (``NAME_0``, ...; the OS sees it too).
     """
 
-    def __init__(self, *, workers: int, capacity: int, what: str, nice: int = 10):
+    def __init__(self, *, workers: int, capacity: int, what: str, nice: int = 10,
+                 name: str = "imgret-followup"):
         if workers < 1 or capacity < 1:
             raise ValueError(f"workers and capacity must be >= 1, not {workers}, {capacity}")
         self.workers = workers
         self.capacity = capacity
         self.what = what
         self.nice = nice
+        self.name = name
         self._reserved = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
@@ -116,8 +119,8 @@ class FollowUpPool:
         self._stopping = False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                self.workers, thread_name_prefix="imgret-followup",
-                initializer=_followup_thread, initargs=("imgret-rerank", self.nice))
+                self.workers, thread_name_prefix=self.name,
+                initializer=_followup_thread, initargs=(self.name, self.nice))
 
     async def stop(self) -> None:
         """Refuse new work, cancel what has not started (its callers get a 503), and wait

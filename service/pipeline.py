@@ -385,6 +385,7 @@ def build_search_batcher(
         overlap=overlap_decoding(),
         followups=FollowUpPool(workers=settings.rerank_workers,
                                capacity=settings.rerank_queue_max,
-                               what="re-ranking (IMGRET_RERANK_QUEUE_MAX)"),
+                               what="re-ranking (IMGRET_RERANK_QUEUE_MAX)",
+                               name="imgret-rerank"),
         followup_cost=rerank_cost,
     )

@@ -127,7 +127,7 @@ def test_rerank_runs_on_its_pool_while_plain_searches_are_answered(client,
     reranked.join(60)
     assert [r.status_code for r in reranked_out] == [200]
     assert len(reranked_out[0].json()["results"]) == 3
-    assert held.threads == ["imgret-followup_0"]  # the pool's thread, not imgret-model
+    assert held.threads == ["imgret-rerank_0"]  # the pool's thread, not imgret-model
     assert _wait_until(lambda: client.app.state.resources.batcher.followups.reserved == 0)
 
 
