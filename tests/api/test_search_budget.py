@@ -195,3 +195,12 @@ def test_search_by_id_counts_against_the_queue_limit(make_client) -> None:
         missing = client.post("/search", data={"id": str(max(ids) + 100)})
         assert missing.status_code == 404
         assert "does not exist" in missing.json()["detail"]
+
+
+def test_a_rerank_queue_smaller_than_one_request_refuses_to_start(make_local_client) -> None:
+    # Every maximal request would be refused forever: the server says so at start-up.
+    too_small = REQUEST_RERANK_SEARCHES_MAX - 1
+    message = (rf"IMGRET_RERANK_QUEUE_MAX \({too_small}\) must be at least .* "
+               rf"\({REQUEST_RERANK_SEARCHES_MAX}\)")
+    with pytest.raises(ValueError, match=message), make_local_client(rerank_queue_max=too_small):
+        pass
