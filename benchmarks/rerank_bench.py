@@ -26,6 +26,11 @@ anything.
 
 Run: ``flock /tmp/heavy.lock .venv/bin/python benchmarks/rerank_bench.py``
 (``--work DIR`` keeps the trained models and the generated folder between runs).
+
+``--grid [SIZE]`` measures only the cost of one k-reciprocal query against its parameters
+(candidates N, k1, k; and query expansion at its largest top_m) on a clustered synthetic
+128-d gallery of SIZE vectors (default 100,000), median of 3 single-query searches each,
+beside the plain search: the table the search budget of ``service.limits`` is derived from.
 """
 
 from __future__ import annotations
@@ -326,6 +331,48 @@ def measure_scale(sizes: list[int], dim: int = 128) -> list[str]:
     return rows
 
 
+def measure_grid(size: int, dim: int = 128, repeats: int = 3) -> None:
+    """Print the median ms of one query per re-ranking parameter set (see the docstring)."""
+    from service.pipeline import configure_threads
+
+    configure_threads()  # the service's threads: BLAS on one
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(200, dim))
+    points = centres[rng.integers(0, 200, size)] + 0.5 * rng.normal(size=(size, dim))
+    points = (points / np.linalg.norm(points, axis=1, keepdims=True)).astype(np.float32)
+    searcher = searcher_of(points, [""] * size, [None] * size)
+    queries = points[rng.choice(size, repeats + 1, replace=False)]
+
+    def median_ms(option, k: int) -> float:
+        searcher.search(queries[:1], k, rerank=option)  # warm-up
+        ms = []
+        for row in range(1, repeats + 1):
+            start = time.perf_counter()
+            searcher.search(queries[row : row + 1], k, rerank=option)
+            ms.append((time.perf_counter() - start) * 1000)
+        return statistics.median(ms)
+
+    print(f"One query on {size:,} synthetic {dim}-d vectors (exact Flat), median of {repeats}:")
+    print()
+    print("| search | N | k1 | k | ms | x plain (k = 10) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    plain = median_ms(None, 10)
+    print(f"| plain | | | 10 | {plain:.1f} | 1.0x |", flush=True)
+    print(f"| plain | | | 1000 | {median_ms(None, 1000):.1f} | |", flush=True)
+    for n in (50, 100, 200, 400, 1000):
+        for k1 in (20, 50, 100):
+            ms = median_ms(KReciprocal(candidates=n, k1=k1), 10)
+            print(f"| k_reciprocal | {n} | {k1} | 10 | {ms:.1f} | {ms / plain:.0f}x |",
+                  flush=True)
+    for k in (100, 1000):
+        ms = median_ms(KReciprocal(candidates=100), k)
+        print(f"| k_reciprocal | 100 | 20 | {k} | {ms:.1f} | {ms / plain:.0f}x |", flush=True)
+    for k in (10, 1000):
+        ms = median_ms(QueryExpansion(top_m=100), k)
+        print(f"| query_expansion top_m = 100 | | | {k} | {ms:.1f} | {ms / plain:.1f}x |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/imgret-rerank-bench"),
@@ -333,7 +380,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000,100000",
                         help="synthetic gallery sizes for the cost table ('' for none)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--grid", type=int, nargs="?", const=100_000, default=None,
+                        metavar="SIZE", help="only the cost grid, on SIZE synthetic vectors")
     args = parser.parse_args()
+    if args.grid is not None:
+        measure_grid(args.grid)
+        return
     args.work.mkdir(parents=True, exist_ok=True)
 
     sets = [demo_set(args.work), reid_set(args.work)]

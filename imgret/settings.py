@@ -94,6 +94,20 @@ class Settings(BaseSettings):
         description="search images waiting for the batcher (8 full batches); when full, "
                     "searches get 503 with Retry-After instead of queueing without bound",
     )
+    # Re-ranking pool (service.pipeline, service.limits): k-reciprocal and query-expansion work
+    # runs on its own threads, never on the model thread, behind a queue priced in index
+    # searches (about 0.5 ms each at 100k exact vectors; a maximal request costs 808).
+    rerank_workers: int = Field(
+        1, ge=1, le=64,
+        description="threads that re-rank search results (at a lower CPU priority than "
+                    "the model thread)",
+    )
+    rerank_queue_max: int = Field(
+        3232, ge=1,
+        description="index searches of re-ranking queued or running (4 maximal requests, "
+                    "about 1.6 s of work at 100k items); when full, re-ranked searches get "
+                    "503 with Retry-After",
+    )
     # Background re-embedding of a new model version (index.versions): the share of wall
     # time it may compute; it also waits while searches are queued.
     embed_duty: float = Field(

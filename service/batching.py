@@ -7,6 +7,8 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,6 +68,108 @@ class StagedBatchFn(Protocol):
     def discard_batch(self, prepared: Any) -> None: ...
 
 
+class FollowUp(Generic[R]):
+    """Put in an item's result slot by the batch function: "not answered yet, ``finish()``
+    answers it", run by the batcher on its :class:`FollowUpPool`, off the batch's threads.
+    The search pipeline returns one for each re-ranked query, so the model thread is free for
+    the next batch while re-ranking works."""
+
+    def __init__(self, finish: Callable[[], R]):
+        self.finish = finish
+
+
+class FollowUpPool:
+    """Worker threads with a bounded queue, for the :class:`FollowUp` work of a batcher.
+
+    The bound is in cost units (the search's are index searches): a request reserves the cost
+    of all its items before any of them is queued (:meth:`reserve`, all or nothing: else
+    :class:`ServiceUnavailable`), and each unit comes back when its work has ended in its
+    thread (or when its item ended without follow-up work), never earlier, even if the caller
+    went away. So at most ``capacity`` units of work are queued or running at any time.
+
+    Args:
+        workers: threads, each ``nice`` steps below the process's CPU priority where the OS
+            allows (Linux: per thread), so the model thread's OpenMP team keeps the cores it
+            needs and a flood of follow-up work slows itself first.
+        capacity: the most cost units reserved at once.
+        what: the name of the work and its setting, for the 503's message.
+        name: the threads' name (``NAME_0``, ...; the OS sees it too).
+    """
+
+    def __init__(self, *, workers: int, capacity: int, what: str, nice: int = 10,
+                 name: str = "imgret-followup"):
+        if workers < 1 or capacity < 1:
+            raise ValueError(f"workers and capacity must be >= 1, not {workers}, {capacity}")
+        self.workers = workers
+        self.capacity = capacity
+        self.what = what
+        self.nice = nice
+        self.name = name
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = False
+
+    @property
+    def reserved(self) -> int:
+        """Cost units queued, running, or reserved by requests in the batcher."""
+        return self._reserved
+
+    def start(self) -> None:
+        self._stopping = False
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self.workers, thread_name_prefix=self.name,
+                initializer=_followup_thread, initargs=(self.name, self.nice))
+
+    async def stop(self) -> None:
+        """Refuse new work, cancel what has not started (its callers get a 503), and wait
+        for what runs."""
+        self._stopping = True
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: executor.shutdown(wait=True, cancel_futures=True))
+
+    def reserve(self, cost: int) -> None:
+        """Take ``cost`` units or raise :class:`ServiceUnavailable` (nothing taken)."""
+        if cost <= 0:
+            return
+        with self._lock:
+            if self._stopping or self._executor is None:
+                raise ServiceUnavailable("the server is shutting down; retry in a moment")
+            if self._reserved + cost > self.capacity:
+                raise ServiceUnavailable(
+                    f"the {self.what} queue is full ({self._reserved} of {self.capacity} "
+                    f"reserved, this request needs {cost}); retry shortly")
+            self._reserved += cost
+
+    def release(self, cost: int) -> None:
+        if cost <= 0:
+            return
+        with self._lock:
+            self._reserved -= cost
+
+    def submit(self, finish: Callable[[], R], cost: int) -> asyncio.Future[R]:
+        """Queue ``finish`` for a worker thread now; its ``cost`` (reserved) comes back when
+        it ends in its thread, or when it is cancelled before it starts (cancelling the
+        returned future does that; stopping the pool too, and then the future is cancelled).
+
+        Raises:
+            ServiceUnavailable: the pool is stopped (the cost is given back).
+        """
+        executor = self._executor
+        try:
+            if executor is None:
+                raise RuntimeError("stopped")
+            future = executor.submit(finish)
+        except RuntimeError:  # stopped, or shut down meanwhile
+            self.release(cost)
+            raise ServiceUnavailable("the server is shutting down; retry in a moment") from None
+        future.add_done_callback(lambda _: self.release(cost))
+        return asyncio.wrap_future(future)
+
+
 class Deferred(Exception):
     """Put in an item's result slot by the batch function: "no room in this batch, run it in
     the next one" (the batch's decoded-pixel budget is spent). The batcher queues the item
@@ -121,6 +225,9 @@ class DynamicBatcher(Generic[T, R]):
         overlap: for a staged function, decode the next batch while the model runs this one
             (else the two stages of a batch still run on their own threads, but the next
             batch is collected once this one is answered).
+        followups: where :class:`FollowUp` results are finished (off the batch's threads);
+            ``followup_cost(item)`` is what an item reserves there when it is submitted
+            (0: none; a request that would overfill it gets a 503 before being queued).
     """
 
     def __init__(
@@ -132,6 +239,8 @@ class DynamicBatcher(Generic[T, R]):
         max_queue: int = DEFAULT_MAX_QUEUE,
         on_batch: Callable[[int], None] | None = None,
         overlap: bool = True,
+        followups: FollowUpPool | None = None,
+        followup_cost: Callable[[T], int] | None = None,
     ):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, not {max_size}")
@@ -143,6 +252,8 @@ class DynamicBatcher(Generic[T, R]):
         self.max_queue = max_queue
         self.on_batch = on_batch
         self.overlap = overlap
+        self.followups = followups
+        self.followup_cost = followup_cost or (lambda _item: 0)
         self._queue: asyncio.Queue[_Pending[T, R]] | None = None
         self._worker: asyncio.Task[None] | None = None
         # Items deferred by the batch function: they start the next batch.
@@ -175,6 +286,8 @@ class DynamicBatcher(Generic[T, R]):
     async def start(self) -> None:
         """Start the worker task (inside the running loop: the app's lifespan)."""
         self._stopped = False
+        if self.followups is not None:
+            self.followups.start()
         if self.enabled and self._worker is None:
             self._queue = asyncio.Queue()
             self._decode_pool = ThreadPoolExecutor(
@@ -213,6 +326,8 @@ class DynamicBatcher(Generic[T, R]):
             for pool in pools:
                 pool.shutdown(wait=False)
             raise interrupted
+        if self.followups is not None:
+            await self.followups.stop()
         for pool in pools:
             # Waits for a decode the worker left behind (it cannot be interrupted): no thread
             # outlives the batcher.
@@ -241,11 +356,26 @@ class DynamicBatcher(Generic[T, R]):
             return []
         if self._stopped:
             raise ServiceUnavailable("the server is shutting down; retry in a moment")
-        if not self.enabled:
-            return await self._run_unbatched(items, return_exceptions)
-        if self._queue is None:
+        if self.enabled and self._queue is None:
             raise RuntimeError("DynamicBatcher.start() was not awaited (app lifespan not run)")
-        self._check_room(len(items), self.waiting)
+        self._check_room(len(items), self.waiting if self.enabled else self._running_unbatched)
+        costs = [self.followup_cost(item) for item in items] if self.followups else []
+        unspent = [sum(costs)]
+        if unspent[0] and self.followups is not None:
+            self.followups.reserve(unspent[0])  # 503 before anything is queued
+        try:
+            if not self.enabled:
+                results = await self._run_unbatched(items)
+            else:
+                results = await self._run_batched(items)
+            results = await self._follow_up(results, costs, unspent)
+        finally:
+            if unspent[0] and self.followups is not None:
+                self.followups.release(unspent[0])
+        return results if return_exceptions else [_unwrap(result) for result in results]
+
+    async def _run_batched(self, items: Sequence[T]) -> list[R | BaseException]:
+        assert self._queue is not None
         if self._worker is None or self._worker.done():
             # The done-callback normally replaces a dead worker first; this closes the gap.
             self._replace_worker(self._worker)
@@ -256,15 +386,44 @@ class DynamicBatcher(Generic[T, R]):
             self._queue.put_nowait(_Pending(item, future))
             futures.append(future)
         # Wait for all, so one bad item does not leave the others' futures unobserved.
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        return results if return_exceptions else [_unwrap(result) for result in results]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    async def _follow_up(self, results: list[Any], costs: list[int],
+                         unspent: list[int]) -> list[R | BaseException]:
+        """Finish the :class:`FollowUp` results on the follow-up pool (concurrently, each
+        with its item's reserved cost, handed over to the pool as it is queued)."""
+        followups = [(row, result) for row, result in enumerate(results)
+                     if isinstance(result, FollowUp)]
+        if not followups:
+            return results
+        if self.followups is None:
+            raise RuntimeError("the batch function returned a FollowUp but the batcher has "
+                               "no follow-up pool")
+        runs: list[asyncio.Future[Any]] = []
+        try:
+            for row, result in followups:
+                cost = costs[row] if row < len(costs) else 0
+                unspent[0] -= cost  # the pool's now: given back when its work ends
+                runs.append(self.followups.submit(result.finish, cost))
+        except ServiceUnavailable:
+            for run in runs:
+                run.cancel()
+            raise
+        # If this caller goes away, gather cancels the runs: a queued one never starts, a
+        # running one finishes in its thread (and only then gives its cost back).
+        finished = await asyncio.gather(*runs, return_exceptions=True)
+        out = list(results)
+        for (row, _), value in zip(followups, finished, strict=True):
+            if isinstance(value, asyncio.CancelledError):
+                # Not this caller's cancellation (that would have ended the gather): the
+                # pool stopped before the work started.
+                value = ServiceUnavailable("the server is shutting down; retry in a moment")
+            out[row] = value
+        return out
 
     # ----------------------------------------------------------------------- internals
 
-    async def _run_unbatched(
-        self, items: Sequence[T], return_exceptions: bool
-    ) -> list[R | BaseException]:
-        self._check_room(len(items), self._running_unbatched)
+    async def _run_unbatched(self, items: Sequence[T]) -> list[R | BaseException]:
         self._running_unbatched += len(items)
         try:
             results = list(await anyio.to_thread.run_sync(self._process_checked, list(items)))
@@ -273,7 +432,7 @@ class DynamicBatcher(Generic[T, R]):
         self._report(len(items))
         if any(isinstance(result, Deferred) for result in results):
             raise RuntimeError("the batch function deferred an item of a one-item call")
-        return results if return_exceptions else [_unwrap(result) for result in results]
+        return results
 
     def _check_room(self, count: int, waiting: int) -> None:
         if waiting + count > self.max_queue:
@@ -573,6 +732,15 @@ class DynamicBatcher(Generic[T, R]):
         for pending in pendings:
             if not pending.future.done():
                 pending.future.set_exception(error)
+
+
+def _followup_thread(name: str, nice: int) -> None:
+    """A follow-up worker: named for the OS, and ``nice`` steps below the process's CPU
+    priority (Linux gives each thread its own nice value; best effort elsewhere)."""
+    _os_thread_name(name)
+    with contextlib.suppress(Exception):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
 
 
 def _os_thread_name(name: str) -> None:

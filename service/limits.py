@@ -1,10 +1,68 @@
-"""Request body size limit: a pure ASGI middleware that answers 413 before the body is read."""
+"""What one request may cost: the body size (a pure ASGI middleware that answers 413 before the
+body is read) and the search budget (``k`` and re-ranking, refused with 422 before any work).
+
+Search budget. Measured (``benchmarks/rerank_bench.py --grid``, 100k x 128-d exact ``Flat``
+index, one query, median ms, a 2-core CPU; the table is in :mod:`index.search.rerank`):
+
+- k-reciprocal re-ranking costs about 1 ms per candidate N (two index searches each: the
+  candidate's neighbourhood and its farthest item), whatever k1 (20, 50 or 100: within the
+  noise) and k (10, 100 or 1,000: 102-103 ms at N = 100). N = 1,000 cost 0.74-0.88 s per
+  query: 32 of them held the model thread for ~27 s. Query expansion costs two searches
+  (8 ms at top_m = 100).
+- ``k`` costs nothing measurable in the index (4.1 ms at k = 10, 4.3 ms at 1,000) but every hit
+  is built and serialised on the event loop: ~6 us each (2.8 ms to build and 4.1 ms to
+  serialise 1,000 hits; 32,000 hits of one batch took 1.2 s, during which no request moved).
+
+So, with :func:`~index.search.rerank.index_searches` as the cost unit (~0.5 ms at 100k):
+
+- ``rerank_candidates`` at most 100 (the paper's and our default): at most 202 searches, about
+  0.1 s per query at 100k, and N^3 work inside U stays negligible (10^6);
+- one request's re-ranking at most 808 searches (4 queries at N = 100, or 32 at N = 11): about
+  0.4 s of the re-ranking pool's time at 100k;
+- one request's hits (queries x k) at most 4,000: ~25 ms on the event loop; a single query
+  keeps k up to 1,000 (``service.schemas.K_MAX``).
+
+The re-ranking itself runs on its own bounded pool, never on the model thread
+(``service.pipeline``): plain searches keep being answered while it works, and its queue
+(``IMGRET_RERANK_QUEUE_MAX``, in the same unit) answers 503 with Retry-After when full.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
+from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from index.search.rerank import Rerank, index_searches
+
+SEARCH_CANDIDATES_MAX = 100
+REQUEST_RERANK_SEARCHES_MAX = 4 * (2 * SEARCH_CANDIDATES_MAX + 2)
+REQUEST_HITS_MAX = 4000
+
+
+def check_search_budget(k: int, reranks: Sequence[Rerank | None]) -> None:
+    """Refuse a search request (one entry of ``reranks`` per query) that costs more than the
+    budget above: 422 with what it costs and what is allowed, before anything is queued.
+
+    Raises:
+        HTTPException: 422.
+    """
+    queries = len(reranks)
+    if queries * k > REQUEST_HITS_MAX:
+        raise HTTPException(
+            422, f"{queries} queries x k={k} asks for {queries * k} results; at most "
+                 f"{REQUEST_HITS_MAX} per request: send a smaller k or fewer images")
+    searches = sum(index_searches(option) for option in reranks)
+    if searches > REQUEST_RERANK_SEARCHES_MAX:
+        per_query = index_searches(reranks[0]) if len(set(reranks)) == 1 else None
+        cost = (f"{queries} queries x {per_query} index searches"
+                if per_query is not None else f"{searches} index searches")
+        raise HTTPException(
+            422, f"re-ranking this request costs {cost} (k_reciprocal: 2 per candidate + 2); "
+                 f"at most {REQUEST_RERANK_SEARCHES_MAX} per request: send fewer images or "
+                 "fewer rerank_candidates")
 
 
 class BodyTooLarge(Exception):

@@ -28,7 +28,8 @@ from index.search.rerank import (
     Rerank,
     rerank_options,
 )
-from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText
+from service.limits import SEARCH_CANDIDATES_MAX
+from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, WholeNumber
 
 K_MAX = 1000
 WORST_MAX = 100
@@ -148,19 +149,19 @@ class RerankRequest(BaseModel):
         None, description="k_reciprocal: Zhong et al. 2017 over the top rerank_candidates; "
                           "query_expansion: search again with the query averaged with its "
                           "top rerank_top_m. Default: no re-ranking")
-    rerank_k1: int | None = Field(None, ge=1, le=K1_MAX,
+    rerank_k1: WholeNumber | None = Field(None, ge=1, le=K1_MAX,
                                   description="k_reciprocal: k1 (default 20)")
-    rerank_k2: int | None = Field(None, ge=1, le=K1_MAX + 1,
+    rerank_k2: WholeNumber | None = Field(None, ge=1, le=K1_MAX + 1,
                                   description="k_reciprocal: k2, 1 = no local expansion "
                                               "(default 6)")
     rerank_lambda: float | None = Field(None, ge=0.0, le=1.0,
                                         description="k_reciprocal: weight of the original "
                                                     "distance (default 0.3)")
-    rerank_candidates: int | None = Field(
+    rerank_candidates: WholeNumber | None = Field(
         None, ge=1, le=CANDIDATES_MAX,
         description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
                     "below rank N keep their order")
-    rerank_top_m: int | None = Field(None, ge=1, le=TOP_M_MAX,
+    rerank_top_m: WholeNumber | None = Field(None, ge=1, le=TOP_M_MAX,
                                      description="query_expansion: neighbours averaged "
                                                  "(default 5)")
     rerank_alpha: float | None = Field(None, ge=0.0, le=ALPHA_MAX,
@@ -217,9 +218,21 @@ class RerankRequest(BaseModel):
         )
 
 
-def parse_rerank_fields(form: FormData) -> Rerank | None:
+class SearchRerankRequest(RerankRequest):
+    """``/search``'s and ``/search/batch``'s re-ranking: :class:`RerankRequest` within the
+    search budget (at most ``SEARCH_CANDIDATES_MAX`` candidates: see ``service.limits`` for
+    the measurement). An evaluation is a job of its own and keeps the wider bounds."""
+
+    rerank_candidates: WholeNumber | None = Field(
+        None, ge=1, le=SEARCH_CANDIDATES_MAX,
+        description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
+                    "below rank N keep their order")
+
+
+def parse_rerank_fields(form: FormData,
+                        model: type[RerankRequest] = RerankRequest) -> Rerank | None:
     """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked by
-    :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
+    ``model``'s :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
     values: dict[str, Any] = {}
     for name in RERANK_FIELDS:
         sent = form.getlist(name)
@@ -227,7 +240,7 @@ def parse_rerank_fields(form: FormData) -> Rerank | None:
             raise HTTPException(422, f"{name} was sent more than once: send it once")
         values[name] = str(sent[0]) if sent else None
     try:
-        return RerankRequest.parse(values)
+        return model.parse(values)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
 

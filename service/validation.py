@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from starlette.datastructures import FormData
 
 LABEL_MAX = 255
@@ -90,8 +90,21 @@ def _safe_text(value: str) -> str:
     return value
 
 
+_WHOLE = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def _whole_number(value: Any) -> Any:
+    # pydantic's lax mode reads "2.0" and 2.0 as the integer 2: a count (k, candidates, ...)
+    # sent as a float is a client's mistake worth a 422, as "2.5" already is.
+    if isinstance(value, float) or (isinstance(value, str) and not _WHOLE.fullmatch(value)):
+        raise ValueError(f"must be a whole number written with digits only, got {value!r:.40}")
+    return value
+
+
 # Parameter and schema types (FastAPI and pydantic report their failures as 422).
 SafeText = Annotated[str, AfterValidator(_safe_text)]
+# An integer given as an integer or as decimal digits; not "2.0", "1e3", "0x10" or "1_000".
+WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
 Camera = Annotated[
     int, Field(ge=0, le=CAMERA_MAX, description="camera id (0..2**31-1, re-ID data)")
 ]

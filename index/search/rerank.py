@@ -53,6 +53,15 @@ in all), plus an (N, k1 + 1) neighbour list; per request, the vectors and lists 
 candidates of its queries. Cost: one more batched search of the candidates (their
 neighbourhoods) and one of the negated vectors (their row maxima), each of ``N`` rows per
 query at most; ``benchmarks/rerank_bench.py`` measures it.
+
+Cost, measured (``benchmarks/rerank_bench.py --grid``: 100k x 128-d exact ``Flat``, one query,
+k = 10 unless said, median ms, 2-core CPU shared with other work): plain 4.1 (k = 1,000: 4.3);
+k-reciprocal N = 50: 68-74, N = 100: 102-117, N = 200: 170-182, N = 400: 368-405,
+N = 1,000: 738-879, each over k1 = 20, 50, 100; N = 100 at k = 100 or 1,000: 102-103; query
+expansion top_m = 100: 8.1 (k = 1,000: 8.5). So the time is the index searches, about 1 ms
+per candidate at 100k: k1 only sizes a heap and k only the first list, and the (N + 1)^2 work
+inside U matters only from N ~ 1,000 (two (N+1)^3 products). :func:`index_searches` counts
+those searches; the service prices a request's re-ranking with it (``service.limits``).
 """
 
 from __future__ import annotations
@@ -167,6 +176,21 @@ def rerank_options(method: str | Rerank | None, **params: Any) -> Rerank | None:
         raise ValueError(f"{', '.join(wrong)}: not a parameter of {method} (it takes "
                          f"{', '.join(kind.__dataclass_fields__)})")
     return kind(**given)
+
+
+def index_searches(option: Rerank | None) -> int:
+    """The index searches (query rows) one query's re-ranking costs beyond the plain search:
+    its cost unit (see the module docstring: about 0.5 ms each at 100k exact vectors).
+
+    k-reciprocal: the candidates' neighbourhoods and farthest items (2 N), the query's own
+    farthest item and its longer first list (2). Query expansion: the first search and the
+    expanded query's (2). No re-ranking: 0.
+    """
+    if option is None:
+        return 0
+    if isinstance(option, KReciprocal):
+        return 2 * option.candidates + 2
+    return 2
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
@@ -436,6 +460,6 @@ def rerank_summary(options: Rerank | None) -> str:
 
 __all__ = [
     "CANDIDATES_MAX", "K1_MAX", "METHODS", "TOP_M_MAX", "KReciprocal", "QueryExpansion",
-    "Rerank", "expand_query", "k_reciprocal_distances", "rerank_options",
+    "Rerank", "expand_query", "index_searches", "k_reciprocal_distances", "rerank_options",
     "rerank_search", "rerank_summary",
 ]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
+import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import FormData, UploadFile
@@ -18,15 +20,16 @@ from index import store
 from index.search import SearchFilter
 from index.search.rerank import Rerank
 from service.deps import ResourcesDep
-from service.pipeline import Answer, ImageQuery
+from service.limits import check_search_budget
+from service.pipeline import Answer, ImageQuery, ItemQuery, Serving
 from service.resources import Resources
 from service.routers.gallery import image_uri
 from service.schemas import (
     K_MAX,
     RERANK_FIELDS,
-    RerankRequest,
     SearchBatchResponse,
     SearchHit,
+    SearchRerankRequest,
     SearchResponse,
     form_field_schemas,
     parse_rerank_fields,
@@ -35,6 +38,7 @@ from service.validation import (
     LABEL_MAX,
     Camera,
     SafeText,
+    WholeNumber,
     check_form_fields,
     parse_json_object,
     read_form,
@@ -49,17 +53,18 @@ ID_MAX = 2**63 - 1
 _ERRORS = {
     400: {"description": "a malformed multipart body"},
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
-    422: {"description": "not an image, or invalid options"},
-    503: {"description": "the search queue is full or the server is shutting down; retry "
-                        "after Retry-After seconds"},
+    422: {"description": "not an image, invalid options, or a request over the search "
+                        "budget (results and re-ranking: see service.limits)"},
+    503: {"description": "the search or re-ranking queue is full or the server is shutting "
+                        "down; retry after Retry-After seconds"},
 }
 
 
 class SearchFields(BaseModel):
     """The option fields of ``/search`` and ``/search/batch`` besides re-ranking (which is
-    :class:`~service.schemas.RerankRequest`'s)."""
+    :class:`~service.schemas.SearchRerankRequest`'s)."""
 
-    k: int | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
                                                               "also be sent as ?k=")
     label: SafeText | None = Field(None, max_length=LABEL_MAX,
                                    description="only items with this label")
@@ -71,14 +76,14 @@ class SearchFields(BaseModel):
 class ItemSearchFields(SearchFields):
     """``/search``'s fields: the options and the ``id`` of a gallery item to search with."""
 
-    id: int | None = Field(None, ge=1, le=ID_MAX,
+    id: WholeNumber | None = Field(None, ge=1, le=ID_MAX,
                            description="search with this gallery item's stored embedding "
                                        "instead of an image (the item itself is left out of "
                                        "the results)")
 
 
 class _QueryK(BaseModel):
-    k: int | None = Field(None, ge=1, le=K_MAX)
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX)
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def read_search_form(
         k_query = _QueryK.model_validate({"k": request.query_params.get("k")}).k
     except ValidationError as exc:
         raise request_validation_error(exc, "query") from None
-    rerank = parse_rerank_fields(form)
+    rerank = parse_rerank_fields(form, SearchRerankRequest)
     if parsed.k is not None and k_query is not None and parsed.k != k_query:
         raise HTTPException(422, f"k is {parsed.k} in the form but {k_query} in the query string")
     k = parsed.k if parsed.k is not None else k_query if k_query is not None else K_DEFAULT
@@ -148,7 +153,7 @@ def _form_body(fields: type[SearchFields], files: dict[str, Any]) -> dict[str, A
     return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object",
         "properties": {**files, **form_field_schemas(fields),
-                       **form_field_schemas(RerankRequest)},
+                       **form_field_schemas(SearchRerankRequest)},
     }}}}}
 
 
@@ -164,10 +169,12 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
 
     Send an ``image`` file, or the ``id`` of a gallery item: its stored embedding for the
     served version is the query (no upload, no decoding; the web page uses it when a
-    neighbour is clicked). Concurrent image requests are decoded and embedded together
-    (dynamic batching), off the event loop. ``score`` is the cosine similarity of unit
-    embeddings: higher is better. ``model_version`` names the version whose model embedded
-    the query and whose index ranked it (always the same one).
+    neighbour is clicked). Both kinds wait in the same queue and are batched together
+    (dynamic batching), off the event loop; re-ranking is finished on its own bounded pool.
+    A request over the search budget (``service.limits``: ``k``, re-ranking candidates) gets
+    422 before it is queued. ``score`` is the cosine similarity of unit embeddings: higher is
+    better. ``model_version`` names the version whose model embedded the query and whose
+    index ranked it (always the same one).
     """
     start = time.perf_counter()
     async with read_form(request) as form:
@@ -175,9 +182,11 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
         if (search.item_id is None) == (len(search.files) == 0):
             raise HTTPException(
                 422, "send exactly one of `image` (a file) or `id` (a gallery item)")
+        check_search_budget(search.options.k, [search.options.rerank])
         if search.item_id is not None:
-            answer = await anyio.to_thread.run_sync(
-                _search_by_item, resources, search.item_id, search.options)
+            # Queued and batched like an image: the same queue, its limit and its 503s.
+            answer = await resources.batcher.submit(
+                _item_query(resources, search.item_id, search.options))
         else:
             if len(search.files) != 1:
                 raise HTTPException(
@@ -191,9 +200,17 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     )
 
 
-def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) -> Answer:
-    """Search with a stored item's vector of the served version, leaving the item out."""
-    serving = resources.serving  # read once: the vector and the index of one version
+def _item_query(resources: Resources, item_id: int, options: SearchOptions) -> ItemQuery:
+    """The pipeline's query for a stored item: its vector, the item itself left out."""
+    base = options.filters or SearchFilter()
+    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
+    return ItemQuery(item_id, functools.partial(_stored_vector, resources, item_id),
+                     options.k, flt, rerank=options.rerank)
+
+
+def _stored_vector(resources: Resources, item_id: int, serving: Serving) -> np.ndarray:
+    """The item's stored ``(d,)`` vector for ``serving``'s version (the batch's: the vector
+    and the index of one version); 404 / 409 when there is none."""
     with resources.sessions() as session:
         version = store.get_model_version(session=session, version=serving.version)
         if store.get_item(item_id, session=session) is None:
@@ -204,10 +221,7 @@ def _search_by_item(resources: Resources, item_id: int, options: SearchOptions) 
             409, f"gallery item {item_id} has no embedding for model version {serving.version} "
                  "yet; retry shortly"
         )
-    base = options.filters or SearchFilter()
-    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
-    hits = serving.searcher.search(page.vectors[:1], options.k, flt, rerank=options.rerank)[0]
-    return Answer(hits, serving)
+    return page.vectors[0]
 
 
 def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
@@ -227,7 +241,9 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
 
     A corrupt image fails the whole request with 422, naming its position (``images[i]``).
     More files than ``IMGRET_SEARCH_BATCH_MAX_FILES``, or files whose headers together declare
-    more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded.
+    more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded; a
+    request over the search budget (queries x ``k`` results, queries x re-ranking cost:
+    ``service.limits``) gets 422.
     """
     start = time.perf_counter()
     settings = resources.settings
@@ -241,6 +257,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
                 413, f"{len(images)} images: send at most {settings.search_batch_max_files} "
                      "per request (IMGRET_SEARCH_BATCH_MAX_FILES)"
             )
+        check_search_budget(options.k, [options.rerank] * len(images))
         blobs = [await upload.read() for upload in images]
     # Headers only, off the event loop: the whole request is priced before decoding starts.
     await anyio.to_thread.run_sync(

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
 
 import pytest
 
-from service.batching import Deferred, DynamicBatcher, ServiceUnavailable
+from service.batching import (
+    Deferred,
+    DynamicBatcher,
+    FollowUp,
+    FollowUpPool,
+    ServiceUnavailable,
+)
 
 
 class Recorder:
@@ -340,3 +347,170 @@ def test_stop_in_the_same_loop_pass_as_an_arriving_item_still_ends_the_worker() 
 
     results = asyncio.run(run())
     assert all(isinstance(r, ServiceUnavailable) for r in results), results
+
+
+# --------------------------------------------------------------------------- follow-ups
+
+
+class Halver:
+    """A batch function whose negative items need follow-up work: ``-x`` -> ``FollowUp``
+    answering ``x / 2`` on the pool after ``release`` (it records the threads involved)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.batch_threads: set[str] = set()
+        self.followup_threads: list[str] = []
+        self.batched: list[int] = []
+
+    def finish(self, x: int) -> float:
+        self.followup_threads.append(threading.current_thread().name)
+        self.started.set()
+        if not self.release.wait(timeout=30):
+            raise RuntimeError("test never released the follow-up")
+        return x / 2
+
+    def __call__(self, items: Sequence[int]) -> list:
+        self.batch_threads.add(threading.current_thread().name)
+        self.batched.extend(items)
+        return [FollowUp(functools.partial(self.finish, -x)) if x < 0 else 2 * x
+                for x in items]
+
+
+def _followup_batcher(halver: Halver, capacity: int) -> DynamicBatcher:
+    return DynamicBatcher(halver, max_size=4, max_wait_s=0.0,
+                          followups=FollowUpPool(workers=1, capacity=capacity, what="halving"),
+                          followup_cost=lambda x: 10 if x < 0 else 0)
+
+
+def test_follow_ups_run_on_their_pool_while_batches_go_on() -> None:
+    async def run() -> tuple:
+        halver = Halver()
+        batcher = _followup_batcher(halver, capacity=20)
+        await batcher.start()
+        try:
+            held = asyncio.create_task(batcher.submit(-8))
+            await asyncio.to_thread(halver.started.wait, 10)
+            assert halver.started.is_set()
+            # The follow-up is held on its pool: plain items still get through the batcher.
+            plain = await asyncio.wait_for(batcher.submit_many([1, 2, 3]), 10)
+            assert not held.done()
+            assert batcher.followups.reserved == 10
+            halver.release.set()
+            return plain, await asyncio.wait_for(held, 10), batcher.followups.reserved
+        finally:
+            halver.release.set()
+            await batcher.stop()
+
+    plain, held, reserved = asyncio.run(run())
+    assert plain == [2, 4, 6]
+    assert held == 4.0
+    assert reserved == 0
+
+
+def test_a_full_follow_up_pool_refuses_the_whole_request_and_frees_only_when_work_ends(
+) -> None:
+    async def run() -> None:
+        halver = Halver()
+        batcher = _followup_batcher(halver, capacity=20)
+        await batcher.start()
+        pool = batcher.followups
+        try:
+            first = asyncio.create_task(batcher.submit(-2))
+            await asyncio.to_thread(halver.started.wait, 10)
+            second = asyncio.create_task(batcher.submit(-4))  # queued behind it on the pool
+            for _ in range(100):
+                if pool.reserved == 20:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.reserved == 20
+            with pytest.raises(ServiceUnavailable) as refused:
+                await batcher.submit_many([-6, 1])  # all or nothing
+            assert refused.value.headers == {"Retry-After": "1"}
+            assert "halving queue is full" in refused.value.detail
+            assert pool.reserved == 20
+            # A caller that goes away frees its units only once its work has ended.
+            first.cancel()
+            await asyncio.sleep(0.05)
+            assert pool.reserved == 20
+            halver.release.set()
+            assert await asyncio.wait_for(second, 10) == 2.0
+            for _ in range(100):
+                if pool.reserved == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.reserved == 0
+            assert set(halver.followup_threads) == {"imgret-followup_0"}
+            assert not halver.batch_threads & set(halver.followup_threads)
+        finally:
+            halver.release.set()
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
+def test_stop_answers_queued_follow_ups_503_and_lets_the_running_one_finish() -> None:
+    async def run() -> list:
+        halver = Halver()
+        batcher = _followup_batcher(halver, capacity=20)
+        await batcher.start()
+        try:
+            first = asyncio.create_task(batcher.submit(-2))
+            await asyncio.to_thread(halver.started.wait, 10)
+            second = asyncio.create_task(batcher.submit(-4))
+            for _ in range(100):
+                if batcher.followups.reserved == 20:
+                    break
+                await asyncio.sleep(0.01)
+            stopping = asyncio.create_task(batcher.stop())
+            await asyncio.sleep(0.05)
+            halver.release.set()
+            await asyncio.wait_for(stopping, 10)
+            return [*await asyncio.gather(first, second, return_exceptions=True),
+                    batcher.followups.reserved]
+        finally:
+            halver.release.set()
+
+    first, second, reserved = asyncio.run(run())
+    assert first == 1.0
+    assert isinstance(second, ServiceUnavailable) and second.status_code == 503
+    assert "shutting down" in second.detail
+    assert reserved == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
+
+
+def test_a_cancelled_caller_of_a_queued_follow_up_frees_its_units_and_it_never_runs() -> None:
+    async def run() -> tuple[int, int, int]:
+        halver = Halver()
+        batcher = _followup_batcher(halver, capacity=20)
+        await batcher.start()
+        pool = batcher.followups
+        try:
+            first = asyncio.create_task(batcher.submit(-2))
+            await asyncio.to_thread(halver.started.wait, 10)
+            second = asyncio.create_task(batcher.submit(-4))
+            for _ in range(100):
+                if -4 in halver.batched:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # its caller hands the follow-up to the pool
+            assert pool.reserved == 20
+            second.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await second
+            queued_freed = pool.reserved
+            halver.release.set()
+            assert await asyncio.wait_for(first, 10) == 1.0
+            for _ in range(100):
+                if pool.reserved == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return queued_freed, pool.reserved, len(halver.followup_threads)
+        finally:
+            halver.release.set()
+            await batcher.stop()
+
+    queued_freed, reserved, ran = asyncio.run(run())
+    assert queued_freed == 10  # the running one still holds its 10
+    assert reserved == 0
+    assert ran == 1  # the cancelled one never started
