@@ -9,6 +9,7 @@ alone let it through). httpx sends exactly those headers over a loopback connect
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -19,10 +20,18 @@ from sqlalchemy import create_engine, text
 from benchmarks.harness import running_server
 from service.routers.health import FOLLOWER_ERROR_HIDDEN
 from service.security_headers import API_POLICY, PAGE_POLICY
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, require
 from tests.support.images import class_image, image_bytes
 
 pytestmark = pytest.mark.slow
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+# JS run in the page: a keyless write from the page's own origin, as the Models view sends one.
+_DELETE_FROM_PAGE = """
+const done = arguments[arguments.length - 1];
+fetch(arguments[0], {method: "DELETE"}).then(r => done(r.status), e => done(String(e)));
+"""
 
 
 def _files(n: int, offset: int = 0) -> list[tuple[str, tuple[str, bytes, str]]]:
@@ -153,3 +162,73 @@ def test_security_headers_on_the_page_the_api_and_refusals(
         # The page's policy allows no inline script: the page has none.
         page = responses["page"].text
         assert "<script>" not in page and "<script src=" in page and "style=" not in page
+
+
+@pytest.fixture
+def rebinding_browser(tmp_path: Path):
+    """Headless Chromium that resolves ``rebind.example`` to 127.0.0.1 (a rebound name) and
+    keeps the console log (Content-Security-Policy violations are reported there)."""
+    require(bool(CHROMIUM and CHROMEDRIVER), "chromium and chromedriver (apt-get install "
+            "chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--no-first-run", "--host-resolver-rules=MAP rebind.example 127.0.0.1",
+                 f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    driver.set_script_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_page_works_under_its_policy_and_a_rebound_page_cannot_write(
+    rebinding_browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser = rebinding_browser
+    env = _env(tmp_path, f"sqlite:///{tmp_path / 'b.db'}", tiny_checkpoint)
+    with running_server(env, log_path=tmp_path / "server.log") as server:
+        base = server.url
+        port = base.rsplit(":", 1)[1]
+        ids = httpx.post(f"{base}/gallery", files=_files(6), data={"labels": ["a"] * 6},
+                         timeout=60).json()["ids"]
+        query = tmp_path / "query.png"
+        class_image(1, 99, size=32).save(query)
+
+        # The page at its loopback address: search with an uploaded file (its preview is a
+        # blob: URL), thumbnails from /gallery, and a keyless write from the page.
+        browser.get(f"{base}/")
+        wait = WebDriverWait(browser, 30)
+        wait.until(ec.text_to_be_present_in_element((By.ID, "health"), "images indexed"))
+        browser.find_element(By.ID, "file-input").send_keys(str(query))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .result")) == 6)
+        wait.until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#results img, #query-preview')]"
+            ".every(i => i.complete && i.naturalWidth > 0)"))
+        assert browser.find_element(By.ID, "query-preview").get_attribute("src").startswith(
+            "blob:")
+        browser.get(f"{base}/#models")
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#models-table tbody tr")))
+        assert browser.execute_async_script(_DELETE_FROM_PAGE, f"/gallery/{ids[0]}") == 204
+        violations = [entry["message"] for entry in browser.get_log("browser")
+                      if "Content Security Policy" in entry["message"]]
+        assert not violations, violations
+
+        # The same page on a rebound name: it loads (reads are open) but cannot write.
+        browser.get(f"http://rebind.example:{port}/")
+        wait.until(ec.text_to_be_present_in_element((By.ID, "health"), "images indexed"))
+        assert browser.execute_async_script(_DELETE_FROM_PAGE, f"/gallery/{ids[1]}") == 403
+        assert httpx.get(f"{base}/gallery/{ids[1]}").status_code == 200
+        assert httpx.get(f"{base}/gallery").json()["count"] == 5
