@@ -125,6 +125,19 @@ class Settings(BaseSettings):
         True, description="on PostgreSQL, wake on LISTEN/NOTIFY instead of waiting for a poll"
     )
 
+    # Model versions other than the served one that /evaluate (model_version, compare), an
+    # activation's comparison gate or a re-embedding opened (service.version_cache): the
+    # least recently used are dropped past either bound, and loaded again when next needed.
+    max_loaded_versions: int = Field(
+        2, ge=0, description="versions besides the served one whose model and index stay "
+                             "loaded (0: load them for each request)",
+    )
+    max_loaded_bytes: int = Field(
+        2 * 1024**3, ge=0,
+        description="estimated bytes those may hold: model parameters plus index vectors "
+                    "(size x dim x 4)",
+    )
+
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:
         # A /search/batch request is queued whole or refused: a queue smaller than the

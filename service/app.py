@@ -39,6 +39,7 @@ from service.routers import (
     search,
     ui,
 )
+from service.security_headers import SecurityHeadersMiddleware
 from service.tasks import cancel_and_wait
 from service.telemetry import AccessLogMiddleware, ServiceMetrics
 
@@ -89,6 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=[API_KEY_HEADER, "Content-Type"],
         )
+    # Outermost: refusals and CORS answers carry the headers too.
+    app.add_middleware(SecurityHeadersMiddleware, no_policy=(
+        app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url))
     return app
 
 
@@ -97,9 +101,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     if not has_api_key(settings):
         logger.warning(
-            "no IMGRET_API_KEY: writes are accepted only on loopback addresses%s",
-            " and, by IMGRET_ALLOW_ANONYMOUS_WRITES=true, on every address"
-            if settings.allow_anonymous_writes else "",
+            "no IMGRET_API_KEY: %s", "writes are accepted from every client "
+            "(IMGRET_ALLOW_ANONYMOUS_WRITES=true)" if settings.allow_anonymous_writes else
+            "writes are accepted only from this machine by a loopback name, not proxied",
         )
     # Loading a model and rebuilding an index take seconds: keep the loop free meanwhile. On
     # a thread that ends with the loading: torch runs on the batcher's model thread alone
@@ -144,7 +148,8 @@ _ERROR_SCHEMA = {
 }
 _WRITE_ERRORS = {
     "401": f"missing or wrong {API_KEY_HEADER} header (when IMGRET_API_KEY is set)",
-    "403": "cross-origin browser write, or a keyless server reached beyond loopback",
+    "403": "cross-origin browser write, or a keyless server reached from beyond this "
+           "machine, by a non-loopback name or through a proxy",
 }
 _BODY_ERRORS = {
     "400": "malformed body (multipart or JSON that cannot be parsed)",

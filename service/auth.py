@@ -14,10 +14,28 @@ Rules for a write, in this order:
 
 1. **Key.** With ``IMGRET_API_KEY`` set, ``X-API-Key`` must equal it (401 otherwise; the
    comparison takes the same time wherever the strings differ).
-2. **Exposure.** Without a key, a write that reached the server on a non-loopback address
-   is refused with 403 unless ``IMGRET_ALLOW_ANONYMOUS_WRITES=true``. ``imgret serve``
-   already refuses to *start* on such a host (:func:`check_write_exposure`); this covers
-   servers started another way (``uvicorn --factory service.app:create_app --host 0.0.0.0``).
+2. **Local only, without a key.** A keyless write is accepted only from a request that is
+   certainly local (:func:`is_local_request`): the peer address is loopback, the ``Host``
+   header is a loopback name (``localhost``, ``*.localhost``, ``127.0.0.0/8``, ``[::1]``,
+   any port), and no proxy header (``Forwarded``, ``X-Forwarded-For``,
+   ``X-Forwarded-Host``, ``X-Real-IP``) is present; anything else gets 403 naming
+   ``IMGRET_API_KEY``. The ``Host`` rule stops DNS rebinding: a page on
+   ``rebind.example`` whose name is re-pointed at 127.0.0.1 reaches the server from the
+   visitor's own machine with ``Host`` and ``Origin`` both ``rebind.example:PORT``, which
+   the ``Origin`` rule alone would take for the API's own origin. The proxy rule stops a
+   reverse proxy on the same host from making every client of the network look local (a
+   proxy must then forward ``Host`` or add one of those headers; nginx's default
+   ``Host: 127.0.0.1:PORT`` without ``X-Forwarded-For`` is indistinguishable from a local
+   client, so a proxied server needs a key). A peer that is a name rather than an address is
+   an in-process transport (Starlette's ``TestClient``; a server on TCP always gives an
+   address): nothing can rebind or proxy it, so it counts as local. A Unix socket (no peer
+   address) does not: a proxy is what connects there.
+   ``IMGRET_ALLOW_ANONYMOUS_WRITES=true`` lifts this rule entirely (any client, any
+   ``Host``, proxied or not: the operator accepts anonymous writes from everyone who can
+   reach the server, under any name, a rebound one included); the ``Origin`` rule still
+   applies. ``imgret serve`` already refuses to *start* on a non-loopback host without a
+   key or that setting (:func:`check_write_exposure`); this covers servers started another
+   way (``uvicorn --factory service.app:create_app --host 0.0.0.0``) and proxied ones.
 3. **Origin.** A browser sends ``Origin`` on every cross-origin POST/DELETE, and a multipart
    POST needs no CORS preflight, so without this check any web page could write to the
    server through a visitor's browser. A write whose ``Origin`` is neither the API's own
@@ -99,6 +117,22 @@ def check_write_exposure(settings: Settings, host: str) -> None:
     )
 
 
+def may_see_details(scope: Scope, settings: Settings) -> bool:
+    """Whether a request may read internal error text (``/health``'s ``follower_error``).
+
+    With ``IMGRET_API_KEY`` set: only with the right ``X-API-Key`` (a wrong or missing key is
+    not refused, the text is only withheld). Without a key: only a request that may also
+    write keylessly (:func:`is_local_request`; ``IMGRET_ALLOW_ANONYMOUS_WRITES`` does not
+    widen this, database messages are no help to anonymous writers).
+    """
+    headers = _headers(scope)
+    if has_api_key(settings):
+        assert settings.api_key is not None
+        return secrets.compare_digest(headers.get(b"x-api-key", b""),
+                                      settings.api_key.get_secret_value().encode())
+    return is_local_request(scope, headers)
+
+
 def normalize_origin(origin: str) -> str | None:
     """``scheme://host[:port]`` in lower case without a default port; ``None`` if malformed."""
     try:
@@ -150,10 +184,11 @@ class WriteGuardMiddleware:
             if not secrets.compare_digest(given, self.api_key):
                 return (401, f"missing or wrong {API_KEY_HEADER} header",
                         [(b"www-authenticate", API_KEY_HEADER.encode())])
-        elif not self.allow_anonymous and _reached_beyond_loopback(scope):
-            return (403, "writes are refused: this server has no IMGRET_API_KEY and was "
-                         "reached on a non-loopback address; set IMGRET_API_KEY (or "
-                         "IMGRET_ALLOW_ANONYMOUS_WRITES=true)", [])
+        elif not self.allow_anonymous and not is_local_request(scope, headers):
+            return (403, "writes are refused: this server has no IMGRET_API_KEY, so it accepts "
+                         "writes only from this machine, addressed by a loopback name "
+                         "(localhost, 127.0.0.1, [::1]) and not through a proxy; set "
+                         "IMGRET_API_KEY and send it as the X-API-Key header", [])
         origin = headers.get(b"origin")
         if origin is not None:
             text = origin.decode("latin-1")
@@ -208,22 +243,50 @@ def _own_origin(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
     return normalize_origin(f"{scheme}://{host.decode('latin-1')}")
 
 
-def _reached_beyond_loopback(scope: Scope) -> bool:
-    """Whether the connection arrived on a non-loopback IP address of this host.
+# Headers a proxy adds: their presence means the peer address is the proxy's, not the client's.
+PROXY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-forwarded-host", b"x-real-ip")
 
-    ``scope["server"]`` is the local socket address under a real server; an in-process
-    transport (Starlette's TestClient: ``testserver``) or a Unix socket has no IP and counts
-    as local.
+
+def is_local_request(scope: Scope, headers: dict[bytes, bytes] | None = None) -> bool:
+    """Whether a request certainly comes from this machine, addressed by a loopback name and
+    not through a proxy (the keyless write rule of this module's docstring).
+
+    Args:
+        scope: the ASGI scope (``client`` is the peer).
+        headers: the scope's headers as :func:`_headers` reads them (read here if omitted).
     """
-    server = scope.get("server")
-    if not server or not server[0]:
+    headers = _headers(scope) if headers is None else headers
+    if any(name in headers for name in PROXY_HEADERS):
         return False
-    host = str(server[0])
+    client = scope.get("client")
+    if not client or not client[0]:
+        return False  # a Unix socket: whatever connects there (a proxy) is not known local
+    peer = str(client[0])
+    if not _is_ip_address(peer):
+        return True  # an in-process transport names its peer: no network is involved
+    return is_loopback(peer) and is_loopback_host_header(headers.get(b"host"))
+
+
+def is_loopback_host_header(value: bytes | None) -> bool:
+    """Whether a ``Host`` header names a loopback host (with or without a port)."""
+    if value is None:
+        return False
+    try:
+        parts = urlsplit("http://" + value.decode("ascii"))
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if parts.hostname is None or parts.netloc != value.decode("ascii") or "@" in parts.netloc:
+        return False
+    return is_loopback(parts.hostname)
+
+
+def _is_ip_address(host: str) -> bool:
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
-    return not is_loopback(host)
+    return True
 
 
 async def _answer(

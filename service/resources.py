@@ -7,7 +7,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
 import anyio.to_thread
@@ -29,6 +29,7 @@ from index.search import Searcher
 from service.batching import DynamicBatcher
 from service.pipeline import Answer, ImageQuery, Serving, build_search_batcher
 from service.telemetry import ServiceMetrics
+from service.version_cache import VersionCache
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,12 @@ class Resources:
         serving: the served version (model + index, swapped together by :meth:`serve`).
         batcher: the dynamic batcher in front of :class:`SearchPipeline`.
         metrics: the app's Prometheus metrics.
-        embedders, searchers: every version's model and index this process has opened
-            (the served one included), for ``/evaluate``, comparisons and switches.
+        embedders, searchers: the versions' models and indexes this process has open (the
+            served one included), for ``/evaluate``, comparisons and switches; given as
+            dicts, kept as views of :attr:`loaded`.
+        loaded: the open models and indexes: the served version's always, the others' in
+            an LRU bounded by ``IMGRET_MAX_LOADED_VERSIONS`` and ``IMGRET_MAX_LOADED_BYTES``
+            (:mod:`service.version_cache`).
     """
 
     settings: Settings
@@ -83,12 +88,27 @@ class Resources:
     serving: Serving
     batcher: DynamicBatcher[ImageQuery, Answer]
     metrics: ServiceMetrics
-    embedders: dict[str, Embedder] = field(default_factory=dict)
-    searchers: dict[str, Searcher] = field(default_factory=dict)
+    embedders: MutableMapping[str, Embedder] = field(default_factory=dict)
+    searchers: MutableMapping[str, Searcher] = field(default_factory=dict)
     follower: FollowerState = field(default_factory=FollowerState)
     jobs: EmbedJobs | None = None
+    loaded: VersionCache = field(init=False)
     _open_lock: threading.RLock = field(default_factory=threading.RLock)
     _switch_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.loaded = VersionCache(
+            served=lambda: self.serving.version,
+            max_versions=self.settings.max_loaded_versions,
+            max_bytes=self.settings.max_loaded_bytes, registry=self.metrics.registry,
+        )
+        given = (self.embedders, self.searchers)
+        self.embedders = self.loaded.view("embedder")
+        self.searchers = self.loaded.view("searcher")
+        self.embedders.update(given[0])
+        self.searchers.update(given[1])
+        self.embedders[self.serving.version] = self.serving.embedder
+        self.searchers[self.serving.version] = self.serving.searcher
 
     @property
     def embedder(self) -> Embedder:
@@ -106,7 +126,8 @@ class Resources:
         return self.batcher.waiting > 0 or getattr(pipeline, "running", 0) > 0
 
     def embedder_for(self, version: str) -> Embedder:
-        """A version's model: loaded once from its stored checkpoint, then kept."""
+        """A version's model: loaded from its stored checkpoint when not open (another
+        version's may be dropped meanwhile, see :attr:`loaded`)."""
         with self._open_lock:
             embedder = self.embedders.get(version)
             if embedder is None:
@@ -119,8 +140,8 @@ class Resources:
             return embedder
 
     def searcher_for(self, version: str) -> Searcher:
-        """A version's index, opened once (loaded or rebuilt from SQL), then caught up with
-        the change log on every call (only the served one is followed continuously).
+        """A version's index, opened when not open (loaded or rebuilt from SQL), then caught
+        up with the change log on every call (only the served one is followed continuously).
 
         Raises:
             GalleryError: a version that was never registered.
@@ -136,12 +157,17 @@ class Resources:
 
     def serve(self, version: str) -> Serving:
         """Switch this process to ``version``: load its model and index first, then replace
-        :attr:`serving` in one assignment (a batch in flight finishes with the old pair)."""
+        :attr:`serving` in one assignment (a batch in flight finishes with the old pair).
+        The version served before becomes one of the bounded others in :attr:`loaded`."""
         with self._switch_lock:
             if self.serving.version != version:
                 embedder = self.embedder_for(version)
                 searcher = self.searcher_for(version)
                 self.serving = Serving(version, embedder, searcher)
+                # Kept (again, should the bounds have dropped them while loading) as the
+                # served pair; the old one may be dropped now.
+                self.embedders[version] = embedder
+                self.searchers[version] = searcher
                 logger.info("now serving model version %s (%d vectors)", version,
                             searcher.size)
             return self.serving
@@ -160,8 +186,8 @@ class Resources:
 
     def index_sizes(self) -> dict[str, tuple[int, str]]:
         """Size and factory of every index this process has open (for ``GET /models``)."""
-        with self._open_lock:
-            return {v: (s.size, s.factory) for v, s in self.searchers.items()}
+        return {v: (s.size, s.factory)
+                for v, s in self.loaded.loaded("searcher").items()}  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Stop background jobs and release the database (the indexes live in memory)."""

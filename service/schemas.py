@@ -46,7 +46,11 @@ class HealthStatus(BaseModel):
     device: str = Field(examples=["cpu", "cuda"])
     change_seq: int = Field(description="the last gallery change applied to this index")
     follower_lag_s: float = Field(description="seconds since the index last caught up")
-    follower_error: str | None = Field(None, description="why the last catch-up failed")
+    follower_error: str | None = Field(
+        None, description="why the last catch-up failed: the database's message with the "
+                          "right X-API-Key (or, without a key, from this machine), else a "
+                          "generic one",
+    )
 
 
 class SearchHit(BaseModel):

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
+from service.auth import may_see_details
 from service.deps import ResourcesDep
 from service.schemas import HealthStatus
 
 router = APIRouter(tags=["health"])
 
+# What /health says of a failed catch-up to a client that may not read its text: the text is
+# a database driver's message (host names, table and column names, SQL).
+FOLLOWER_ERROR_HIDDEN = "catching up with the database failed"
+
 
 @router.get("/health")
-def read_health(resources: ResourcesDep) -> HealthStatus:
+def read_health(request: Request, resources: ResourcesDep) -> HealthStatus:
     """Liveness: the model version served, the index size, the device, and how far this
     process's index follows the database.
 
@@ -19,6 +24,10 @@ def read_health(resources: ResourcesDep) -> HealthStatus:
     not help) when the change-log follower has not caught up for longer than the stated bound:
     other processes' adds are then missing here. Deletes are honoured either way (every search
     reads them first, and fails with 503 when it cannot).
+
+    ``follower_error`` gives the failure's text only with the right ``X-API-Key`` (or, on a
+    server without a key, to a local request: :func:`service.auth.may_see_details`); others
+    read a generic message.
     """
     follower = resources.follower
     serving = resources.serving  # read once: model and index of the same version
@@ -29,5 +38,11 @@ def read_health(resources: ResourcesDep) -> HealthStatus:
         device=serving.embedder.device,
         change_seq=serving.searcher.change_seq,
         follower_lag_s=round(follower.lag_seconds(), 3),
-        follower_error=follower.last_error,
+        follower_error=_follower_error(follower.last_error, request),
     )
+
+
+def _follower_error(error: str | None, request: Request) -> str | None:
+    if error is None or may_see_details(request.scope, request.app.state.settings):
+        return error
+    return FOLLOWER_ERROR_HIDDEN

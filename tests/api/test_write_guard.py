@@ -38,7 +38,8 @@ def _upload(client, headers=None, label="a"):
 
 
 def _run_guard(settings: Settings, *, method="POST", path="/gallery", headers=(),
-               server=("127.0.0.1", 8000)) -> tuple[int | None, int, bool]:
+               server=("127.0.0.1", 8000), client=("127.0.0.1", 50000),
+               host: str | None = "127.0.0.1:8000") -> tuple[int | None, int, bool]:
     """Drive the middleware alone: (status sent, receive() calls, whether the app ran)."""
     reads = 0
     sent: list[dict] = []
@@ -61,8 +62,9 @@ def _run_guard(settings: Settings, *, method="POST", path="/gallery", headers=()
 
     scope = {
         "type": "http", "method": method, "path": path, "root_path": "", "scheme": "http",
-        "server": server, "client": ("127.0.0.1", 50000),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+        "server": server, "client": client,
+        "headers": [(k.lower().encode(), v.encode())
+                    for k, v in ([("Host", host)] if host else []) + list(headers)],
     }
     asyncio.run(WriteGuardMiddleware(app, settings=settings)(scope, receive, send))
     return (sent[0]["status"] if sent else None), reads, app_ran
@@ -130,14 +132,57 @@ def test_allowed_origins_may_write_and_get_cors_headers(make_local_client) -> No
 
 
 def test_keyless_server_reached_beyond_loopback_refuses_writes() -> None:
-    exposed = ("10.1.2.3", 8000)
-    status, reads, app_ran = _run_guard(Settings(), server=exposed)
+    exposed = ("10.1.2.3", 50000)
+    status, reads, app_ran = _run_guard(Settings(), client=exposed, server=("10.1.2.4", 80),
+                                        host="10.1.2.4")
     assert (status, reads, app_ran) == (403, 0, False)
-    assert _run_guard(Settings(), server=("127.0.0.1", 8000))[0] == 201
-    assert _run_guard(Settings(), server=("::1", 8000))[0] == 201
-    assert _run_guard(Settings(allow_anonymous_writes=True), server=exposed)[0] == 201
-    assert _run_guard(Settings(api_key=API_KEY), server=exposed,
+    assert _run_guard(Settings(), client=("127.0.0.1", 1))[0] == 201
+    assert _run_guard(Settings(), client=("::1", 1), host="[::1]:8000")[0] == 201
+    assert _run_guard(Settings(allow_anonymous_writes=True), client=exposed)[0] == 201
+    assert _run_guard(Settings(api_key=API_KEY), client=exposed,
                       headers=[("X-API-Key", API_KEY)])[0] == 201
+
+
+@pytest.mark.parametrize(
+    ("host", "client", "extra", "allowed"),
+    [("127.0.0.1:8000", "127.0.0.1", [], True),
+     ("localhost:8000", "127.0.0.1", [], True),
+     ("app.localhost", "127.0.0.1", [], True),
+     ("[::1]:8000", "::1", [], True),
+     ("127.5.6.7", "127.0.0.1", [], True),
+     # DNS rebinding: a loopback peer, but the page's own name in Host.
+     ("rebind.example:8000", "127.0.0.1", [], False),
+     ("127.0.0.1.nip.io:8000", "127.0.0.1", [], False),
+     ("localhost.", "127.0.0.1", [], False),
+     (None, "127.0.0.1", [], False),
+     ("user@localhost", "127.0.0.1", [], False),
+     # A reverse proxy on this host: a loopback peer and Host, but proxy headers.
+     ("127.0.0.1:8000", "127.0.0.1", [("X-Forwarded-For", "203.0.113.9")], False),
+     ("127.0.0.1:8000", "127.0.0.1", [("Forwarded", "for=203.0.113.9")], False),
+     ("127.0.0.1:8000", "127.0.0.1", [("X-Real-IP", "203.0.113.9")], False),
+     ("127.0.0.1:8000", "127.0.0.1", [("X-Forwarded-Host", "api.example")], False),
+     # A remote peer that claims a loopback Host.
+     ("127.0.0.1:8000", "192.0.2.7", [], False),
+     ("localhost", "::ffff:192.0.2.7", [], False)],
+)
+def test_keyless_writes_need_a_loopback_peer_host_and_no_proxy(
+    host: str | None, client: str, extra: list[tuple[str, str]], allowed: bool
+) -> None:
+    status, reads, app_ran = _run_guard(Settings(), host=host, client=(client, 50000),
+                                        headers=extra)
+    assert (status, app_ran) == ((201, True) if allowed else (403, False))
+    assert reads == 0 or allowed
+    # IMGRET_ALLOW_ANONYMOUS_WRITES lifts the rule; a key replaces it.
+    assert _run_guard(Settings(allow_anonymous_writes=True), host=host,
+                      client=(client, 50000), headers=extra)[0] == 201
+    assert _run_guard(Settings(api_key=API_KEY), host=host, client=(client, 50000),
+                      headers=[*extra, ("X-API-Key", API_KEY)])[0] == 201
+
+
+def test_a_unix_socket_peer_is_not_local_and_an_in_process_one_is() -> None:
+    assert _run_guard(Settings(), client=None, server=None, host="localhost")[0] == 403
+    assert _run_guard(Settings(), client=("testclient", 50000), server=("testserver", 80),
+                      host="testserver")[0] == 201
 
 
 @pytest.mark.parametrize(
