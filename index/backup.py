@@ -185,7 +185,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
             # Pinned: a consistent snapshot, and every file it refers to hard-linked.
             phase("pinned")
             snap.write_sqlite(temp / DATABASE_FILE)
-            phase("database")
+        _clear_personal_leftovers(temp / DATABASE_FILE)
+        phase("database")
         _check_media(snap, pinned)
         files: dict[str, dict[str, Any]] = {}
         made: set[Path] = set()
@@ -400,6 +401,29 @@ class _Snapshot:
                 _carry_pg_sequences(self.connection, target)
         finally:
             engine.dispose()
+
+
+def _clear_personal_leftovers(path: Path) -> None:
+    """Leave nothing of deleted items in the snapshot file: their rows' personal fields (a row
+    deleted before deletes cleared them, :func:`index.store.clear_deleted_items`), image bytes
+    in ``media_blobs`` that no live row refers to (a delete whose purge did not run yet), and,
+    by a ``VACUUM``, the free pages that a page-by-page copy of SQLite carries along."""
+    engine = _plain_sqlite_engine(path)
+    try:
+        with engine.begin() as connection:
+            store.clear_deleted_items(connection=connection)
+            if connection.execute(text(_BLOBS_TABLE_SQL["sqlite"])).scalar_one():
+                connection.execute(text(
+                    "DELETE FROM media_blobs WHERE sha256 NOT IN (SELECT sha256 FROM "
+                    "gallery_items WHERE deleted_at IS NULL UNION SELECT sha256 FROM "
+                    "query_items)"))
+    finally:
+        engine.dispose()
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        connection.execute("VACUUM")
+    finally:
+        connection.close()
 
 
 # Image bytes kept in the database (``media_blobs``, the database media backend) travel with
