@@ -109,6 +109,10 @@ class BackupExists(BackupError):
     """The backup destination exists already."""
 
 
+class BackupNoSpace(BackupError):
+    """The backup's file system has too little free space for the estimated backup."""
+
+
 @dataclass(frozen=True)
 class BackupReport:
     """What a backup holds (also the ``snapshot`` part of ``backup.json``)."""
@@ -178,6 +182,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
     upgrade_to_head(settings.db_url)  # a service does this at start; a fresh one just works
     engine = make_engine(settings.db_url)
     try:
+        check_free_space(dest.parent, estimate_backup_bytes(engine, settings.db_url, data_dir),
+                         margin=settings.backup_free_margin_bytes)
         temp.mkdir()
         pinned = _Pins(pins, media, data_dir)
         pinned.link_all()  # no lock: every stored file and checkpoint, as they are now
@@ -250,6 +256,118 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
         with contextlib.suppress(OSError):
             pins.parent.rmdir()  # only when no other backup is running
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def estimate_backup_bytes(engine: Engine, url: str, data_dir: Path) -> int:
+    """What a backup of this gallery will take, from what it copies: the database (counted
+    twice: the snapshot, and the copy its ``VACUUM`` writes), the media files, checkpoints
+    and indexes under the data dir. An upper bound for media (files no row refers to are
+    counted too), a close one for the rest."""
+    if engine.dialect.name == "sqlite":
+        database = Path(make_url(url).database or "")
+        db_bytes = sum(_size_or_zero(Path(f"{database}{suffix}")) for suffix in ("", "-wal"))
+    else:
+        with engine.connect() as connection:
+            db_bytes = int(connection.execute(
+                text("SELECT pg_database_size(current_database())")).scalar_one())
+    files = sum(_tree_bytes(data_dir / folder) for folder in (MEDIA_DIR, MODELS_DIR,
+                                                               INDEXES_DIR))
+    return 2 * db_bytes + files
+
+
+def check_free_space(folder: Path, needed: int, *, margin: int) -> None:
+    """Refuse a backup that would leave less than ``margin`` bytes free where it is written.
+
+    Raises:
+        BackupNoSpace: ``needed + margin`` bytes are not free; the message gives the sizes
+            (never a path: an API client reads it).
+    """
+    free = shutil.disk_usage(folder).free
+    if needed + margin > free:
+        raise BackupNoSpace(
+            f"not enough free space for a backup: it needs about {needed / 1e6:.1f} MB and "
+            f"{margin / 1e6:.1f} MB must stay free (IMGRET_BACKUP_FREE_MARGIN_BYTES), but "
+            f"{free / 1e6:.1f} MB are free; remove old backups (IMGRET_BACKUP_KEEP, "
+            "IMGRET_BACKUP_MAX_BYTES) or free space on the volume"
+        )
+
+
+def prune_backups(folder: str | Path, *, keep: int, max_bytes: int | None,
+                  protect: str | Path) -> list[Path]:
+    """Remove the oldest complete backups in ``folder`` until at most ``keep`` remain and
+    they take at most ``max_bytes`` (``None``: no byte limit), never ``protect`` (the backup
+    just written, even when it alone is over ``max_bytes``).
+
+    Only folders holding an imgret ``backup.json`` count and are ever removed (partial
+    backups, other files and folders are left alone); age is the time their ``backup.json``
+    was written.
+
+    Returns:
+        The backups removed, oldest first.
+    """
+    folder, protect = Path(folder).absolute(), Path(protect).absolute()
+    backups = sorted(_complete_backups(folder), key=lambda b: (b[1], b[0].name))
+    sizes = {path: _tree_bytes(path) for path, _ in backups}
+    total, count = sum(sizes.values()), len(backups)
+    removed = []
+    for path, _ in backups:
+        if count <= keep and (max_bytes is None or total <= max_bytes):
+            break
+        if path == protect:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            total -= sizes[path]
+            count -= 1
+    if max_bytes is not None and total > max_bytes:
+        logger.warning("the backups in %s take %.1f MB, over IMGRET_BACKUP_MAX_BYTES (%.1f MB), "
+                       "with only the newest one left", folder, total / 1e6, max_bytes / 1e6)
+    for path in removed:
+        logger.info("removed the old backup %s (retention)", path)
+    return removed
+
+
+def _complete_backups(folder: Path) -> Iterator[tuple[Path, int]]:
+    """``(folder, mtime_ns of its backup.json)`` of every complete imgret backup in ``folder``."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        manifest = path / BACKUP_FILE
+        if path.name.startswith(".") or path.is_symlink() or not manifest.is_file():
+            continue
+        try:
+            if json.loads(manifest.read_text()).get("format") != FORMAT:
+                continue
+            yield path, manifest.stat().st_mtime_ns
+        except (OSError, ValueError, AttributeError):
+            continue
+
+
+def _tree_bytes(root: Path) -> int:
+    """The bytes of the regular files under ``root`` (0 when it does not exist)."""
+    total = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def admin_backup_path(settings: Settings, name: str | None) -> Path:
