@@ -40,6 +40,14 @@ Decisions (the contract is silent on these):
   it is kept when its manifest and checksum hold and its ids, after replaying the snapshot's
   change log, equal the snapshot's; otherwise it is rebuilt from the snapshot's embeddings
   (no re-embedding). It is then saved, so its manifest describes the snapshot exactly.
+- **Nothing of deleted items.** Deletes clear the rows' personal data; the snapshot is cleaned
+  again (:func:`_clear_personal_leftovers`: rows deleted by an older imgret, blobs no live row
+  refers to) and vacuumed, so no free page of the copy holds an old value.
+- **Bounded disk.** :func:`check_free_space` refuses a backup whose estimated size
+  (:func:`estimate_backup_bytes`) plus ``IMGRET_BACKUP_FREE_MARGIN_BYTES`` is not free before
+  anything is written; callers run :func:`prune_backups` after a successful backup
+  (``IMGRET_BACKUP_KEEP``, ``IMGRET_BACKUP_MAX_BYTES``; never the new one, only complete
+  imgret backups).
 - **Nothing half-done.** A backup is written to a temporary sibling folder and renamed to
   DEST only when complete, ``backup.json`` last; a folder without ``backup.json`` is partial
   and refused. Restore verifies every checksum (and that the snapshot's media and checkpoints
