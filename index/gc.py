@@ -64,8 +64,8 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
     with session_factory.begin() as session:
         cleared = store.clear_deleted_items(connection=session)
     if cleared:
-        logger.info("cleared the label, camera, metadata and source of %d deleted gallery "
-                    "items (deleted before deletes cleared them)", cleared)
+        logger.info("cleared the personal data (label, camera, metadata, source, hash) of %d "
+                    "deleted gallery items, deleted before deletes cleared it", cleared)
     removed, referenced, stored = remove_unreferenced(session_factory=session_factory,
                                                       media=media)
     if removed:
