@@ -1,8 +1,12 @@
 """CLI commands `imgret backup DEST` and `imgret restore SRC`: each calls one function of
 ``index.backup`` (the same code as ``POST /admin/backup``).
 
-Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_DEVICE``) come from the
-environment. Errors are one line naming the folder and the fix (``imgret.errors.ImgretError``).
+Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_DEVICE``, and the retention
+and free-space rules ``IMGRET_BACKUP_KEEP``, ``IMGRET_BACKUP_MAX_BYTES``,
+``IMGRET_BACKUP_FREE_MARGIN_BYTES``, the same as ``POST /admin/backup``'s) come from the
+environment. Retention applies to the folder that holds DEST: only complete imgret backups
+there are counted and ever removed. Errors are one line naming the folder and the fix
+(``imgret.errors.ImgretError``).
 """
 
 from __future__ import annotations
@@ -18,13 +22,26 @@ def register(app: typer.Typer, **_groups: typer.Typer) -> None:
     @app.command("backup")
     def backup_command(
         dest: Path = typer.Argument(..., help="a new folder to write the backup into"),
+        prune: bool = typer.Option(
+            True, "--prune/--no-prune",
+            help="after the backup, remove the oldest imgret backups beside DEST past "
+                 "IMGRET_BACKUP_KEEP / IMGRET_BACKUP_MAX_BYTES (never DEST)",
+        ),
     ) -> None:
         """Back up the database, the media files it refers to, the model checkpoints and the
-        indexes, consistently, while the service keeps serving (writes pause for milliseconds)."""
-        from imgret.settings import get_settings
-        from index.backup import create_backup
+        indexes, consistently, while the service keeps serving (writes pause for milliseconds).
 
-        report = create_backup(get_settings(), dest, on_phase=_phase)
+        Refused, with nothing written, when the volume would keep less than
+        IMGRET_BACKUP_FREE_MARGIN_BYTES free."""
+        from imgret.settings import get_settings
+        from index.backup import create_backup, prune_backups
+
+        settings = get_settings()
+        report = create_backup(settings, dest, on_phase=_phase)
+        if prune:
+            for old in prune_backups(Path(report.path).parent, keep=settings.backup_keep,
+                                     max_bytes=settings.backup_max_bytes, protect=report.path):
+                typer.echo(f"  removed the old backup {old}", err=True)
         typer.echo(
             f"backup of {report.database} (revision {report.alembic_revision}) -> {report.path}: "
             f"{report.gallery_items} gallery items, {report.query_items} query items, "

@@ -27,11 +27,17 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     ) -> None:
         """Move every stored image into the other media backend, leaving none behind; run it
         with the servers stopped, then start them with IMGRET_MEDIA_BACKEND set to the new
-        backend. Safe to run again after an interruption."""
+        backend. Safe to run again after an interruption.
+
+        Refused, changing nothing, while any server holds the gallery's database (each holds
+        a lock on it while it serves: index.serving); servers do not start while it runs."""
         from imgret.settings import get_settings
         from index import jobs
+        from index.serving import hold_for_maintenance
 
-        report = jobs.migrate_media(get_settings(), to, progress=progress)
+        settings = get_settings()
+        with hold_for_maintenance(settings.db_url, "imgret media migrate"):
+            report = jobs.migrate_media(settings, to, progress=progress)
         typer.echo(
             f"moved {report.moved} images from the {report.source} backend to the "
             f"{report.target} backend in {report.seconds:.1f}s ({report.missing} referenced "

@@ -60,6 +60,10 @@ DEFAULT_DECODE_MEMORY = 640 * 1024 * 1024
 # the input side are not touched at all (so their model input is bit-for-bit unchanged).
 REDUCING_GAP = 3
 
+# The formats decoded, by Pillow's names: the six the message lists, and nothing else. Pillow
+# opens dozens more (XBM, PPM, ICO, PSD, ...), each a parser more for hostile bytes to reach
+# and a file the media store would keep and serve; none is a photo format clients send.
+DECODED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 _UNSUPPORTED = "not a recognised image format (expected JPEG, PNG, WebP, GIF, BMP or TIFF)"
 
 
@@ -70,7 +74,8 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.
     pixel data is decoded, so a decompression bomb costs nothing.
 
     Args:
-        data: the raw file bytes (JPEG, PNG, WebP, GIF, BMP, TIFF, ...).
+        data: the raw file bytes: JPEG, PNG, WebP, GIF, BMP or TIFF (:data:`DECODED_FORMATS`;
+            any other format is refused like non-image data).
         max_pixels: the largest width × height accepted.
 
     Returns:
@@ -529,7 +534,7 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     """Parse the header; refuse empty data and more than ``max_pixels`` declared pixels."""
     if not data:
         raise ImageDecodeError("empty file: expected image bytes (JPEG, PNG, WebP, ...)")
-    image = Image.open(io.BytesIO(data))
+    image = Image.open(io.BytesIO(data), formats=DECODED_FORMATS)
     width, height = image.size
     if width * height > max_pixels:
         raise ImageTooLarge(

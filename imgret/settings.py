@@ -138,6 +138,22 @@ class Settings(BaseSettings):
                     "(size x dim x 4)",
     )
 
+    # Backups (index.backup): retention after each successful backup, in its folder
+    # (<data_dir>/backups for POST /admin/backup, the parent of DEST for `imgret backup`),
+    # and the free space a backup must leave on the volume it is written to.
+    backup_keep: int = Field(
+        7, ge=1, description="complete backups kept in the backup folder; older ones are "
+                             "removed after a successful new backup (never the new one)",
+    )
+    backup_max_bytes: int | None = Field(
+        None, gt=0, description="bytes the backups in the backup folder may take together; "
+                                "the oldest are removed past it (unset: the count alone)",
+    )
+    backup_free_margin_bytes: int = Field(
+        1 << 30, ge=0, description="bytes that must stay free on the backup's volume after "
+                                   "the estimated backup, or it is refused (507) unwritten",
+    )
+
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:
         # A /search/batch request is queued whole or refused: a queue smaller than the

@@ -40,6 +40,14 @@ Decisions (the contract is silent on these):
   it is kept when its manifest and checksum hold and its ids, after replaying the snapshot's
   change log, equal the snapshot's; otherwise it is rebuilt from the snapshot's embeddings
   (no re-embedding). It is then saved, so its manifest describes the snapshot exactly.
+- **Nothing of deleted items.** Deletes clear the rows' personal data; the snapshot is cleaned
+  again (:func:`_clear_personal_leftovers`: rows deleted by an older imgret, blobs no live row
+  refers to) and vacuumed, so no free page of the copy holds an old value.
+- **Bounded disk.** :func:`check_free_space` refuses a backup whose estimated size
+  (:func:`estimate_backup_bytes`) plus ``IMGRET_BACKUP_FREE_MARGIN_BYTES`` is not free before
+  anything is written; callers run :func:`prune_backups` after a successful backup
+  (``IMGRET_BACKUP_KEEP``, ``IMGRET_BACKUP_MAX_BYTES``; never the new one, only complete
+  imgret backups).
 - **Nothing half-done.** A backup is written to a temporary sibling folder and renamed to
   DEST only when complete, ``backup.json`` last; a folder without ``backup.json`` is partial
   and refused. Restore verifies every checksum (and that the snapshot's media and checkpoints
@@ -107,6 +115,10 @@ class BackupError(ImgretError):
 
 class BackupExists(BackupError):
     """The backup destination exists already."""
+
+
+class BackupNoSpace(BackupError):
+    """The backup's file system has too little free space for the estimated backup."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
     upgrade_to_head(settings.db_url)  # a service does this at start; a fresh one just works
     engine = make_engine(settings.db_url)
     try:
+        check_free_space(dest.parent, estimate_backup_bytes(engine, settings.db_url, data_dir),
+                         margin=settings.backup_free_margin_bytes)
         temp.mkdir()
         pinned = _Pins(pins, media, data_dir)
         pinned.link_all()  # no lock: every stored file and checkpoint, as they are now
@@ -185,7 +199,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
             # Pinned: a consistent snapshot, and every file it refers to hard-linked.
             phase("pinned")
             snap.write_sqlite(temp / DATABASE_FILE)
-            phase("database")
+        _clear_personal_leftovers(temp / DATABASE_FILE)
+        phase("database")
         _check_media(snap, pinned)
         files: dict[str, dict[str, Any]] = {}
         made: set[Path] = set()
@@ -249,6 +264,118 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
         with contextlib.suppress(OSError):
             pins.parent.rmdir()  # only when no other backup is running
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def estimate_backup_bytes(engine: Engine, url: str, data_dir: Path) -> int:
+    """What a backup of this gallery will take, from what it copies: the database (counted
+    twice: the snapshot, and the copy its ``VACUUM`` writes), the media files, checkpoints
+    and indexes under the data dir. An upper bound for media (files no row refers to are
+    counted too), a close one for the rest."""
+    if engine.dialect.name == "sqlite":
+        database = Path(make_url(url).database or "")
+        db_bytes = sum(_size_or_zero(Path(f"{database}{suffix}")) for suffix in ("", "-wal"))
+    else:
+        with engine.connect() as connection:
+            db_bytes = int(connection.execute(
+                text("SELECT pg_database_size(current_database())")).scalar_one())
+    files = sum(_tree_bytes(data_dir / folder) for folder in (MEDIA_DIR, MODELS_DIR,
+                                                               INDEXES_DIR))
+    return 2 * db_bytes + files
+
+
+def check_free_space(folder: Path, needed: int, *, margin: int) -> None:
+    """Refuse a backup that would leave less than ``margin`` bytes free where it is written.
+
+    Raises:
+        BackupNoSpace: ``needed + margin`` bytes are not free; the message gives the sizes
+            (never a path: an API client reads it).
+    """
+    free = shutil.disk_usage(folder).free
+    if needed + margin > free:
+        raise BackupNoSpace(
+            f"not enough free space for a backup: it needs about {needed / 1e6:.1f} MB and "
+            f"{margin / 1e6:.1f} MB must stay free (IMGRET_BACKUP_FREE_MARGIN_BYTES), but "
+            f"{free / 1e6:.1f} MB are free; remove old backups (IMGRET_BACKUP_KEEP, "
+            "IMGRET_BACKUP_MAX_BYTES) or free space on the volume"
+        )
+
+
+def prune_backups(folder: str | Path, *, keep: int, max_bytes: int | None,
+                  protect: str | Path) -> list[Path]:
+    """Remove the oldest complete backups in ``folder`` until at most ``keep`` remain and
+    they take at most ``max_bytes`` (``None``: no byte limit), never ``protect`` (the backup
+    just written, even when it alone is over ``max_bytes``).
+
+    Only folders holding an imgret ``backup.json`` count and are ever removed (partial
+    backups, other files and folders are left alone); age is the time their ``backup.json``
+    was written.
+
+    Returns:
+        The backups removed, oldest first.
+    """
+    folder, protect = Path(folder).absolute(), Path(protect).absolute()
+    backups = sorted(_complete_backups(folder), key=lambda b: (b[1], b[0].name))
+    sizes = {path: _tree_bytes(path) for path, _ in backups}
+    total, count = sum(sizes.values()), len(backups)
+    removed = []
+    for path, _ in backups:
+        if count <= keep and (max_bytes is None or total <= max_bytes):
+            break
+        if path == protect:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+            total -= sizes[path]
+            count -= 1
+    if max_bytes is not None and total > max_bytes:
+        logger.warning("the backups in %s take %.1f MB, over IMGRET_BACKUP_MAX_BYTES (%.1f MB), "
+                       "with only the newest one left", folder, total / 1e6, max_bytes / 1e6)
+    for path in removed:
+        logger.info("removed the old backup %s (retention)", path)
+    return removed
+
+
+def _complete_backups(folder: Path) -> Iterator[tuple[Path, int]]:
+    """``(folder, mtime_ns of its backup.json)`` of every complete imgret backup in ``folder``."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        manifest = path / BACKUP_FILE
+        if path.name.startswith(".") or path.is_symlink() or not manifest.is_file():
+            continue
+        try:
+            if json.loads(manifest.read_text()).get("format") != FORMAT:
+                continue
+            yield path, manifest.stat().st_mtime_ns
+        except (OSError, ValueError, AttributeError):
+            continue
+
+
+def _tree_bytes(root: Path) -> int:
+    """The bytes of the regular files under ``root`` (0 when it does not exist)."""
+    total = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _size_or_zero(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def admin_backup_path(settings: Settings, name: str | None) -> Path:
@@ -400,6 +527,29 @@ class _Snapshot:
                 _carry_pg_sequences(self.connection, target)
         finally:
             engine.dispose()
+
+
+def _clear_personal_leftovers(path: Path) -> None:
+    """Leave nothing of deleted items in the snapshot file: their rows' personal fields (a row
+    deleted before deletes cleared them, :func:`index.store.clear_deleted_items`), image bytes
+    in ``media_blobs`` that no live row refers to (a delete whose purge did not run yet), and,
+    by a ``VACUUM``, the free pages that a page-by-page copy of SQLite carries along."""
+    engine = _plain_sqlite_engine(path)
+    try:
+        with engine.begin() as connection:
+            store.clear_deleted_items(connection=connection)
+            if connection.execute(text(_BLOBS_TABLE_SQL["sqlite"])).scalar_one():
+                connection.execute(text(
+                    "DELETE FROM media_blobs WHERE sha256 NOT IN (SELECT sha256 FROM "
+                    "gallery_items WHERE deleted_at IS NULL UNION SELECT sha256 FROM "
+                    "query_items)"))
+    finally:
+        engine.dispose()
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        connection.execute("VACUUM")
+    finally:
+        connection.close()
 
 
 # Image bytes kept in the database (``media_blobs``, the database media backend) travel with

@@ -236,7 +236,7 @@ def evaluate_query_set(
             media=media, max_pixels=max_pixels,
         )
     return evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                    worst=worst, rerank=rerank)
+                    worst=worst, rerank=rerank, session_factory=session_factory)
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,7 @@ def evaluate(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, worst: int = 0, bootstrap: int = BOOTSTRAP,
     seed: int = SEED, rerank: Rerank | str | None = None,
+    session_factory: sessionmaker[Session] | None = None,
 ) -> Evaluation:
     """Rank every query through ``searcher`` and compute the metric report.
 
@@ -268,6 +269,8 @@ def evaluate(
         worst: also list the ``worst`` queries by AP@R with their top neighbours.
         bootstrap, seed: the ``ci95`` bootstrap (seeded: same input, same interval).
         rerank: re-rank every query's results (``Searcher.search``'s ``rerank``).
+        session_factory: the gallery database, asked only when ``searcher`` holds no vector,
+            to say whether the gallery is empty or the version is not embedded yet.
 
     Returns:
         In ``report``: ``imgret.metrics.ranking_metrics``'s report plus ``protocol``,
@@ -288,7 +291,7 @@ def evaluate(
     except ValueError as exc:
         raise EvaluationError(str(exc)) from None
     rankings = rank_queries(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                            rerank=option)
+                            rerank=option, session_factory=session_factory)
     try:
         report = ranking_metrics(
             rankings.relevance, rankings.num_relevant, k=rankings.ks, bootstrap=bootstrap,
@@ -336,6 +339,7 @@ class Rankings:
 def rank_queries(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, rerank: Rerank | None = None,
+    session_factory: sessionmaker[Session] | None = None,
 ) -> Rankings:
     """Search every query at the evaluation depth (see the module docstring).
 
@@ -346,7 +350,7 @@ def rank_queries(
     ids = searcher.ids()
     gallery_size = len(ids)
     if gallery_size == 0:
-        raise EvaluationError("the gallery is empty: add items (POST /gallery) first")
+        raise EvaluationError(_nothing_to_rank(searcher.model_version, session_factory))
     if k is None:
         k = [v for v in DEFAULT_KS if v <= gallery_size]
     ks = sorted({int(v) for v in k})
@@ -409,6 +413,22 @@ def rank_queries(
     if rerank is not None:
         protocol += f"; {rerank_summary(rerank)}"
     return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol)
+
+
+def _nothing_to_rank(version: str, session_factory: sessionmaker[Session] | None) -> str:
+    """Why an index holds no vector: an empty gallery, or a version not embedded yet (its
+    index is empty while the gallery is not); without a database, both are named."""
+    embed = (f"embed it first (POST /models/{version}/embed or `imgret models embed "
+             f"{version}`)")
+    if session_factory is None:
+        return (f"model version {version} has no vectors to rank against: the gallery is "
+                f"empty (add items with POST /gallery), or the version is not embedded; "
+                f"{embed}")
+    with session_factory() as session:
+        _, live = store.list_items(session=session, limit=1)
+    if live == 0:
+        return "the gallery is empty: add items (POST /gallery) first"
+    return (f"model version {version} has no vectors of the {live} gallery items: {embed}")
 
 
 def _within(sorted_ids: np.ndarray, row: list[Hit]) -> list[Hit]:

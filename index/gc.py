@@ -49,7 +49,9 @@ def purge_media(
 
 
 def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) -> int:
-    """Remove every stored image no row refers to, and temporary files of killed writes.
+    """Remove every stored image no row refers to, and temporary files of killed writes;
+    clear the personal data that deleted rows still hold (:func:`index.store.clear_deleted_items`:
+    rows deleted before deletes cleared it, or restored from an older backup).
 
     Images that rows refer to but the store lacks are only counted and logged as an error:
     nothing here can bring them back, and the usual cause is a changed
@@ -59,6 +61,11 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
     Returns:
         How many images were removed.
     """
+    with session_factory.begin() as session:
+        cleared = store.clear_deleted_items(connection=session)
+    if cleared:
+        logger.info("cleared the personal data (label, camera, metadata, source, hash) of %d "
+                    "deleted gallery items, deleted before deletes cleared it", cleared)
     removed, referenced, stored = remove_unreferenced(session_factory=session_factory,
                                                       media=media)
     if removed:

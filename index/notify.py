@@ -6,11 +6,19 @@ A notification only says "something changed, look": what changed is read from th
 as before, so a lost or coalesced notification costs latency, never correctness (the poll
 stays as the fallback). SQLite has no notifications: :func:`listen_for_changes` returns
 ``None`` there and its replicas keep polling.
+
+The listening connection only ever reads, so a database host that vanished (power loss, a
+dropped NAT entry) would leave it waiting forever without ever learning the peer is gone, and
+the replica would fall back to slow polling unnoticed. It therefore asks libpq for TCP
+keepalives (:data:`KEEPALIVE`): an idle connection is probed after 30 s, every 10 s, and
+given up after 3 unanswered probes, so a dead peer is noticed within about a minute and the
+thread reconnects.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -19,6 +27,9 @@ from sqlalchemy.engine import Engine
 logger = logging.getLogger(__name__)
 
 CHANNEL = "imgret_changes"  # the channel migration 0003's triggers notify
+# libpq connection parameters of the listening connection (see the module docstring).
+KEEPALIVE = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+             "keepalives_count": 3}
 
 
 class ChangeListener:
@@ -45,6 +56,7 @@ class ChangeListener:
         self.on_change = on_change
         self.retry_s = retry_s
         self.listening = threading.Event()  # set while a LISTEN connection is open
+        self._connection = None  # the open LISTEN connection (for socket_options)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="imgret-listen", daemon=True)
 
@@ -63,8 +75,10 @@ class ChangeListener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self._conninfo, autocommit=True,
-                                     application_name="imgret-listen") as connection:
+                                     application_name="imgret-listen",
+                                     **KEEPALIVE) as connection:
                     connection.execute(f"LISTEN {CHANNEL}")
+                    self._connection = connection
                     self.listening.set()
                     if failures:
                         logger.info("listening for gallery changes again")
@@ -75,13 +89,39 @@ class ChangeListener:
                         for notify in connection.notifies(timeout=0.5):
                             self.on_change(notify.payload)
             except Exception as exc:  # noqa: BLE001 - reconnect; the poll covers the gap
+                self._connection = None
                 self.listening.clear()
                 failures += 1
                 log = logger.warning if failures in (1, 10) else logger.debug
                 log("LISTEN %s failed (%d in a row: %s); polling until it reconnects",
                     CHANNEL, failures, type(exc).__name__)
                 self._stop.wait(self.retry_s)
+        self._connection = None
         self.listening.clear()
+
+    def socket_options(self) -> dict[str, int] | None:
+        """The keepalive options of the open LISTEN connection's TCP socket, as the kernel
+        holds them (``SO_KEEPALIVE``, ``TCP_KEEPIDLE``, ``TCP_KEEPINTVL``, ``TCP_KEEPCNT``);
+        ``None`` while no connection is open or it is not a TCP socket (a Unix socket)."""
+        import socket
+
+        connection = self._connection
+        if connection is None:
+            return None
+        try:
+            sock = socket.socket(fileno=os.dup(connection.fileno()))
+        except OSError:
+            return None
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            return {
+                "keepalives": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                "keepalives_idle": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                "keepalives_interval": sock.getsockopt(socket.IPPROTO_TCP,
+                                                       socket.TCP_KEEPINTVL),
+                "keepalives_count": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+            }
 
 
 def listen_for_changes(engine: Engine,

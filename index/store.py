@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 _GALLERY_WRITE_LOCK_KEY = 0x67616C6C  # "gall"
 # Bind-parameter lists are chunked: SQLite allows 32,766 variables per statement.
 _IN_CHUNK = 2_000
+# What a deleted row keeps instead of its personal data (see delete_items). The label, the
+# hash and the path are NOT NULL columns: the empty string, which no live row has (labels
+# are checked non-empty, hashes and paths are always set), so it also marks a cleared row.
+DELETED_LABEL = ""
+_CLEARED = {"label": DELETED_LABEL, "camera": None, "meta": {}, "source": None,
+            "sha256": "", "media_path": ""}
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,11 +420,16 @@ def add_embeddings(
 
 
 def delete_items(item_ids: Iterable[int], *, session: Session) -> list[DeletedItem]:
-    """Delete gallery items: mark the rows deleted, drop their embeddings, log the deletes.
+    """Delete gallery items: mark the rows deleted, clear their personal data, drop their
+    embeddings, log the deletes, all in the caller's transaction.
 
-    The row stays (soft delete: the change log points at it and ids are never reused), but its
-    embeddings go: for face and person galleries a vector is personal data too. The image
-    bytes are the caller's to remove once this commits (:func:`unreferenced_media`).
+    The row stays (soft delete: the change log points at it and ids are never reused), but
+    nothing personal does: the label, camera, metadata and source are cleared, and so are the
+    content hash and media path (anyone holding the photo could otherwise prove it was in the
+    gallery); the embeddings go too (for face and person galleries a vector is personal data).
+    What remains is the id, the content type and the two timestamps. The image bytes are the
+    caller's to remove once this commits (:func:`unreferenced_media`); rows deleted before
+    deletes cleared them are cleared by :func:`clear_deleted_items` (the start-up sweep).
 
     Returns:
         The items that were live and are now deleted, with their media paths (unknown or
@@ -440,15 +451,38 @@ def delete_items(item_ids: Iterable[int], *, session: Session) -> list[DeletedIt
         )
     if not live:
         return []
+    if session.get_bind().dialect.name == "sqlite":
+        # Zero the freed bytes of the rewritten pages, so the old values do not linger in
+        # the file's free space (and in copies of it); PostgreSQL's VACUUM reclaims dead rows.
+        session.execute(text("PRAGMA secure_delete = ON"))
     now = utcnow()
     ids = [item.id for item in live]
     for chunk in _chunks(ids):
         session.execute(
-            update(GalleryItem).where(GalleryItem.id.in_(chunk)).values(deleted_at=now)
+            update(GalleryItem).where(GalleryItem.id.in_(chunk))
+            .values(deleted_at=now, **_CLEARED)
         )
         session.execute(sa_delete(Embedding).where(Embedding.item_id.in_(chunk)))
     _insert_changes(ids, CHANGE_DELETE, session)
     return live
+
+
+def clear_deleted_items(*, connection: Connection | Session) -> int:
+    """Clear the personal data that deleted rows still hold (see :func:`delete_items`): rows
+    deleted before deletes cleared it, and rows of an older backup restored since. A cleared
+    row has an empty hash, so this finds nothing to do after the first run; it needs no lock
+    (deleted rows are never written by anything else).
+
+    Returns:
+        How many rows were cleared.
+    """
+    result = connection.execute(
+        update(GalleryItem)
+        .where(GalleryItem.deleted_at.is_not(None), GalleryItem.sha256 != "")
+        .values(**_CLEARED)
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount or 0)
 
 
 def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:

@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from imgret.process import frozen_long_lived, in_own_thread
 from imgret.settings import Settings
+from index.serving import hold_for_serving
 from service.auth import (
     API_KEY_HEADER,
     WriteGuardMiddleware,
@@ -105,11 +106,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             "(IMGRET_ALLOW_ANONYMOUS_WRITES=true)" if settings.allow_anonymous_writes else
             "writes are accepted only from this machine by a loopback name, not proxied",
         )
+    # Held while serving: maintenance that needs the servers stopped is refused meanwhile.
+    serving = await anyio.to_thread.run_sync(hold_for_serving, settings.db_url)
     # Loading a model and rebuilding an index take seconds: keep the loop free meanwhile. On
     # a thread that ends with the loading: torch runs on the batcher's model thread alone
     # once serving (imgret.process.in_own_thread says why).
-    resources = await anyio.to_thread.run_sync(
-        in_own_thread, load_resources, settings, app.state.metrics)
+    try:
+        resources = await anyio.to_thread.run_sync(
+            in_own_thread, load_resources, settings, app.state.metrics)
+    except BaseException:
+        serving.release()
+        raise
     app.state.resources = resources
     await resources.batcher.start()
     # A re-embedding whose process died resumes here (it is chunked; nothing is redone).
@@ -125,6 +132,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await cancel_and_wait(follower)
         await resources.batcher.stop()
         await anyio.to_thread.run_sync(resources.close)
+        serving.release()
 
 
 def _operation_id(route: APIRoute) -> str:

@@ -85,4 +85,4 @@ def evaluate_upload(
         limits=DecodeLimits.from_settings(resources.settings),
     )
     return evaluation.evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                               worst=worst, rerank=rerank)
+                               worst=worst, rerank=rerank, session_factory=resources.sessions)

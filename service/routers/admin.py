@@ -7,6 +7,12 @@ client cannot make the server write anywhere else. It is a write, so it needs ``
 (:mod:`service.auth`). The request returns when the backup is complete (it runs in a worker
 thread; writes pause only while the snapshot is pinned, see ``write_pause_ms``). One backup at
 a time per process (409 while one runs).
+
+Disk is bounded: a backup whose estimated size would leave less than
+``IMGRET_BACKUP_FREE_MARGIN_BYTES`` free on the volume is refused with 507 before anything is
+written, and after each successful backup the oldest ones in ``<data_dir>/backups/`` are
+removed so that at most ``IMGRET_BACKUP_KEEP`` remain, taking at most
+``IMGRET_BACKUP_MAX_BYTES`` together (:func:`index.backup.prune_backups`; never the new one).
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, status
 
-from index.backup import ADMIN_BACKUPS_DIR, BackupExists, admin_backup_path, create_backup
+from index.backup import (
+    ADMIN_BACKUPS_DIR,
+    BackupExists,
+    BackupNoSpace,
+    admin_backup_path,
+    create_backup,
+    prune_backups,
+)
 from service.deps import ResourcesDep, require_api_key
 from service.schemas import BackupCreated, BackupRequest
 
@@ -29,7 +42,8 @@ _RUNNING = threading.Lock()
 @router.post(
     "/backup", status_code=status.HTTP_201_CREATED,
     responses={401: {"description": "missing or wrong X-API-Key"},
-               409: {"description": "a backup of that name exists, or one is running"}},
+               409: {"description": "a backup of that name exists, or one is running"},
+               507: {"description": "too little free space for the backup (nothing written)"}},
 )
 def create_admin_backup(
     resources: ResourcesDep, request: Annotated[BackupRequest | None, Body()] = None,
@@ -43,9 +57,13 @@ def create_admin_backup(
                             "a backup is running in this process; retry when it is done")
     try:
         report = create_backup(settings, dest)
+        prune_backups(dest.parent, keep=settings.backup_keep,
+                      max_bytes=settings.backup_max_bytes, protect=dest)
     except BackupExists:
         raise HTTPException(status.HTTP_409_CONFLICT,
                             f"a backup named {dest.name!r} exists; choose another name") from None
+    except BackupNoSpace as exc:
+        raise HTTPException(status.HTTP_507_INSUFFICIENT_STORAGE, str(exc)) from None
     finally:
         _RUNNING.release()
     return BackupCreated(**{**asdict(report), "path": f"{ADMIN_BACKUPS_DIR}/{dest.name}"},
