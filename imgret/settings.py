@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, get_args
@@ -110,6 +111,28 @@ class Settings(BaseSettings):
     change_notify: bool = Field(
         True, description="on PostgreSQL, wake on LISTEN/NOTIFY instead of waiting for a poll"
     )
+
+    # Model checkpoints (index.versions): ``POST /models {"path": ...}`` reads only files
+    # under <data_dir>/models and these folders (os.pathsep-separated, like PATH); every
+    # checkpoint read or upload is capped by size before it is read (resnet50 at dim 512 is
+    # ~95 MB: 256 MiB leaves room; a vit_b_16 (~345 MB) needs a larger cap).
+    model_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="folders POST /models may read checkpoints from by path, besides "
+                    "<data_dir>/models (os.pathsep-separated)",
+    )
+    max_checkpoint_bytes: int = Field(
+        256 * 1024 * 1024, gt=0,
+        description="largest checkpoint file registered, by path or upload (checked before "
+                    "reading it)",
+    )
+
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(os.pathsep) if part.strip()]
+        return value
 
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:

@@ -27,6 +27,17 @@ def other_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _checkpoint(tmp_path_factory.mktemp("other_run"), seed=1)
 
 
+@pytest.fixture
+def make_client(make_client, other_checkpoint: Path, tmp_path: Path):
+    """The app with the test checkpoints' folders as IMGRET_MODEL_ROOTS (paths elsewhere are
+    refused)."""
+    def factory(**overrides):
+        overrides.setdefault("model_roots", [other_checkpoint.parent, tmp_path])
+        return make_client(**overrides)
+
+    return factory
+
+
 def _register(client, run: Path) -> dict:
     response = client.post("/models", json={"path": str(run)})
     assert response.status_code == 201, response.text
