@@ -236,7 +236,7 @@ def register_path(
     :data:`PATH_REFUSED` (never the parser's words, which may quote the file)."""
     data = read_under_roots(path, model_roots(data_dir, roots), max_bytes)
     try:
-        loaded = load_checkpoint(data)
+        loaded = _parse(data, "the checkpoint")
     except CheckpointError:
         raise CheckpointError(PATH_REFUSED) from None
     return _register_loaded(data, loaded, session_factory=session_factory, data_dir=data_dir,
@@ -276,8 +276,21 @@ def register_bytes(
         VersionConflict: the name is bound to other weights.
         GalleryError: the version is registered with another dimension.
     """
-    return _register_loaded(data, load_checkpoint(data), session_factory=session_factory,
+    return _register_loaded(data, _parse(data, name), session_factory=session_factory,
                             data_dir=data_dir, name=name)
+
+
+def _parse(data: bytes, name: str) -> Checkpoint:
+    """:func:`imgret.checkpoint.load_checkpoint` of bytes from outside; a failure it does not
+    name (a bug for a file it should refuse) is still the file's fault: 422, never 500."""
+    try:
+        return load_checkpoint(data)
+    except CheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - logged; the client gets no parser text
+        logger.warning("%s could not be parsed", name, exc_info=True)
+        raise CheckpointError(f"{name} is not an imgret checkpoint (it cannot be rebuilt "
+                              "from its spec and weights)") from None
 
 
 def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessionmaker[Session],
