@@ -551,6 +551,16 @@ def _stale(heartbeat: datetime | None) -> bool:
     return utcnow() - _utc(heartbeat) > timedelta(seconds=HEARTBEAT_STALE_S)
 
 
+def has_checkpoint(version: str, *, session_factory: sessionmaker[Session]) -> bool:
+    """Whether a registered version's checkpoint bytes are in the database (False for an
+    unknown version)."""
+    with session_factory() as session:
+        return session.scalar(
+            select(ModelCheckpoint.model_version_id)
+            .join(ModelVersion, ModelVersion.id == ModelCheckpoint.model_version_id)
+            .where(ModelVersion.version == version)) is not None
+
+
 def _has_checkpoint(session: Session, version_id: int) -> bool:
     return session.scalar(select(ModelCheckpoint.model_version_id)
                           .where(ModelCheckpoint.model_version_id == version_id)) is not None

@@ -243,6 +243,49 @@ class EmbedJobs:
             thread.join(timeout)
 
 
+def _register_configured(settings: Settings, sessions: sessionmaker[Session]) -> str:
+    """Start-up work on the model versions; returns the version of ``IMGRET_MODEL``.
+
+    Checkpoint files of older releases go into the database (for every version lacking its
+    bytes there), temporary uploads of killed processes are removed, and ``IMGRET_MODEL`` is
+    registered: on a fresh database the first version registered becomes the active one,
+    with its history row. Nothing here changes an active version.
+    """
+    assert settings.model is not None
+    versions.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
+                                     max_bytes=settings.max_checkpoint_bytes)
+    versions.sweep_incoming(settings.data_dir)
+    return versions.register_checkpoint(
+        settings.model, session_factory=sessions, data_dir=settings.data_dir,
+        max_bytes=settings.max_checkpoint_bytes)["version"]
+
+
+def _cannot_serve(active: str, why: Exception | str) -> str:
+    return (f"cannot serve the active model version {active}: {why}; no process changes the "
+            "active version at start-up (activate one with `imgret models activate`)")
+
+
+def check_active_servable(settings: Settings) -> None:
+    """What ``imgret serve`` checks before starting uvicorn: after the start-up work of
+    :func:`load_resources`, the active version's checkpoint is in the database. A refusal
+    is then one line from the CLI rather than a failed start-up in every worker.
+
+    Raises:
+        CheckpointError: the active version cannot be loaded (or ``IMGRET_MODEL`` is
+            unusable).
+    """
+    engine = make_engine(settings.db_url)
+    try:
+        sessions = make_sessionmaker(engine)
+        configured = _register_configured(settings, sessions)
+        active = versions.active_version(session_factory=sessions) or configured
+        if not versions.has_checkpoint(active, session_factory=sessions):
+            raise CheckpointError(_cannot_serve(active, "its checkpoint is not stored in the "
+                                                        "database; register it again"))
+    finally:
+        engine.dispose()
+
+
 def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     """Upgrade the schema, register the model, open the database and load or rebuild the
     index of the active version.
@@ -272,22 +315,13 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     sessions = make_sessionmaker(engine)
     # Checkpoint files of older releases: into the database, for every version lacking its
     # bytes there; temporary uploads of killed processes: removed.
-    versions.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
-                                     max_bytes=settings.max_checkpoint_bytes)
-    versions.sweep_incoming(settings.data_dir)
-    # A fresh database starts with an empty gallery served by this model: register it (the
-    # first version registered becomes the active one, with its history row).
-    configured = versions.register_checkpoint(
-        settings.model, session_factory=sessions, data_dir=settings.data_dir,
-        max_bytes=settings.max_checkpoint_bytes)["version"]
+    configured = _register_configured(settings, sessions)
     active = versions.active_version(session_factory=sessions) or configured
     try:
         embedder = versions.load_embedder(active, session_factory=sessions,
                                           data_dir=settings.data_dir, device=settings.device)
     except (GalleryError, CheckpointError) as exc:
-        message = (f"cannot serve the active model version {active}: {exc}; this process "
-                   "does not change the active version (activate one it can load with "
-                   "`imgret models activate`)")
+        message = _cannot_serve(active, exc)
         logger.error("%s", message)
         engine.dispose()
         raise CheckpointError(message) from None
