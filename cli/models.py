@@ -1,4 +1,4 @@
-"""CLI commands: `imgret models list|register|embed|compare|activate|rollback`, the twins of
+"""CLI commands: `imgret models list|register|embed|compare|activate|rollback|delete`, the twins of
 ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one function of
 ``index.model_jobs`` (which calls the same ``index.versions`` code as the service).
 """
@@ -11,7 +11,8 @@ from typing import Any
 
 import typer
 
-models_app = typer.Typer(help="Model versions: register, re-embed, compare, switch, roll back.",
+models_app = typer.Typer(help="Model versions: register, re-embed, compare, switch, roll back, "
+                              "delete.",
                          no_args_is_help=True)
 
 
@@ -51,7 +52,7 @@ def list_command(
 def register_command(
     run: Path = typer.Argument(..., help="run directory from `imgret train`, or its model.pt"),
 ) -> None:
-    """Register a checkpoint (kept under the data dir so every server can load it)."""
+    """Register a checkpoint (stored in the database so every server can load it)."""
     from index import model_jobs
 
     info = model_jobs.register(_settings(), run)
@@ -166,3 +167,19 @@ def rollback_command() -> None:
 
     result = model_jobs.rollback(_settings())
     typer.echo(f"active: {result.active} (rolled back from {result.previous})")
+
+
+@models_app.command("delete")
+def delete_command(
+    version: str = typer.Argument(..., help="a version that is neither active nor the "
+                                            "rollback target"),
+) -> None:
+    """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
+    (``DELETE /models/{version}``)."""
+    from index import versions
+    from index.jobs import open_gallery
+
+    settings = _settings()
+    with open_gallery(settings) as sessions:
+        versions.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
+    typer.echo(f"deleted {version}")

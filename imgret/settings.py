@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, get_args
@@ -153,6 +154,28 @@ class Settings(BaseSettings):
         1 << 30, ge=0, description="bytes that must stay free on the backup's volume after "
                                    "the estimated backup, or it is refused (507) unwritten",
     )
+
+    # Model checkpoints (index.versions): ``POST /models {"path": ...}`` reads only files
+    # under <data_dir>/models and these folders (os.pathsep-separated, like PATH); every
+    # checkpoint read or upload is capped by size before it is read (resnet50 at dim 512 is
+    # ~95 MB: 256 MiB leaves room; a vit_b_16 (~345 MB) needs a larger cap).
+    model_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="folders POST /models may read checkpoints from by path, besides "
+                    "<data_dir>/models (os.pathsep-separated)",
+    )
+    max_checkpoint_bytes: int = Field(
+        256 * 1024 * 1024, gt=0,
+        description="largest checkpoint file registered, by path or upload (checked before "
+                    "reading it)",
+    )
+
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(os.pathsep) if part.strip()]
+        return value
 
     @model_validator(mode="after")
     def _check_queue_holds_a_request(self) -> Settings:

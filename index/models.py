@@ -18,6 +18,10 @@ Design decisions (the contract is silent on these):
   never skip a row that commits late.
 - Query-set items carry their own embeddings per model version, so two model versions can be
   compared on one query set without the serving model being either of them.
+- A version's checkpoint bytes live in ``model_checkpoints`` (one row per version, dropped
+  with it), so every process on the database loads every version without a shared volume.
+  ``model_versions.content_digest`` is the full SHA-256 of config + weights: the identity
+  of a version (its name carries only 12 digits of it).
 """
 
 from __future__ import annotations
@@ -94,10 +98,13 @@ class ModelVersion(Base):
     config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     is_active: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # The checkpoint kept under the data dir (``models/<version>/model.pt``), so every process
-    # on the database can load the version it is told to serve; NULL: not stored (a version
-    # registered from an in-memory model, or before migration 0002).
+    # SHA-256 of the stored checkpoint's bytes (``model_checkpoints``); NULL: not stored (a
+    # version registered from an in-memory model, or before migration 0002).
     checkpoint_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The full SHA-256 of config + weights (``imgret.checkpoint.content_digest``): a version
+    # name is never bound to other weights. NULL: registered before migration 0005 (bound at
+    # the first registration or start-up import of its checkpoint).
+    content_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
     activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # The background re-embedding job (index.versions): its state and heartbeat, shared by
     # every process (a "running" job whose heartbeat is old was interrupted).
@@ -268,5 +275,20 @@ class MediaBlob(Base):
     __tablename__ = "media_blobs"
 
     sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ModelCheckpoint(Base):
+    """The checkpoint file of a model version (``model.pt`` bytes, as ``torch.save`` wrote
+    them), so every process on the database can load the version it is told to serve."""
+
+    __tablename__ = "model_checkpoints"
+
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[bytes] = mapped_column(VectorType)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

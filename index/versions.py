@@ -4,11 +4,22 @@ verdict), roll back. One code path for ``/models`` and ``imgret models``.
 
 Decisions (the contract is silent on these):
 
-- **Checkpoints live under the data dir** (``models/<version>/model.pt``, written
-  atomically, its SHA-256 in ``model_versions.checkpoint_sha256``), beside the media store
-  that every process already shares, so any process told to serve a version can load it.
-  A checkpoint is read with ``torch.load(weights_only=True)`` and its version is recomputed
-  from the weights: a file that names another version than its weights is refused.
+- **Checkpoints live in the database** (``model_checkpoints``, beside ``media_blobs``), so
+  every process on the database loads every version, a replica without any local file
+  included. A checkpoint is read with ``torch.load(weights_only=True)`` and its version is
+  recomputed from the weights: a file that names another version than its weights is
+  refused. A version's identity is the full SHA-256 of config + weights
+  (``content_digest``): the same weights again are a no-op, other weights under a
+  registered name are refused with 409 and never re-bound. ``<data_dir>/models/<v>/model.pt``
+  is only a local copy (the backup reads it; a start-up imports such a file into the
+  database when a version's bytes are missing there, for galleries from older releases).
+- **Paths from clients**: ``POST /models {"path"}`` reads only under ``<data_dir>/models``
+  and ``IMGRET_MODEL_ROOTS``, after resolving symlinks and ``..``, and answers every path it
+  may not or cannot read, and every file that is not a checkpoint, with one message
+  (:data:`PATH_REFUSED`). Operators' paths (``IMGRET_MODEL``, the CLI) are not confined.
+  Every read is capped by ``IMGRET_MAX_CHECKPOINT_BYTES``, checked with ``fstat`` first.
+- **Deleting a version** (:func:`delete_version`) is allowed unless it is active, the
+  rollback target or being re-embedded; it removes everything of the version (no tombstone).
 - **Re-embedding reads the media store**, never a source folder. It is stateless: each chunk
   takes the next live items (in id order) that lack an embedding of the version, so a crash
   loses at most one chunk and a new run resumes where the last commit left off. Items added
@@ -17,7 +28,8 @@ Decisions (the contract is silent on these):
   write lock), so a delete never comes back. Query-set items are embedded after the gallery.
   The job's state and heartbeat are columns of ``model_versions``, so every process sees
   progress; a ``running`` job whose heartbeat is older than :data:`HEARTBEAT_STALE_S` was
-  interrupted and may be claimed again.
+  interrupted and may be claimed again. The heartbeat beats from its own thread (every
+  third of that), not per chunk: a slow chunk plus its throttle pause never looks dead.
 - **Throttle**: the job computes at most ``duty`` of the wall time (it sleeps in between) and
   waits while the caller says searches are queued, so ``/search`` on the active version keeps
   its latency (measured in ``benchmarks/reembed_bench.py``).
@@ -38,22 +50,31 @@ Decisions (the contract is silent on these):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from imgret.checkpoint import load_checkpoint, model_version_of, resolve_checkpoint_path
+from imgret.checkpoint import (
+    CHECKPOINT_FILE,
+    Checkpoint,
+    load_checkpoint,
+    resolve_checkpoint_path,
+    version_name,
+)
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError, ImageDecodeError, IndexStale
 from imgret.files import file_sha256, write_atomic_with
@@ -66,6 +87,7 @@ from index.models import (
     Embedding,
     GalleryItem,
     ModelActivation,
+    ModelCheckpoint,
     ModelVersion,
     QueryEmbedding,
     QueryItem,
@@ -75,6 +97,9 @@ from index.models import (
 logger = logging.getLogger(__name__)
 
 MODELS_DIR = "models"
+# Temporary upload files of older releases (see sweep_incoming).
+INCOMING_DIR = ".incoming"
+INCOMING_STALE_S = 600.0
 # Items still missing a vector that an activation embeds itself (more: 409, embed first).
 STRAGGLER_LIMIT = 1000
 # A running job whose heartbeat is older than this was interrupted (crash, kill).
@@ -101,85 +126,317 @@ class ActivationRefused(GalleryError):
 # --------------------------------------------------------------------------- checkpoints
 
 
+class VersionConflict(GalleryError):
+    """A version name already bound to other weights (409): a name is never re-bound."""
+
+
+class VersionInUse(GalleryError):
+    """A version that cannot be deleted now: active, the rollback target, or re-embedding
+    (409)."""
+
+
+class CheckpointTooLarge(CheckpointError):
+    """A checkpoint over ``IMGRET_MAX_CHECKPOINT_BYTES`` (413), refused before it is read."""
+
+
+# The one answer to a path a client may not have read: outside the roots, missing,
+# unreadable, a folder without model.pt, or not a checkpoint. Saying which would tell a
+# client what exists on the server (or, from a parser's message, what a file holds).
+PATH_REFUSED = ("path: no imgret checkpoint this server may read there; give a run directory "
+                "or model.pt under <data_dir>/models or IMGRET_MODEL_ROOTS, or upload the file")
+DEFAULT_MAX_CHECKPOINT_BYTES = 256 * 1024 * 1024
+
+
 def checkpoint_file(data_dir: str | Path, version: str) -> Path:
-    """Where a version's checkpoint is kept under the data dir."""
-    return Path(data_dir) / MODELS_DIR / version / "model.pt"
+    """The local copy of a version's checkpoint under the data dir (the backup reads it; the
+    database holds the bytes every process loads)."""
+    return Path(data_dir) / MODELS_DIR / version / CHECKPOINT_FILE
+
+
+def model_roots(data_dir: str | Path, extra: Iterable[str | Path] = ()) -> list[Path]:
+    """The folders ``POST /models {"path"}`` may read: ``<data_dir>/models`` and
+    ``IMGRET_MODEL_ROOTS``, resolved (symlinks followed) like the paths checked against
+    them."""
+    return [Path(root).resolve() for root in (Path(data_dir) / MODELS_DIR, *extra)]
+
+
+def read_capped(path: Path, max_bytes: int) -> bytes:
+    """A regular file's bytes, its size checked with ``fstat`` before anything is read.
+
+    Raises:
+        CheckpointTooLarge: over ``max_bytes``.
+        OSError: missing, unreadable, or not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise IsADirectoryError(str(path))
+        if info.st_size > max_bytes:
+            raise CheckpointTooLarge(
+                f"the checkpoint is {info.st_size} bytes, over IMGRET_MAX_CHECKPOINT_BYTES "
+                f"({max_bytes})")
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew since the fstat
+        raise CheckpointTooLarge(f"the checkpoint is over IMGRET_MAX_CHECKPOINT_BYTES "
+                                 f"({max_bytes})")
+    return data
+
+
+def read_under_roots(path: str | Path, roots: Iterable[Path], max_bytes: int) -> bytes:
+    """The bytes of a client-given checkpoint path, only when it resolves (symlinks, ``..``)
+    to a file under one of ``roots`` (a run directory: its model.pt, resolved again).
+
+    Raises:
+        CheckpointError: :data:`PATH_REFUSED` for every path that may not or cannot be read.
+        CheckpointTooLarge: a file under the roots over ``max_bytes``.
+    """
+    roots = list(roots)
+
+    def inside(target: Path) -> bool:
+        return any(target.is_relative_to(root) for root in roots)
+
+    try:
+        target = Path(path).resolve(strict=True)
+        if not inside(target):
+            raise CheckpointError(PATH_REFUSED)
+        if target.is_dir():
+            target = (target / CHECKPOINT_FILE).resolve(strict=True)
+            if not inside(target):
+                raise CheckpointError(PATH_REFUSED)
+        return read_capped(target, max_bytes)
+    except CheckpointTooLarge:
+        raise
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: a symlink loop
+        raise CheckpointError(PATH_REFUSED) from None
 
 
 def register_checkpoint(
     path: str | Path, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
 ) -> dict[str, Any]:
-    """Register a checkpoint (run directory or ``model.pt``) and keep a copy under the data
-    dir; idempotent (the same weights give the same version).
+    """Register a checkpoint an operator names (``IMGRET_MODEL``, ``imgret models register``,
+    ``imgret ingest --model``): a run directory or its ``model.pt``, anywhere, with precise
+    messages. See :func:`register_bytes`."""
+    source = resolve_checkpoint_path(path)
+    try:
+        data = read_capped(source, max_bytes)
+    except OSError as exc:
+        raise CheckpointError(f"{source}: cannot read the checkpoint ({exc.strerror})") from None
+    return register_bytes(data, session_factory=session_factory, data_dir=data_dir,
+                          name=str(source))
+
+
+def register_path(
+    path: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    roots: Iterable[str | Path] = (), max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+) -> dict[str, Any]:
+    """Register a checkpoint by a path a client sent (``POST /models {"path"}``): read only
+    under :func:`model_roots`, and any file that is not a checkpoint gets
+    :data:`PATH_REFUSED` (never the parser's words, which may quote the file)."""
+    data = read_under_roots(path, model_roots(data_dir, roots), max_bytes)
+    try:
+        loaded = _parse(data, "the checkpoint")
+    except CheckpointError:
+        raise CheckpointError(PATH_REFUSED) from None
+    return _register_loaded(data, loaded, session_factory=session_factory, data_dir=data_dir,
+                            name="the checkpoint")
+
+
+def register_upload(
+    data: bytes, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+) -> dict[str, Any]:
+    """Register uploaded checkpoint bytes (no temporary file: they go to the database)."""
+    if len(data) > max_bytes:
+        raise CheckpointTooLarge(f"the checkpoint is {len(data)} bytes, over "
+                                 f"IMGRET_MAX_CHECKPOINT_BYTES ({max_bytes})")
+    return register_bytes(data, session_factory=session_factory, data_dir=data_dir,
+                          name="the uploaded checkpoint")
+
+
+def register_bytes(
+    data: bytes, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    name: str = "the checkpoint",
+) -> dict[str, Any]:
+    """Register a checkpoint's bytes: parsed with :func:`imgret.checkpoint.load_checkpoint`,
+    its version recomputed from the weights, the bytes stored in ``model_checkpoints``.
+
+    Identity is the full content digest: the same weights again change nothing (the first
+    bytes stay), other weights under a registered name are refused (409), never re-bound.
+    On a database without an active version, the version becomes active (with its history
+    row).
 
     Returns:
         The version as :func:`describe_one` shows it.
 
     Raises:
-        CheckpointError: unreadable, not an imgret checkpoint, or a version that does not
-            match its weights.
+        CheckpointError: not an imgret checkpoint, or a version that does not match its
+            weights.
+        VersionConflict: the name is bound to other weights.
         GalleryError: the version is registered with another dimension.
     """
-    source = resolve_checkpoint_path(path)
-    loaded = load_checkpoint(source)
-    version = model_version_of(loaded.model, loaded.spec)
+    return _register_loaded(data, _parse(data, name), session_factory=session_factory,
+                            data_dir=data_dir, name=name)
+
+
+def _parse(data: bytes, name: str) -> Checkpoint:
+    """:func:`imgret.checkpoint.load_checkpoint` of bytes from outside; a failure it does not
+    name (a bug for a file it should refuse) is still the file's fault: 422, never 500."""
+    try:
+        return load_checkpoint(data)
+    except CheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - logged; the client gets no parser text
+        logger.warning("%s could not be parsed", name, exc_info=True)
+        raise CheckpointError(f"{name} is not an imgret checkpoint (it cannot be rebuilt "
+                              "from its spec and weights)") from None
+
+
+def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessionmaker[Session],
+                     data_dir: str | Path, name: str) -> dict[str, Any]:
+    version = version_name(loaded.spec, loaded.digest)
     if version != loaded.model_version:
         raise CheckpointError(
-            f"{source}: the checkpoint says version {loaded.model_version} but its weights "
-            f"hash to {version}; save it again with imgret.checkpoint.save_checkpoint"
+            f"{name} says version {loaded.model_version} but its weights hash to {version}; "
+            "save it again with imgret.checkpoint.save_checkpoint"
         )
-    dest = checkpoint_file(data_dir, version)
-    if not dest.is_file() or file_sha256(dest) != file_sha256(source):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with source.open("rb") as reader:
-            write_atomic_with(dest, lambda handle: shutil.copyfileobj(reader, handle))
-    digest = file_sha256(dest)
+    sha = hashlib.sha256(data).hexdigest()
     with session_factory.begin() as session:
-        row = store.register_model_version(
-            session=session, version=version, dim=loaded.spec.dim, config=loaded.spec.to_dict()
-        )
-        row.checkpoint_sha256 = digest
+        # Serialised with deletes and activations (they take the same lock).
+        store.lock_gallery_writes(session=session)
+        new = session.scalar(select(ModelVersion.id).where(ModelVersion.version == version)) is None
+        row = store.register_model_version(session=session, version=version,
+                                           dim=loaded.spec.dim, config=loaded.spec.to_dict())
+        if row.content_digest is not None and row.content_digest != loaded.digest:
+            raise VersionConflict(
+                f"model version {version} is registered with other weights (content digest "
+                f"{row.content_digest[:16]}..., these: {loaded.digest[:16]}...); the names "
+                "share 12 digits only: a registered version is never re-bound"
+            )
+        row.content_digest = loaded.digest
+        stored = session.scalar(select(ModelCheckpoint.sha256)
+                                .where(ModelCheckpoint.model_version_id == row.id))
+        if stored is None:
+            session.add(ModelCheckpoint(model_version_id=row.id, sha256=sha, size=len(data),
+                                        data=data))
+            stored = sha
+        row.checkpoint_sha256 = stored
+        if new and row.is_active:
+            # The first version of a fresh database: active through a recorded switch.
+            row.activated_at = utcnow()
+            session.add(ModelActivation(model_version_id=row.id, previous_version_id=None,
+                                        reason="register"))
+    if stored == sha:
+        _write_local_copy(data_dir, version, data)
     return describe_one(version, session_factory=session_factory, data_dir=data_dir)
 
 
-def register_upload(
-    data: bytes, *, session_factory: sessionmaker[Session], data_dir: str | Path,
-) -> dict[str, Any]:
-    """:func:`register_checkpoint` for uploaded bytes (written to a temporary file under the
-    data dir first, removed afterwards)."""
-    incoming = Path(data_dir) / MODELS_DIR / ".incoming"
-    incoming.mkdir(parents=True, exist_ok=True)
-    temp = incoming / f"upload-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}.pt"
+def _write_local_copy(data_dir: str | Path, version: str, data: bytes) -> None:
+    """Keep ``<data_dir>/models/<v>/model.pt`` equal to the stored bytes (what the backup
+    copies); best effort: the database is what every process loads from."""
+    dest = checkpoint_file(data_dir, version)
     try:
-        write_atomic_with(temp, lambda handle: handle.write(data))
-        return register_checkpoint(temp, session_factory=session_factory, data_dir=data_dir)
-    finally:
-        temp.unlink(missing_ok=True)
+        if dest.is_file() and dest.stat().st_size == len(data) \
+                and file_sha256(dest) == hashlib.sha256(data).hexdigest():
+            return
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic_with(dest, lambda handle: handle.write(data))
+    except OSError as exc:
+        logger.warning("cannot keep a local copy of checkpoint %s: %s", version, exc)
+
+
+def _stored_bytes(session: Session, row: ModelVersion) -> bytes | None:
+    data = session.scalar(select(ModelCheckpoint.data)
+                          .where(ModelCheckpoint.model_version_id == row.id))
+    return bytes(data) if data is not None else None
 
 
 def load_embedder(
     version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
     device: str = "auto",
 ) -> Embedder:
-    """The Embedder of a registered version, from its stored checkpoint.
+    """The Embedder of a registered version, from its checkpoint in the database.
 
     Raises:
         VersionNotFound: unknown version.
         GalleryError: its checkpoint is not stored (register it with ``POST /models``).
+        CheckpointError: the stored bytes are not the version's weights.
     """
     with session_factory() as session:
         row = _get(session, version)
-        digest = row.checkpoint_sha256
-    path = checkpoint_file(data_dir, version)
-    if digest is None or not path.is_file():
+        digest = row.content_digest
+        data = _stored_bytes(session, row)
+    if data is None:
         raise GalleryError(
             f"model version {version} has no stored checkpoint; register it with "
             f"`imgret models register RUN_DIR` or POST /models"
         )
-    embedder = Embedder.from_checkpoint(path, device=device)
-    if embedder.model_version != version:
-        raise CheckpointError(f"{path}: holds version {embedder.model_version}, not {version}")
-    return embedder
+    loaded = load_checkpoint(data)
+    if version_name(loaded.spec, loaded.digest) != version or (
+            digest is not None and digest != loaded.digest):
+        raise CheckpointError(f"the stored checkpoint of {version} holds other weights "
+                              f"({version_name(loaded.spec, loaded.digest)})")
+    _write_local_copy(data_dir, version, data)
+    return Embedder(loaded.model, loaded.spec, device=device, model_version=version)
+
+
+def import_checkpoint_files(
+    *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+) -> list[str]:
+    """Store ``<data_dir>/models/<v>/model.pt`` for every registered version whose bytes the
+    database lacks (galleries from before checkpoints moved into the database); a file
+    that is unreadable or holds other weights is left alone (logged).
+
+    Returns:
+        The versions imported.
+    """
+    with session_factory() as session:
+        has = exists().where(ModelCheckpoint.model_version_id == ModelVersion.id)
+        missing = session.scalars(select(ModelVersion.version).where(~has)).all()
+    imported = []
+    for version in missing:
+        path = checkpoint_file(data_dir, version)
+        if not path.is_file():
+            continue
+        try:
+            data = read_capped(path, max_bytes)
+            info = register_bytes(data, session_factory=session_factory, data_dir=data_dir,
+                                  name=str(path))
+        except (OSError, CheckpointError, GalleryError) as exc:
+            logger.warning("not importing %s into the database: %s", path, exc)
+            continue
+        if info["version"] == version:
+            imported.append(version)
+            logger.info("imported the checkpoint of %s from %s into the database", version,
+                        path)
+    return imported
+
+
+def sweep_incoming(data_dir: str | Path, older_than_s: float = INCOMING_STALE_S) -> int:
+    """Remove files under ``<data_dir>/models/.incoming`` older than ``older_than_s``:
+    temporary uploads of processes killed mid-upload (uploads now go to the database; a
+    process of an older release may still write there, so a fresh file is left alone).
+
+    Returns:
+        How many files were removed.
+    """
+    folder = Path(data_dir) / MODELS_DIR / INCOMING_DIR
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    cutoff = time.time() - older_than_s
+    for path in folder.iterdir():
+        try:
+            if path.is_file() and path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed += 1
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    if removed:
+        logger.info("removed %d stale temporary uploads from %s", removed, folder)
+    return removed
 
 
 # --------------------------------------------------------------------------- describing
@@ -263,8 +520,7 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         "query_items": {"embedded": int(embedded_queries), "total": int(total_queries)},
         "index": index,
         "embedding": _job_state(row),
-        "checkpoint_stored": row.checkpoint_sha256 is not None
-        and checkpoint_file(data_dir, row.version).is_file(),
+        "checkpoint_stored": _has_checkpoint(session, row.id),
         "last_evaluation": row.last_evaluation,
     }
 
@@ -293,6 +549,21 @@ def _stale(heartbeat: datetime | None) -> bool:
     if heartbeat is None:
         return True
     return utcnow() - _utc(heartbeat) > timedelta(seconds=HEARTBEAT_STALE_S)
+
+
+def has_checkpoint(version: str, *, session_factory: sessionmaker[Session]) -> bool:
+    """Whether a registered version's checkpoint bytes are in the database (False for an
+    unknown version)."""
+    with session_factory() as session:
+        return session.scalar(
+            select(ModelCheckpoint.model_version_id)
+            .join(ModelVersion, ModelVersion.id == ModelCheckpoint.model_version_id)
+            .where(ModelVersion.version == version)) is not None
+
+
+def _has_checkpoint(session: Session, version_id: int) -> bool:
+    return session.scalar(select(ModelCheckpoint.model_version_id)
+                          .where(ModelCheckpoint.model_version_id == version_id)) is not None
 
 
 def _get(session: Session, version: str) -> ModelVersion:
@@ -412,8 +683,42 @@ def claim_job(version: str, *, session_factory: sessionmaker[Session]) -> bool:
                 | (ModelVersion.embed_heartbeat_at < stale_before)
             )
             .values(embed_state=STATE_RUNNING, embed_heartbeat_at=utcnow(), embed_error=None)
+            # Not evaluated in Python against the loaded row: SQLite gives its heartbeat back
+            # without a zone, and comparing it with an aware time raised TypeError.
+            .execution_options(synchronize_session=False)
         )
         return result.rowcount == 1
+
+
+@contextmanager
+def _beating(version: str, session_factory: sessionmaker[Session]) -> Iterator[None]:
+    """Refresh the job's heartbeat from a thread every third of :data:`HEARTBEAT_STALE_S`
+    while the job runs, however long one chunk or its throttle pause takes: the heartbeat
+    says the process is alive, not that a chunk just ended, so a live job is never claimed
+    by a second process. (A process that dies stops beating; one whose job hangs keeps its
+    claim until it is restarted.)"""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_STALE_S / 3):
+            try:
+                with session_factory.begin() as session:
+                    session.execute(
+                        update(ModelVersion)
+                        .where(ModelVersion.version == version,
+                               ModelVersion.embed_state == STATE_RUNNING)
+                        .values(embed_heartbeat_at=utcnow()))
+            except Exception:  # noqa: BLE001 - a lost connection: the next beat retries
+                logger.warning("heartbeat of the re-embedding of %s failed", version,
+                               exc_info=True)
+
+    thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{version}")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _finish_job(version: str, session_factory: sessionmaker[Session], state: str,
@@ -448,11 +753,12 @@ def run_embed_job(
         # but an activation checks those itself).
         through = session.scalar(select(func.max(GalleryItem.id)))
     try:
-        report = embed_missing(
-            version, session_factory=session_factory, media=media, embedder=embedder,
-            throttle=throttle, chunk_size=chunk_size, max_pixels=max_pixels, progress=progress,
-            stop=stop, heartbeat=True,
-        )
+        with _beating(version, session_factory):
+            report = embed_missing(
+                version, session_factory=session_factory, media=media, embedder=embedder,
+                throttle=throttle, chunk_size=chunk_size, max_pixels=max_pixels,
+                progress=progress, stop=stop, heartbeat=True,
+            )
     except BaseException as exc:
         _finish_job(version, session_factory, STATE_FAILED, f"{type(exc).__name__}: {exc}"[:500])
         raise
@@ -652,7 +958,7 @@ def activate(
         row = _get(session, version)
         active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
         active_name = active.version if active is not None else None
-        if row.checkpoint_sha256 is None:
+        if not _has_checkpoint(session, row.id):
             raise ActivationRefused(
                 f"model version {version} has no stored checkpoint, so other processes could "
                 "not load it; register it first (imgret models register / POST /models)"
@@ -712,6 +1018,18 @@ def activate(
     return Activation(version, active_name, comparison, changed=True, stragglers=caught_up)
 
 
+def _rollback_target(session: Session) -> int | None:
+    """The id of the version the active one replaced (the last switch to it), if any."""
+    active = session.scalar(select(ModelVersion.id).where(ModelVersion.is_active))
+    if active is None:
+        return None
+    return session.scalar(
+        select(ModelActivation.previous_version_id)
+        .where(ModelActivation.model_version_id == active)
+        .order_by(ModelActivation.id.desc()).limit(1)
+    )
+
+
 def previous_version(*, session_factory: sessionmaker[Session]) -> str:
     """The version the active one replaced (what a rollback activates).
 
@@ -719,17 +1037,51 @@ def previous_version(*, session_factory: sessionmaker[Session]) -> str:
         ActivationRefused: no switch on record.
     """
     with session_factory() as session:
-        active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
-        last = session.scalar(
-            select(ModelActivation)
-            .where(ModelActivation.model_version_id == (active.id if active else -1))
-            .order_by(ModelActivation.id.desc()).limit(1)
-        )
-        if last is None or last.previous_version_id is None:
+        target = _rollback_target(session)
+        if target is None:
             raise ActivationRefused("no previous version to roll back to: the active version "
                                     "was never switched to from another one")
-        row = session.get(ModelVersion, last.previous_version_id)
-        return row.version
+        return session.get(ModelVersion, target).version
+
+
+def delete_version(version: str, *, session_factory: sessionmaker[Session],
+                   data_dir: str | Path) -> None:
+    """Delete a version that is neither active nor the rollback target: its row, checkpoint
+    bytes, gallery and query embeddings and the activations that switched to it (one
+    transaction under the gallery write lock, which activations take too: a delete and an
+    activation of the same version never both succeed), then its saved index and local
+    checkpoint copy under this data dir. Nothing is kept: registering the same weights again
+    starts it afresh.
+
+    Raises:
+        VersionNotFound: unknown version.
+        VersionInUse: active, the rollback target, or being re-embedded.
+    """
+    with session_factory.begin() as session:
+        store.lock_gallery_writes(session=session)
+        row = _get(session, version)
+        if row.is_active:
+            raise VersionInUse(f"model version {version} is active; activate another version "
+                               "first")
+        if row.id == _rollback_target(session):
+            raise VersionInUse(f"model version {version} is the rollback target (the version "
+                               "the active one replaced); it can be deleted after the next "
+                               "switch")
+        if row.embed_state == STATE_RUNNING and not _stale(row.embed_heartbeat_at):
+            raise VersionInUse(f"model version {version} is being re-embedded; wait for the "
+                               "job to end")
+        for table, key in ((Embedding, Embedding.model_version_id),
+                           (QueryEmbedding, QueryEmbedding.model_version_id),
+                           (ModelCheckpoint, ModelCheckpoint.model_version_id),
+                           (ModelActivation, ModelActivation.model_version_id)):
+            session.execute(delete(table).where(key == row.id))
+        session.execute(update(ModelActivation).where(ModelActivation.previous_version_id
+                                                      == row.id)
+                        .values(previous_version_id=None))
+        session.delete(row)
+    for folder in (index_dir(data_dir, version), checkpoint_file(data_dir, version).parent):
+        shutil.rmtree(folder, ignore_errors=True)
+    logger.info("deleted model version %s", version)
 
 
 def active_version(*, session_factory: sessionmaker[Session]) -> str | None:

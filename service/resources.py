@@ -19,7 +19,7 @@ from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
 from imgret.process import in_own_thread
 from imgret.settings import Settings
-from index import store, versions
+from index import versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
 from index.media import MediaBackend
@@ -269,19 +269,63 @@ class EmbedJobs:
             thread.join(timeout)
 
 
+def _register_configured(settings: Settings, sessions: sessionmaker[Session]) -> str:
+    """Start-up work on the model versions; returns the version of ``IMGRET_MODEL``.
+
+    Checkpoint files of older releases go into the database (for every version lacking its
+    bytes there), temporary uploads of killed processes are removed, and ``IMGRET_MODEL`` is
+    registered: on a fresh database the first version registered becomes the active one,
+    with its history row. Nothing here changes an active version.
+    """
+    assert settings.model is not None
+    versions.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
+                                     max_bytes=settings.max_checkpoint_bytes)
+    versions.sweep_incoming(settings.data_dir)
+    return versions.register_checkpoint(
+        settings.model, session_factory=sessions, data_dir=settings.data_dir,
+        max_bytes=settings.max_checkpoint_bytes)["version"]
+
+
+def _cannot_serve(active: str, why: Exception | str) -> str:
+    return (f"cannot serve the active model version {active}: {why}; no process changes the "
+            "active version at start-up (activate one with `imgret models activate`)")
+
+
+def check_active_servable(settings: Settings) -> None:
+    """What ``imgret serve`` checks before starting uvicorn: after the start-up work of
+    :func:`load_resources`, the active version's checkpoint is in the database. A refusal
+    is then one line from the CLI rather than a failed start-up in every worker.
+
+    Raises:
+        CheckpointError: the active version cannot be loaded (or ``IMGRET_MODEL`` is
+            unusable).
+    """
+    engine = make_engine(settings.db_url)
+    try:
+        sessions = make_sessionmaker(engine)
+        configured = _register_configured(settings, sessions)
+        active = versions.active_version(session_factory=sessions) or configured
+        if not versions.has_checkpoint(active, session_factory=sessions):
+            raise CheckpointError(_cannot_serve(active, "its checkpoint is not stored in the "
+                                                        "database; register it again"))
+    finally:
+        engine.dispose()
+
+
 def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     """Upgrade the schema, register the model, open the database and load or rebuild the
     index of the active version.
 
     Runs in a worker thread during the lifespan start-up. ``IMGRET_MODEL`` is registered (its
-    checkpoint kept under the data dir); on a fresh database it becomes the active version.
-    The version served is the database's active one, so a switch made through ``/models``
-    survives restarts and every process agrees; ``IMGRET_MODEL`` is served instead only when
-    the active version's checkpoint was never stored (a gallery from before model versions),
-    and then it becomes the active one (logged).
+    checkpoint stored in the database); on a fresh database it becomes the active version.
+    The version served is the database's active one, loaded from the database, so a switch
+    made through ``/models`` survives restarts and every process agrees. A start-up never
+    changes the active version: a process that cannot load it refuses to start, with one
+    line saying why (see the README's "Model versions").
 
     Raises:
-        CheckpointError: no ``IMGRET_MODEL`` or an unusable checkpoint.
+        CheckpointError: no ``IMGRET_MODEL``, an unusable checkpoint, or an active version
+            this process cannot load.
         DatabaseError: the database is unreachable or cannot be migrated.
     """
     if settings.model is None:
@@ -295,26 +339,22 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     upgrade_to_head(settings.db_url)
     engine = make_engine(settings.db_url)
     sessions = make_sessionmaker(engine)
-    # A fresh database starts with an empty gallery served by this model: register it (the
-    # first version registered becomes the active one).
-    configured = versions.register_checkpoint(settings.model, session_factory=sessions,
-                                              data_dir=settings.data_dir)["version"]
-    embedders = {configured: Embedder.from_checkpoint(settings.model, device=settings.device)}
+    # Checkpoint files of older releases: into the database, for every version lacking its
+    # bytes there; temporary uploads of killed processes: removed.
+    configured = _register_configured(settings, sessions)
     active = versions.active_version(session_factory=sessions) or configured
+    try:
+        embedder = versions.load_embedder(active, session_factory=sessions,
+                                          data_dir=settings.data_dir, device=settings.device)
+    except (GalleryError, CheckpointError) as exc:
+        message = _cannot_serve(active, exc)
+        logger.error("%s", message)
+        engine.dispose()
+        raise CheckpointError(message) from None
     if active != configured:
-        try:
-            embedders[active] = versions.load_embedder(
-                active, session_factory=sessions, data_dir=settings.data_dir,
-                device=settings.device)
-            logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
-                        configured, active)
-        except (GalleryError, CheckpointError) as exc:
-            logger.warning("the active version cannot be loaded (%s); activating IMGRET_MODEL "
-                           "%s", exc, configured)
-            with sessions.begin() as session:
-                store.activate_model_version(session=session, version=configured)
-            active = configured
-    embedder = embedders[active]
+        logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
+                    configured, active)
+    embedders = {active: embedder}
     logger.info("model %s loaded on %s", embedder.model_version, embedder.device)
     media = open_media_store(settings, sessions)
     # Finish what a crash interrupted: bytes of deleted items, files of uploads that never

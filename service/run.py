@@ -66,10 +66,12 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     from imgret.checkpoint import resolve_checkpoint_path
     from index.db import safe_url, upgrade_to_head
     from service.app import create_app
+    from service.resources import check_active_servable
 
     resolve_checkpoint_path(settings.model)  # fail here, not in every worker
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade_to_head(settings.db_url)
+    check_active_servable(settings)  # one line and no server, rather than a failed start-up
     logger.info("schema at head on %s; serving on http://%s:%d", safe_url(settings.db_url),
                 host, port)
     app = create_app(settings) if workers == 1 else "service.app:create_app"

@@ -8,12 +8,13 @@ import threading
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from pydantic import ValidationError
 
 from index import versions
 from service.deps import ResourcesDep, require_api_key
 from service.evaluations import compare_named
+from service.limits import content_length
 from service.resources import Resources
 from service.schemas import ActivateRequest, ModelInfo, ModelList, RegisterRequest, Switch
 from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, read_form
@@ -24,6 +25,8 @@ VersionPath = Annotated[str, Path(min_length=1, max_length=MODEL_VERSION_MAX,
                                   pattern=r"^[A-Za-z0-9_.\-]+$", description="model version")]
 _KEYED = {401: {"description": "missing or wrong X-API-Key"}}
 _NOT_FOUND = {404: {"description": "no such model version"}}
+# Multipart framing around an uploaded checkpoint (boundaries, part headers).
+_FORM_OVERHEAD = 64 * 1024
 # One switch at a time in this process (the database serialises processes: the switch
 # transaction holds the gallery write lock).
 _SWITCH = threading.Lock()
@@ -68,43 +71,66 @@ def read_model(version: VersionPath, resources: ResourcesDep) -> ModelInfo:
             "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 4096}},
         }},
     }}},
-    responses={**_KEYED, 413: {"description": "checkpoint over IMGRET_MAX_UPLOAD_BYTES: pass "
-                                              "a path the server can read instead"},
+    responses={**_KEYED, 413: {"description": "checkpoint over IMGRET_MAX_CHECKPOINT_BYTES or "
+                                              "body over IMGRET_MAX_UPLOAD_BYTES"},
                415: {"description": "neither JSON nor multipart"},
-               422: {"description": "not an imgret checkpoint, or its version does not "
-                                    "match its weights"}},
+               409: {"description": "the version name is registered with other weights"},
+               422: {"description": "not an imgret checkpoint, a path this server may not "
+                                    "read, or a version that does not match its weights"}},
 )
 async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo:
-    """Register a checkpoint: an upload (multipart ``checkpoint``) or a ``path`` the server
-    can read (a run directory or its ``model.pt``; JSON or form).
+    """Register a checkpoint: an upload (multipart ``checkpoint``) or a ``path`` (a run
+    directory or its ``model.pt``; JSON or form) under ``<data_dir>/models`` or
+    ``IMGRET_MODEL_ROOTS``; any other path gets one generic 422, whatever is there.
 
     It is read with ``torch.load(weights_only=True)`` (no code runs), rebuilt, and its version
-    recomputed from the weights; a copy is kept under the data dir so every process can load
-    it. Registering the same weights again is harmless (same version, 201).
+    recomputed from the weights; its bytes are stored in the database so every process can
+    load it. Registering the same weights again is harmless (same version, 201); other
+    weights under a registered version name are refused (409).
     """
+    settings = resources.settings
+    cap = settings.max_checkpoint_bytes
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    kwargs = dict(session_factory=resources.sessions, data_dir=resources.settings.data_dir)
-    if content_type == "application/json":
-        path = _json_path(await request.body())
-        info = await anyio.to_thread.run_sync(
-            lambda: versions.register_checkpoint(path, **kwargs))
-    elif content_type == "multipart/form-data":
-        async with read_form(request, max_files=1, max_fields=4) as form:
-            unknown = set(form.keys()) - {"checkpoint", "path"}
-            upload, path = form.get("checkpoint"), form.get("path")
-            if unknown or (upload is None) == (path is None):
-                raise HTTPException(422, "send one of `checkpoint` (a file) or `path`")
-            if path is not None:
-                info = await anyio.to_thread.run_sync(
-                    lambda: versions.register_checkpoint(_checked_path(str(path)), **kwargs))
-            else:
-                if isinstance(upload, str):
-                    raise HTTPException(422, "`checkpoint` must be a file")
-                data = await upload.read()
-                info = await anyio.to_thread.run_sync(
-                    lambda: versions.register_upload(data, **kwargs))
-    else:
-        raise HTTPException(415, 'send JSON {"path": ...} or a multipart `checkpoint` file')
+    declared = content_length(request.scope)
+    if declared is not None and declared > cap + _FORM_OVERHEAD:
+        # Refused before one byte of the body is read (IMGRET_MAX_UPLOAD_BYTES may be larger).
+        raise HTTPException(413, f"{declared} bytes is over the checkpoint limit of {cap} "
+                                 "bytes (IMGRET_MAX_CHECKPOINT_BYTES)")
+    kwargs = dict(session_factory=resources.sessions, data_dir=settings.data_dir,
+                  max_bytes=cap)
+
+    def by_path(path: str) -> dict[str, Any]:
+        return versions.register_path(_checked_path(path), roots=settings.model_roots,
+                                      **kwargs)
+
+    try:
+        if content_type == "application/json":
+            path = _json_path(await request.body())
+            info = await anyio.to_thread.run_sync(by_path, path)
+        elif content_type == "multipart/form-data":
+            async with read_form(request, max_files=1, max_fields=4) as form:
+                unknown = set(form.keys()) - {"checkpoint", "path"}
+                upload, path = form.get("checkpoint"), form.get("path")
+                if unknown or (upload is None) == (path is None):
+                    raise HTTPException(422, "send one of `checkpoint` (a file) or `path`")
+                if path is not None:
+                    if not isinstance(path, str):
+                        raise HTTPException(422, "`path` must be a form field, not a file")
+                    info = await anyio.to_thread.run_sync(by_path, path)
+                else:
+                    if isinstance(upload, str):
+                        raise HTTPException(422, "`checkpoint` must be a file")
+                    if upload.size is not None and upload.size > cap:
+                        raise versions.CheckpointTooLarge(
+                            f"the checkpoint is {upload.size} bytes, over "
+                            f"IMGRET_MAX_CHECKPOINT_BYTES ({cap})")
+                    data = await upload.read(cap + 1)
+                    info = await anyio.to_thread.run_sync(
+                        lambda: versions.register_upload(data, **kwargs))
+        else:
+            raise HTTPException(415, 'send JSON {"path": ...} or a multipart `checkpoint` file')
+    except versions.CheckpointTooLarge as exc:
+        raise HTTPException(413, str(exc)) from None
     return ModelInfo.model_validate(_describe(resources, info["version"]))
 
 
@@ -119,6 +145,27 @@ def _checked_path(path: str) -> str:
     if not path.strip() or "\x00" in path or len(path) > 4096:
         raise HTTPException(422, "path: give the run directory or model.pt of a checkpoint")
     return path
+
+
+@router.delete("/{version}", status_code=status.HTTP_204_NO_CONTENT,
+               dependencies=[Depends(require_api_key)],
+               responses={**_KEYED, **_NOT_FOUND,
+                          409: {"description": "active, the rollback target, or being "
+                                               "re-embedded"}})
+async def delete_model(version: VersionPath, resources: ResourcesDep) -> Response:
+    """Delete a version that is neither active nor the rollback target (the version the last
+    switch replaced): its checkpoint, embeddings, query embeddings, saved index and row."""
+    def drop() -> None:
+        with _SWITCH:  # not while this process switches
+            versions.delete_version(version, session_factory=resources.sessions,
+                                    data_dir=resources.settings.data_dir)
+        # This process's model and index of it go too: the same weights registered again
+        # start with no vectors, and must not be answered from the old index.
+        with resources._open_lock:
+            resources.embedders.pop(version, None)
+            resources.searchers.pop(version, None)
+    await anyio.to_thread.run_sync(drop)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/rollback", dependencies=[Depends(require_api_key)],

@@ -27,6 +27,17 @@ def other_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _checkpoint(tmp_path_factory.mktemp("other_run"), seed=1)
 
 
+@pytest.fixture
+def make_client(make_client, other_checkpoint: Path, tmp_path: Path):
+    """The app with the test checkpoints' folders as IMGRET_MODEL_ROOTS (paths elsewhere are
+    refused)."""
+    def factory(**overrides):
+        overrides.setdefault("model_roots", [other_checkpoint.parent, tmp_path])
+        return make_client(**overrides)
+
+    return factory
+
+
 def _register(client, run: Path) -> dict:
     response = client.post("/models", json={"path": str(run)})
     assert response.status_code == 201, response.text
@@ -274,3 +285,26 @@ def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
             hit = search(client, png(i % 4, 200 + i), k="1").json()
             assert hit["model_version"] == version_b
             assert hit["results"][0]["id"] == added[i]
+
+
+def test_a_deleted_version_is_gone_from_the_database_disk_and_this_process(
+        make_client, other_checkpoint: Path) -> None:
+    with make_client(embed_duty=1.0) as client:
+        add_gallery(client, classes=2, per_class=3)
+        a = client.get("/health").json()["model_version"]
+        version_b = _register(client, other_checkpoint)["version"]
+        _embed_and_wait(client, version_b)
+        resources = client.app.state.resources
+        data_dir = resources.settings.data_dir
+        assert version_b in resources.searchers and (data_dir / "indexes" / version_b).is_dir()
+        assert client.delete(f"/models/{a}").status_code == 409  # active
+        assert client.delete("/models/nope").status_code == 404
+        assert client.delete(f"/models/{version_b}").status_code == 204
+        assert client.get(f"/models/{version_b}").status_code == 404
+        assert version_b not in resources.searchers and version_b not in resources.embedders
+        assert not (data_dir / "indexes" / version_b).exists()
+        assert not (data_dir / "models" / version_b).exists()
+        again = _register(client, other_checkpoint)
+        assert again["version"] == version_b and again["coverage"]["embedded"] == 0
+        assert again["index"]["state"] == "missing"
+        assert client.post(f"/models/{version_b}/activate").status_code == 409

@@ -273,6 +273,7 @@ def test_search_load_across_activation_and_rollback(
     upgrade_to_head(db_url)
     env = server_env(data_dir=tmp_path / "data", db_url=db_url, checkpoint=run_a,
                      device=TEST_DEVICE)
+    env["IMGRET_MODEL_ROOTS"] = str(run_b)  # where POST /models may read B from
     gallery = [_png(p, 0) for p in range(GALLERY)]
     queries = [_png(p, 999) for p in QUERY_PATTERNS]
     x_image = _png(99, 0)

@@ -87,7 +87,8 @@ def test_trained_longer_is_better_and_the_same_model_is_no_better(
     from service.app import create_app
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url, model=runs["a"],
-                        device=TEST_DEVICE, embed_duty=1.0)
+                        device=TEST_DEVICE, embed_duty=1.0,
+                        model_roots=[runs["b"], runs["c"]])
     jobs.ingest(settings, folders["gallery"], progress=False)
     jobs.ingest(settings, folders["queries"], query_set="fm-test", progress=False)
     with TestClient(create_app(settings)) as client:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from index.versions import VersionInUse
 
 
 @pytest.fixture
@@ -30,6 +31,12 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
     get_settings.cache_clear()  # the CLI reads its settings once per process
     yield other
     get_settings.cache_clear()
+
+
+def _checkpoint(folder: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    save_checkpoint(folder, EmbeddingNet(ModelSpec(backbone="tiny_cnn", dim=16, image_size=32)))
+    return folder
 
 
 def run(*args: str) -> str:
@@ -69,13 +76,22 @@ def test_register_embed_compare_activate_rollback(env: Path, image_folder: Path)
     assert f"active: {a} (rolled back from {b})" in run("models", "rollback")
     assert json.loads(run("models", "list", "--json"))["active"] == a
 
+    # B is the rollback target now (A replaced it): kept; A is active: kept.
+    for kept in (a, b):
+        refused = CliRunner().invoke(app, ["models", "delete", kept])
+        assert isinstance(refused.exception, VersionInUse), refused.exception
+    c = run("models", "register", str(_checkpoint(env.parent / "third", seed=4))).split()[1]
+    assert f"deleted {c}" in run("models", "delete", c)
+    assert [m["version"] for m in json.loads(run("models", "list", "--json"))["models"]] == [a, b]
+
 
 def test_cli_errors_are_domain_errors(env: Path) -> None:
     """``imgret`` (cli.main.main) prints an ImgretError as one line, without a traceback."""
     from imgret.errors import ImgretError
 
     for args in (["models", "activate", "nope"], ["models", "rollback"],
-                 ["models", "register", "/nonexistent/run"], ["models", "embed", "nope"]):
+                 ["models", "delete", "nope"], ["models", "register", "/nonexistent/run"],
+                 ["models", "embed", "nope"]):
         result = CliRunner().invoke(app, args)
         assert result.exit_code != 0
         assert isinstance(result.exception, ImgretError), (args, result.exception)

@@ -195,7 +195,7 @@ def test_models_view_embeds_compares_activates_and_rolls_back(
     key = {"X-API-Key": "ui-secret"}
     env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
            "IMGRET_DEVICE": TEST_DEVICE, "IMGRET_API_KEY": key["X-API-Key"],
-           "IMGRET_EMBED_DUTY": "1.0"}
+           "IMGRET_EMBED_DUTY": "1.0", "IMGRET_MODEL_ROOTS": str(other_run)}
     _ingest_query_set(env, tmp_path / "queries", "holdout")
     with running_server(env, log_path=tmp_path / "server.log") as server:
         _fill_gallery(server.url, tmp_path / "gallery", headers=key)
