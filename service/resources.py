@@ -184,6 +184,13 @@ class Resources:
         self.serve(active)
         return True
 
+    def forget(self, version: str) -> None:
+        """Drop this process's model and index of a deleted version: the same weights
+        registered again start with no vectors and must not be answered from the old index."""
+        with self._open_lock:
+            self.loaded.discard("embedder", version)
+            self.loaded.discard("searcher", version)
+
     def index_sizes(self) -> dict[str, tuple[int, str]]:
         """Size and factory of every index this process has open (for ``GET /models``)."""
         return {v: (s.size, s.factory)

@@ -159,11 +159,7 @@ async def delete_model(version: VersionPath, resources: ResourcesDep) -> Respons
         with _SWITCH:  # not while this process switches
             versions.delete_version(version, session_factory=resources.sessions,
                                     data_dir=resources.settings.data_dir)
-        # This process's model and index of it go too: the same weights registered again
-        # start with no vectors, and must not be answered from the old index.
-        with resources._open_lock:
-            resources.embedders.pop(version, None)
-            resources.searchers.pop(version, None)
+        resources.forget(version)
     await anyio.to_thread.run_sync(drop)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 

@@ -152,8 +152,11 @@ def test_bad_registrations_are_refused_and_change_nothing(make_client, tmp_path:
         payload["model_version"] = "tiny_cnn-d16-000000000000"
         forged = tmp_path / "forged.pt"
         torch.save(payload, forged)
-        refused = client.post("/models", json={"path": str(forged)})
+        refused = client.post("/models", files={"checkpoint": ("m.pt", forged.read_bytes())})
         assert refused.status_code == 422 and "hash" in refused.json()["detail"]
+        # By path, the same file gets the one message every refused path gets.
+        refused = client.post("/models", json={"path": str(forged)})
+        assert refused.status_code == 422 and "hash" not in refused.json()["detail"]
         assert client.post("/models", json={"path": "x", "extra": 1}).status_code == 422
         assert client.post("/models", content=b"path", headers={"content-type": "text/plain"}
                            ).status_code == 415
