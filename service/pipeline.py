@@ -26,7 +26,7 @@ from imgret.images import (
 from imgret.settings import Settings
 from index.search import Hit, Searcher, SearchFilter
 from index.search.rerank import Rerank, index_searches
-from index.search.threads import limit_pthreads_blas
+from index.search.threads import limit_pthreads_blas, yielding_to
 from service.batching import Deferred, DynamicBatcher, FollowUp, FollowUpPool
 from service.limits import REQUEST_RERANK_SEARCHES_MAX
 from service.telemetry import ServiceMetrics
@@ -102,10 +102,14 @@ def rerank_cost(query: Query) -> int:
     return index_searches(query.rerank)
 
 
-def rerank_answer(serving: Serving, vector: np.ndarray, query: Query) -> Answer:
-    """Re-rank one query (on the re-ranking pool): the same version's index as its batch."""
-    hits = serving.searcher.search(vector[None, :], query.k, query.filters,
-                                   rerank=query.rerank)[0]
+def rerank_answer(serving: Serving, vector: np.ndarray, query: Query,
+                  busy: Callable[[], bool] = lambda: False) -> Answer:
+    """Re-rank one query (on the re-ranking pool): the same version's index as its batch. Its
+    searches pause between their products while ``busy()`` (search batches in progress):
+    re-ranking is background work beside plain searches (:func:`yielding_to`)."""
+    with yielding_to(busy):
+        hits = serving.searcher.search(vector[None, :], query.k, query.filters,
+                                       rerank=query.rerank)[0]
     return Answer(hits, serving)
 
 
@@ -198,6 +202,9 @@ class SearchPipeline:
     def running(self) -> int:
         """Batches in progress: being decoded, waiting for the model, or in it."""
         return self._running
+
+    def _batches_in_progress(self) -> bool:
+        return self._running > 0
 
     def __call__(self, queries: Sequence[Query]) -> list[Answer | FollowUp | BaseException]:
         """Run a batch (both stages, in this thread).
@@ -296,7 +303,8 @@ class SearchPipeline:
                     batch.results[position] = Answer(row_hits[: query.k], serving)
             for position in sorted(set(vectors) - set(plain)):
                 batch.results[position] = FollowUp(functools.partial(
-                    rerank_answer, serving, vectors[position], batch.queries[position]))
+                    rerank_answer, serving, vectors[position], batch.queries[position],
+                    self._batches_in_progress))
             return [Answer([], serving) if result is None else result
                     for result in batch.results]
         finally:

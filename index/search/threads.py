@@ -41,7 +41,8 @@ metrics) keeps the thread count it had.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import faiss
@@ -57,6 +58,9 @@ _SCORE_BLOCK = 4 * 1024 * 1024
 # floats, 16 MiB): a fresh one per search paid its page faults every time, ~6 % of a single
 # query over 100k vectors (1.21 -> 1.15 ms here).
 _scratch = threading.local()
+# The "something more urgent is running" test of a thread that searches in the background
+# (:func:`yielding_to`), per thread.
+_pacing = threading.local()
 
 
 def limit_pthreads_blas(n: int) -> int:
@@ -107,6 +111,44 @@ def faiss_threads(n: int) -> Iterator[int]:
         yield wanted
     finally:
         faiss.omp_set_num_threads(before)
+
+
+@contextmanager
+def yielding_to(busy: Callable[[], bool], *, max_wait_s: float = 0.02,
+                poll_s: float = 0.001) -> Iterator[None]:
+    """Make the exact searches of this thread, within the block, background work: before each
+    block product (:class:`ExactFlat`, ~10 ms at most over 100k vectors) the thread waits
+    while ``busy()`` says more urgent work runs, up to ``max_wait_s`` per block, so it never
+    starves.
+
+    Why: on a 2-core machine a re-ranking (hundreds of neighbourhood searches in a few large
+    products) that runs beside a search batch's forward pass takes a core from the model
+    thread's OpenMP team, and every plain search of that batch waits for it; a lower CPU
+    priority alone was not enough (``benchmarks/rerank_flood_bench.py``). Pausing between
+    products bounds what a background search takes from a batch to about one product.
+
+    The pause happens under the Searcher's read lock, so a writer that waits meanwhile (and
+    the searches queued behind it) waits at most ``max_wait_s`` per block more.
+    """
+    before = getattr(_pacing, "busy", None), getattr(_pacing, "limits", None)
+    _pacing.busy, _pacing.limits = busy, (max_wait_s, poll_s)
+    try:
+        yield
+    finally:
+        _pacing.busy, _pacing.limits = before
+
+
+def pause_point() -> None:
+    """Wait while this thread's :func:`yielding_to` test says busy (bounded); else return."""
+    busy = getattr(_pacing, "busy", None)
+    if busy is None or not busy():
+        return
+    max_wait_s, poll_s = _pacing.limits
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        if not busy():
+            return
 
 
 def uses_blas_path(n_queries: int, dim: int) -> bool:
@@ -177,6 +219,7 @@ class ExactFlat:
                 for q0 in range(0, m, q_block):
                     block = queries[q0 : q0 + q_block]
                     for j0 in range(0, n, g_block):
+                        pause_point()
                         part = vectors[j0 : j0 + g_block]
                         products = np.matmul(block, part.T,
                                              out=_products(len(block), len(part)))

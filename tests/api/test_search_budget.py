@@ -37,12 +37,12 @@ class HeldRerank:
         self.release = threading.Event()
         self.threads: list[str] = []
 
-    def __call__(self, serving, vector, query):
+    def __call__(self, serving, vector, query, busy):
         self.threads.append(threading.current_thread().name)
         self.started.set()
         if not self.release.wait(timeout=60):
             raise RuntimeError("test never released the re-ranking")
-        return self.real(serving, vector, query)
+        return self.real(serving, vector, query, busy)
 
 
 def _wait_until(condition, timeout: float = 30.0) -> bool:

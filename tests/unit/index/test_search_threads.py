@@ -11,7 +11,7 @@ import pytest
 
 from index.faiss_index import check_factory, create_index
 from index.search import Searcher, SearchFilter
-from index.search.threads import ExactFlat, faiss_threads, uses_blas_path
+from index.search.threads import ExactFlat, faiss_threads, uses_blas_path, yielding_to
 from index.store import ItemInfo
 from tests.support.threads import omp_threads
 from tests.unit.index.vectors import clustered_vectors
@@ -176,3 +176,40 @@ def test_concurrent_searches_are_exact_and_leave_thread_counts_alone(gallery):
         assert faiss.omp_get_max_threads() == 2
     assert not any(w.is_alive() for w in workers)
     assert errors == []
+
+
+def test_a_background_search_pauses_while_busy_and_answers_the_same(gallery):
+    vectors, ids = gallery
+    searcher = flat_searcher(vectors, ids)
+    queries = clustered_vectors(2, DIM, clusters=50, seed=5)
+    expected = as_arrays(searcher.search(queries, K))
+    asked = []
+    busy = threading.Event()
+    busy.set()
+
+    def still_busy() -> bool:
+        asked.append(threading.current_thread().name)
+        return busy.is_set()
+
+    # Busy throughout: every block waits its bound, then the search goes on (never starves).
+    with yielding_to(still_busy, max_wait_s=0.01):
+        got = as_arrays(searcher.search(queries, K))
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+    assert asked and set(asked) == {threading.current_thread().name}
+
+    # Another thread's search is not paced by this thread's test.
+    asked.clear()
+    with yielding_to(still_busy):
+        worker = threading.Thread(target=searcher.search, args=(queries, K))
+        worker.start()
+        worker.join()
+    assert asked == []
+
+    # Not busy: no waiting, and outside the block nothing asks.
+    busy.clear()
+    with yielding_to(still_busy, max_wait_s=60.0):
+        searcher.search(queries, K)
+    asked.clear()
+    searcher.search(queries, K)
+    assert asked == []
