@@ -12,6 +12,9 @@ function in two stages (the search pipeline, :class:`service.pipeline.SearchPipe
   batcher's follow-up pool;
 * ``discard_batch(prepared)`` drops a prepared batch that will not be finished.
 
+There is one engine: a plain batch function is stages whose ``prepare_batch`` only collects
+the items (the tests drive the engine that way).
+
 Refusals (queue full, shutting down, a dead worker) are :mod:`service.unavailable`'s
 exceptions; :mod:`service.errors` answers them with 503 and ``Retry-After``.
 """
