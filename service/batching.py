@@ -32,8 +32,8 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import anyio.to_thread
 
 from service.followups import FollowUp, FollowUpPool
+from service.os_threads import name_os_thread
 from service.tasks import cancel_and_wait, finished
-from service.threads import name_os_thread
 from service.unavailable import QueueFull, ServiceUnavailable, ShuttingDown, WorkerFailed
 
 logger = logging.getLogger(__name__)

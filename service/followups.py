@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
-from service.threads import background_thread
+from service.os_threads import background_thread
 from service.unavailable import PoolFull, ShuttingDown
 
 R = TypeVar("R")
