@@ -1,14 +1,28 @@
-"""Dynamic batching: concurrent requests are queued and processed together, off the event loop."""
+"""Dynamic batching: concurrent requests are queued and processed together, off the event loop.
+
+:class:`DynamicBatcher` is the engine; what it runs is a :class:`BatchStages` object, a batch
+function in two stages (the search pipeline, :class:`service.pipeline.SearchPipeline`):
+
+* ``prepare_batch(items, into=None)`` (the decode thread) starts a batch, or adds items to
+  one, and returns a :class:`Prepared` batch: one result slot per item so far, ``None`` for
+  "waiting for stage 2", the item's own exception, or :class:`Deferred` ("no room in this
+  batch, run it in the next one"); ``full`` says it takes no more items;
+* ``finish_batch(prepared)`` (the model thread) returns every item's result, in order: its
+  answer, its exception, or a :class:`~service.followups.FollowUp` to finish on the
+  batcher's follow-up pool;
+* ``discard_batch(prepared)`` drops a prepared batch that will not be finished.
+
+There is one engine: a plain batch function is stages whose ``prepare_batch`` only collects
+the items (the tests drive the engine that way).
+
+Refusals (queue full, shutting down, a dead worker) are :mod:`service.unavailable`'s
+exceptions; :mod:`service.errors` answers them with 503 and ``Retry-After``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import ctypes.util
 import logging
-import os
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,223 +30,118 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import anyio.to_thread
-from fastapi import HTTPException
 
+from service.followups import FollowUp, FollowUpPool
+from service.os_threads import name_os_thread
 from service.tasks import cancel_and_wait, finished
+from service.unavailable import QueueFull, ServiceUnavailable, ShuttingDown, WorkerFailed
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-# ``process`` maps a batch of items to one result per item, in order; an item that failed on
-# its own (a corrupt image) gets its exception in its slot instead of failing the batch, and
-# an item the batch had no room for gets a ``Deferred`` (it runs in the next batch).
-BatchFn = Callable[[Sequence[T]], Sequence["R | BaseException"]]
-
 DEFAULT_MAX_QUEUE = 256  # IMGRET_BATCH_QUEUE_MAX
-RETRY_AFTER_S = 1
 
+T = TypeVar("T")
+Q = TypeVar("Q")  # one queued item (a query)
+A = TypeVar("A")  # one item's answer
+Q_contra = TypeVar("Q_contra", contravariant=True)
+A_co = TypeVar("A_co", covariant=True)
+P = TypeVar("P", bound="Prepared[Any]")  # a prepared batch, the stages' own type
 
-class ServiceUnavailable(HTTPException):
-    """503 with ``Retry-After``: the batcher cannot take or finish this item now.
-
-    Raised when the queue is full, while and after the server shuts down, and for the items of
-    a batch whose worker died. The client did nothing wrong and may simply retry (on this
-    instance after ``Retry-After`` seconds, or on another one), which is what 503 says; a
-    plain ``RuntimeError`` would have been a 500. An ``HTTPException`` so that FastAPI's own
-    handler sends the ``Retry-After`` header.
-    """
-
-    def __init__(self, detail: str, *, retry_after_s: int = RETRY_AFTER_S):
-        super().__init__(503, detail, headers={"Retry-After": str(retry_after_s)})
-
-
-@runtime_checkable
-class StagedBatchFn(Protocol):
-    """A batch function in two stages, which the batcher overlaps: while the model runs one
-    batch (``finish_batch``, on the batcher's model thread), the next one is collected and
-    decoded (``prepare_batch``, on its decode thread), and grows with what arrives until the
-    model is free (``prepare_batch(more, into=batch)``).
-
-    ``prepare_batch`` returns an object whose ``results`` list has one slot per item given so
-    far: ``None`` (waiting for stage 2), an item's own exception, or :class:`Deferred`; and
-    whose ``full`` says it takes no more items. ``finish_batch`` returns every item's result,
-    in order. A prepared batch that will not be finished goes to ``discard_batch``.
-    """
-
-    def prepare_batch(self, items: Sequence[Any], into: Any = None) -> Any: ...
-
-    def finish_batch(self, prepared: Any) -> Sequence[Any]: ...
-
-    def discard_batch(self, prepared: Any) -> None: ...
-
-
-class FollowUp(Generic[R]):
-    """Put in an item's result slot by the batch function: "not answered yet, ``finish()``
-    answers it", run by the batcher on its :class:`FollowUpPool`, off the batch's threads.
-    The search pipeline returns one for each re-ranked query, so the model thread is free for
-    the next batch while re-ranking works."""
-
-    def __init__(self, finish: Callable[[], R]):
-        self.finish = finish
-
-
-class FollowUpPool:
-    """Worker threads with a bounded queue, for the :class:`FollowUp` work of a batcher.
-
-    The bound is in cost units (the search's are index searches): a request reserves the cost
-    of all its items before any of them is queued (:meth:`reserve`, all or nothing: else
-    :class:`ServiceUnavailable`), and each unit comes back when its work has ended in its
-    thread (or when its item ended without follow-up work), never earlier, even if the caller
-    went away. So at most ``capacity`` units of work are queued or running at any time.
-
-    Args:
-        workers: threads, each ``nice`` steps below the process's CPU priority where the OS
-            allows (Linux: per thread), so the model thread's OpenMP team keeps the cores it
-            needs and a flood of follow-up work slows itself first.
-        capacity: the most cost units reserved at once.
-        what: the name of the work and its setting, for the 503's message.
-        name: the threads' name (``NAME_0``, ...; the OS sees it too).
-    """
-
-    def __init__(self, *, workers: int, capacity: int, what: str, nice: int = 10,
-                 name: str = "imgret-followup"):
-        if workers < 1 or capacity < 1:
-            raise ValueError(f"workers and capacity must be >= 1, not {workers}, {capacity}")
-        self.workers = workers
-        self.capacity = capacity
-        self.what = what
-        self.nice = nice
-        self.name = name
-        self._reserved = 0
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._stopping = False
-
-    @property
-    def reserved(self) -> int:
-        """Cost units queued, running, or reserved by requests in the batcher."""
-        return self._reserved
-
-    def start(self) -> None:
-        self._stopping = False
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                self.workers, thread_name_prefix=self.name,
-                initializer=_followup_thread, initargs=(self.name, self.nice))
-
-    async def stop(self) -> None:
-        """Refuse new work, cancel what has not started (its callers get a 503), and wait
-        for what runs."""
-        self._stopping = True
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: executor.shutdown(wait=True, cancel_futures=True))
-
-    def reserve(self, cost: int) -> None:
-        """Take ``cost`` units or raise :class:`ServiceUnavailable` (nothing taken)."""
-        if cost <= 0:
-            return
-        with self._lock:
-            if self._stopping or self._executor is None:
-                raise ServiceUnavailable("the server is shutting down; retry in a moment")
-            if self._reserved + cost > self.capacity:
-                raise ServiceUnavailable(
-                    f"the {self.what} queue is full ({self._reserved} of {self.capacity} "
-                    f"reserved, this request needs {cost}); retry shortly")
-            self._reserved += cost
-
-    def release(self, cost: int) -> None:
-        if cost <= 0:
-            return
-        with self._lock:
-            self._reserved -= cost
-
-    def submit(self, finish: Callable[[], R], cost: int) -> asyncio.Future[R]:
-        """Queue ``finish`` for a worker thread now; its ``cost`` (reserved) comes back when
-        it ends in its thread, or when it is cancelled before it starts (cancelling the
-        returned future does that; stopping the pool too, and then the future is cancelled).
-
-        Raises:
-            ServiceUnavailable: the pool is stopped (the cost is given back).
-        """
-        executor = self._executor
-        try:
-            if executor is None:
-                raise RuntimeError("stopped")
-            future = executor.submit(finish)
-        except RuntimeError:  # stopped, or shut down meanwhile
-            self.release(cost)
-            raise ServiceUnavailable("the server is shutting down; retry in a moment") from None
-        future.add_done_callback(lambda _: self.release(cost))
-        return asyncio.wrap_future(future)
+# What finish_batch gives an item: its answer, work that finishes it, or its exception.
+Outcome = T | FollowUp[T] | BaseException
 
 
 class Deferred(Exception):
-    """Put in an item's result slot by the batch function: "no room in this batch, run it in
+    """Put in an item's result slot by ``prepare_batch``: "no room in this batch, run it in
     the next one" (the batch's decoded-pixel budget is spent). The batcher queues the item
-    again ahead of newer ones. The batch function must take at least one item per batch."""
+    again ahead of newer ones. A batch must take at least one item."""
+
+
+class Prepared(Protocol[A_co]):
+    """What the batcher reads of a batch after its first stage."""
+
+    @property
+    def results(self) -> Sequence[A_co | BaseException | None]:
+        """One slot per item given so far: ``None`` (waiting for ``finish_batch``), the
+        item's exception or :class:`Deferred`, or already its answer."""
+        ...
+
+    @property
+    def full(self) -> bool:
+        """The batch takes no more items."""
+        ...
+
+
+@runtime_checkable
+class BatchStages(Protocol[Q_contra, P, A_co]):
+    """A batch function in two stages, which the batcher overlaps: while the model runs one
+    batch (``finish_batch``, on the batcher's model thread), the next one is collected and
+    prepared (``prepare_batch``, on its decode thread), and grows with what arrives until the
+    model is free (``prepare_batch(more, into=batch)``). Every prepared batch reaches
+    ``finish_batch`` or ``discard_batch``."""
+
+    def prepare_batch(self, items: Sequence[Q_contra], into: P | None = None) -> P: ...
+
+    def finish_batch(self, prepared: P) -> Sequence[Outcome[A_co]]: ...
+
+    def discard_batch(self, prepared: P) -> None: ...
 
 
 @dataclass
-class _Pending(Generic[T, R]):
-    item: T
-    future: asyncio.Future[R]
+class _Pending(Generic[Q, A]):
+    item: Q
+    future: asyncio.Future[A | FollowUp[A]]
 
 
-class DynamicBatcher(Generic[T, R]):
-    """Collect items from concurrent callers and hand them to ``process`` in batches.
+class DynamicBatcher(Generic[Q, A]):
+    """Collect items from concurrent callers and run them through ``process`` in batches.
 
-    A worker task waits for the first item, then up to ``max_wait_s`` for more, and stops early
-    at ``max_size`` items. The batch runs in a worker thread, so the event loop keeps accepting
-    requests meanwhile, and those requests form the next batch: under load the batches grow by
-    themselves and the per-call cost of the model (Python overhead, kernel launches, thread
-    start-up of the CPU backend) is paid once per batch instead of once per request.
+    A worker task takes the first queued item and whatever else is queued, and hands them to
+    ``prepare_batch`` on the decode thread at once; the batch then takes what arrives while it
+    decodes and during ``max_wait_s`` after its first item (and, with ``overlap``, while the
+    model is busy with the previous batch), up to ``max_size`` items, and goes to
+    ``finish_batch`` on the model thread. The event loop keeps accepting requests meanwhile,
+    and those form the next batch: under load the batches grow by themselves and the per-call
+    cost of the model (Python overhead, kernel launches, thread start-up of the CPU backend) is
+    paid once per batch instead of once per request. One thread always runs the model, so the
+    CPU backend keeps one warm team of OpenMP workers instead of one per thread of a pool.
 
-    A :class:`StagedBatchFn` (the search pipeline) runs on two dedicated threads: with
-    ``overlap``, a batch is decoded on the decode thread while the previous one is in the
-    model on the model thread, and keeps taking the requests that arrive until the model is
-    free (up to ``max_size``); without it, the next batch is collected when this one is
-    answered. One thread always runs the model, so the CPU backend keeps one warm team of
-    OpenMP workers instead of one per thread of a pool. A plain function runs whole, in a
-    worker thread, one batch at a time.
-
-    ``max_size == 1`` turns batching off: every call runs ``process`` on its own in the thread
-    pool, concurrently, which is what a plain FastAPI sync endpoint would do (the baseline of
-    ``benchmarks/service_bench.py``).
+    ``max_size == 1`` turns batching off: every call runs both stages of its items in anyio's
+    thread pool, concurrently, which is what a plain FastAPI sync endpoint would do (the
+    baseline of ``benchmarks/service_bench.py``).
 
     Failure handling (every caller gets an answer, never a hang):
 
-    * at most ``max_queue`` items wait; past that, callers get :class:`ServiceUnavailable`
-      (503 + ``Retry-After``) at once instead of an unbounded queue and timeouts;
-    * an item's own exception fails only that item; an exception of the whole batch function
-      fails that batch's items;
+    * at most ``max_queue`` items wait; past that, callers get
+      :class:`~service.unavailable.QueueFull` at once instead of an unbounded queue and
+      timeouts;
+    * an item's own exception fails only that item; an exception of a whole stage fails that
+      batch's items;
     * if the worker task dies anyway (a bug, a stray cancellation), the items of its batch get
-      a 503 and a new worker takes over the queue;
-    * :meth:`stop` answers everything still waiting with a 503, and so are calls after it.
+      :class:`~service.unavailable.WorkerFailed` and a new worker takes over the queue;
+    * :meth:`stop` answers the batch in the model, and everything still waiting, and every
+      later call, gets :class:`~service.unavailable.ShuttingDown`.
 
     Args:
-        process: the synchronous batch function (decode + embed + search).
+        process: the batch's stages (decode; embed + search).
         max_size: the most items in one batch (``IMGRET_BATCH_MAX_SIZE``).
         max_wait_s: how long the first item of a batch waits for company
             (``IMGRET_BATCH_MAX_WAIT_MS`` / 1000).
         max_queue: the most items waiting (with batching off: running) at once
             (``IMGRET_BATCH_QUEUE_MAX``).
-        on_batch: called with each batch's size (a metrics hook): the items it ran, or for a
-            staged function the items that reached the model.
-        overlap: for a staged function, decode the next batch while the model runs this one
-            (else the two stages of a batch still run on their own threads, but the next
-            batch is collected once this one is answered).
-        followups: where :class:`FollowUp` results are finished (off the batch's threads);
-            ``followup_cost(item)`` is what an item reserves there when it is submitted
-            (0: none; a request that would overfill it gets a 503 before being queued).
+        on_batch: called with each batch's size, the items that reached ``finish_batch`` (a
+            metrics hook).
+        overlap: prepare the next batch while the model runs this one (else the next batch is
+            collected once the model is free).
+        followups: where :class:`~service.followups.FollowUp` results are finished (off the
+            batch's threads); ``followup_cost(item)`` is what an item reserves there when it
+            is submitted (0: none; a request that would overfill it is refused before being
+            queued).
     """
 
     def __init__(
         self,
-        process: BatchFn[T, R],
+        process: BatchStages[Q, P, A],
         *,
         max_size: int,
         max_wait_s: float,
@@ -240,13 +149,17 @@ class DynamicBatcher(Generic[T, R]):
         on_batch: Callable[[int], None] | None = None,
         overlap: bool = True,
         followups: FollowUpPool | None = None,
-        followup_cost: Callable[[T], int] | None = None,
+        followup_cost: Callable[[Q], int] | None = None,
     ):
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, not {max_size}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, not {max_queue}")
-        self.process = process
+        if not isinstance(process, BatchStages):
+            raise TypeError("process must have prepare_batch, finish_batch and discard_batch")
+        # The prepared batch's type is the stages' own business: the batcher only hands it
+        # back to the same object, and reads it through the Prepared protocol.
+        self.process: BatchStages[Q, Any, A] = process
         self.max_size = max_size
         self.max_wait_s = max(0.0, max_wait_s)
         self.max_queue = max_queue
@@ -254,21 +167,21 @@ class DynamicBatcher(Generic[T, R]):
         self.overlap = overlap
         self.followups = followups
         self.followup_cost = followup_cost or (lambda _item: 0)
-        self._queue: asyncio.Queue[_Pending[T, R]] | None = None
+        self._queue: asyncio.Queue[_Pending[Q, A]] | None = None
         self._worker: asyncio.Task[None] | None = None
-        # Items deferred by the batch function: they start the next batch.
-        self._carry: deque[_Pending[T, R]] = deque()
-        # The batch being collected or processed (the worker's, shared so that whoever ends
+        # Items deferred by the stages: they start the next batch.
+        self._carry: deque[_Pending[Q, A]] = deque()
+        # The batch being collected or prepared (the worker's, shared so that whoever ends
         # the worker can answer its callers).
-        self._batch: list[_Pending[T, R]] = []
+        self._batch: list[_Pending[Q, A]] = []
         self._running_unbatched = 0
         self._stopped = False
-        # Staged functions: one decode thread, one model thread, and the batch in the model
-        # (its task answers its callers; at most one at a time).
+        # One decode thread, one model thread, and the batch in the model (its task answers
+        # its callers; at most one at a time).
         self._decode_pool: ThreadPoolExecutor | None = None
         self._model_pool: ThreadPoolExecutor | None = None
         self._finishing: asyncio.Task[None] | None = None
-        self._finishing_batch: list[_Pending[T, R]] = []
+        self._finishing_batch: list[_Pending[Q, A]] = []
         # Done as soon as the model thread is free again, before that batch's callers are
         # answered: the next batch starts first, and decodes while the loop sends the answers.
         self._model_free: asyncio.Future[None] | None = None
@@ -291,26 +204,27 @@ class DynamicBatcher(Generic[T, R]):
         if self.enabled and self._worker is None:
             self._queue = asyncio.Queue()
             self._decode_pool = ThreadPoolExecutor(
-                1, thread_name_prefix="imgret-decode", initializer=_os_thread_name,
+                1, thread_name_prefix="imgret-decode", initializer=name_os_thread,
                 initargs=("imgret-decode",))
             self._model_pool = ThreadPoolExecutor(
-                1, thread_name_prefix="imgret-model", initializer=_os_thread_name,
+                1, thread_name_prefix="imgret-model", initializer=name_os_thread,
                 initargs=("imgret-model",))
             self._spawn_worker()
 
     async def stop(self) -> None:
-        """Stop the worker; everything still waiting, and every later call, gets a 503."""
+        """Stop the worker; everything still waiting, and every later call, gets
+        :class:`~service.unavailable.ShuttingDown`."""
         self._stopped = True
         if self._worker is not None:
             await cancel_and_wait(self._worker)
             self._worker = None
-        error = ServiceUnavailable("the server is shutting down; retry in a moment")
+        error = ShuttingDown()
         interrupted: asyncio.CancelledError | None = None
         if self._finishing is not None:
             try:
                 await finished(self._finishing)  # the batch in the model is answered
             except asyncio.CancelledError as exc:
-                interrupted = exc  # stop() itself was cancelled: 503 everyone, then re-raise
+                interrupted = exc  # stop() itself was cancelled: refuse everyone, then re-raise
             self._finishing = None
             self._fail(self._finishing_batch, error)
             self._finishing_batch = []
@@ -333,13 +247,13 @@ class DynamicBatcher(Generic[T, R]):
             # outlives the batcher.
             await asyncio.get_running_loop().run_in_executor(None, pool.shutdown, True)
 
-    async def submit(self, item: T) -> R:
+    async def submit(self, item: Q) -> A:
         """Process one item, batched with whatever else arrives meanwhile."""
         return (await self.submit_many([item]))[0]
 
     async def submit_many(
-        self, items: Sequence[T], *, return_exceptions: bool = False
-    ) -> list[R | BaseException]:
+        self, items: Sequence[Q], *, return_exceptions: bool = False
+    ) -> list[A | BaseException]:
         """Process several items (one request's), each queued like a single one.
 
         Args:
@@ -348,33 +262,34 @@ class DynamicBatcher(Generic[T, R]):
                 raising.
 
         Raises:
-            ServiceUnavailable: the queue has no room for all of ``items`` (nothing is
-                queued then), or the batcher is stopped.
+            QueueFull: the queue has no room for all of ``items`` (nothing is queued then).
+            PoolFull: the follow-up pool cannot reserve the items' cost (nothing queued).
+            ShuttingDown: the batcher is stopped.
             BaseException: without ``return_exceptions``, the first failed item's error.
         """
         if not items:
             return []
         if self._stopped:
-            raise ServiceUnavailable("the server is shutting down; retry in a moment")
+            raise ShuttingDown()
         if self.enabled and self._queue is None:
             raise RuntimeError("DynamicBatcher.start() was not awaited (app lifespan not run)")
         self._check_room(len(items), self.waiting if self.enabled else self._running_unbatched)
         costs = [self.followup_cost(item) for item in items] if self.followups else []
         unspent = [sum(costs)]
         if unspent[0] and self.followups is not None:
-            self.followups.reserve(unspent[0])  # 503 before anything is queued
+            self.followups.reserve(unspent[0])  # refused before anything is queued
         try:
             if not self.enabled:
-                results = await self._run_unbatched(items)
+                outcomes = await self._run_unbatched(items)
             else:
-                results = await self._run_batched(items)
-            results = await self._follow_up(results, costs, unspent)
+                outcomes = await self._run_batched(items)
+            results = await self._follow_up(outcomes, costs, unspent)
         finally:
             if unspent[0] and self.followups is not None:
                 self.followups.release(unspent[0])
         return results if return_exceptions else [_unwrap(result) for result in results]
 
-    async def _run_batched(self, items: Sequence[T]) -> list[R | BaseException]:
+    async def _run_batched(self, items: Sequence[Q]) -> list[Outcome[A]]:
         assert self._queue is not None
         if self._worker is None or self._worker.done():
             # The done-callback normally replaces a dead worker first; this closes the gap.
@@ -382,61 +297,105 @@ class DynamicBatcher(Generic[T, R]):
         loop = asyncio.get_running_loop()
         futures = []
         for item in items:
-            future: asyncio.Future[R] = loop.create_future()
+            future: asyncio.Future[A | FollowUp[A]] = loop.create_future()
             self._queue.put_nowait(_Pending(item, future))
             futures.append(future)
         # Wait for all, so one bad item does not leave the others' futures unobserved.
         return await asyncio.gather(*futures, return_exceptions=True)
 
-    async def _follow_up(self, results: list[Any], costs: list[int],
-                         unspent: list[int]) -> list[R | BaseException]:
-        """Finish the :class:`FollowUp` results on the follow-up pool (concurrently, each
-        with its item's reserved cost, handed over to the pool as it is queued)."""
-        followups = [(row, result) for row, result in enumerate(results)
-                     if isinstance(result, FollowUp)]
+    async def _follow_up(self, outcomes: list[Outcome[A]], costs: list[int],
+                         unspent: list[int]) -> list[A | BaseException]:
+        """Finish the :class:`~service.followups.FollowUp` results on the follow-up pool
+        (concurrently, each with its item's reserved cost, handed over to the pool as it is
+        queued)."""
+        followups = [(row, outcome) for row, outcome in enumerate(outcomes)
+                     if isinstance(outcome, FollowUp)]
         if not followups:
-            return results
+            return [outcome for outcome in outcomes if not isinstance(outcome, FollowUp)]
         if self.followups is None:
             raise RuntimeError("the batch function returned a FollowUp but the batcher has "
                                "no follow-up pool")
-        runs: list[asyncio.Future[Any]] = []
+        runs: list[asyncio.Future[A]] = []
         try:
-            for row, result in followups:
+            for row, followup in followups:
                 cost = costs[row] if row < len(costs) else 0
                 unspent[0] -= cost  # the pool's now: given back when its work ends
-                runs.append(self.followups.submit(result.finish, cost))
+                runs.append(self.followups.submit(followup.finish, cost))
         except ServiceUnavailable:
             for run in runs:
                 run.cancel()
             raise
         # If this caller goes away, gather cancels the runs: a queued one never starts, a
         # running one finishes in its thread (and only then gives its cost back).
-        finished = await asyncio.gather(*runs, return_exceptions=True)
-        out = list(results)
-        for (row, _), value in zip(followups, finished, strict=True):
-            if isinstance(value, asyncio.CancelledError):
+        done = iter(await asyncio.gather(*runs, return_exceptions=True))
+        out: list[A | BaseException] = []
+        for outcome in outcomes:
+            if isinstance(outcome, FollowUp):
+                value = next(done)
                 # Not this caller's cancellation (that would have ended the gather): the
                 # pool stopped before the work started.
-                value = ServiceUnavailable("the server is shutting down; retry in a moment")
-            out[row] = value
+                outcome = ShuttingDown() if isinstance(value, asyncio.CancelledError) else value
+            out.append(outcome)
         return out
 
-    # ----------------------------------------------------------------------- internals
+    # --------------------------------------------------------------------- batching off
 
-    async def _run_unbatched(self, items: Sequence[T]) -> list[R | BaseException]:
+    async def _run_unbatched(self, items: Sequence[Q]) -> list[Outcome[A]]:
         self._running_unbatched += len(items)
         try:
-            results = list(await anyio.to_thread.run_sync(self._process_checked, list(items)))
+            outcomes, sizes = await anyio.to_thread.run_sync(self._run_whole, list(items))
         finally:
             self._running_unbatched -= len(items)
-        self._report(len(items))
-        if any(isinstance(result, Deferred) for result in results):
-            raise RuntimeError("the batch function deferred an item of a one-item call")
-        return results
+        for size in sizes:
+            self._report(size)
+        return outcomes
+
+    def _run_whole(self, items: list[Q]) -> tuple[list[Outcome[A]], list[int]]:
+        """Both stages of one call's items in this thread, and again for the items a batch
+        deferred, until every item has its outcome. Returns the outcomes and the size of
+        each batch that reached the model stage."""
+        outcomes: dict[int, Outcome[A]] = {}
+        sizes: list[int] = []
+        rows = list(range(len(items)))
+        while rows:
+            prepared = self.process.prepare_batch([items[row] for row in rows])
+            early = list(prepared.results)  # finish_batch may fill the slots in place
+            waiting = sum(slot is None for slot in early)
+            answers: Sequence[Outcome[A] | None] = early
+            if waiting:
+                answers = self.process.finish_batch(prepared)
+                if len(answers) != len(rows):
+                    raise RuntimeError(f"batch function returned {len(answers)} results for "
+                                       f"{len(rows)}")
+                sizes.append(waiting)
+            else:
+                self.process.discard_batch(prepared)
+            deferred = []
+            for row, slot, answer in zip(rows, early, answers, strict=True):
+                if slot is not None:
+                    if isinstance(slot, Deferred):
+                        deferred.append(row)
+                    else:
+                        outcomes[row] = slot
+                elif isinstance(answer, Deferred):
+                    outcomes[row] = RuntimeError("the batch function deferred an item in its "
+                                                 "last stage")
+                else:
+                    outcomes[row] = answer
+            if deferred and len(deferred) == len(rows):
+                # The stages must make progress; refuse instead of looping forever.
+                for row in deferred:
+                    outcomes[row] = RuntimeError("the batch function deferred every item of "
+                                                 "a batch")
+                break
+            rows = deferred
+        return [outcomes[row] for row in range(len(items))], sizes
+
+    # ------------------------------------------------------------------------- batching
 
     def _check_room(self, count: int, waiting: int) -> None:
         if waiting + count > self.max_queue:
-            raise ServiceUnavailable(
+            raise QueueFull(
                 f"the search queue is full ({waiting} images waiting, at most {self.max_queue}: "
                 "IMGRET_BATCH_QUEUE_MAX); retry shortly"
             )
@@ -455,7 +414,7 @@ class DynamicBatcher(Generic[T, R]):
             else:
                 logger.error("the batch worker died; starting a new one",
                              exc_info=task.exception())
-        self._fail(self._batch, ServiceUnavailable(
+        self._fail(self._batch, WorkerFailed(
             "the search worker failed while processing this request; retry"
         ))
         self._batch = []
@@ -464,88 +423,44 @@ class DynamicBatcher(Generic[T, R]):
     async def _run(self) -> None:
         assert self._queue is not None
         while True:
-            process = self.process
-            staged = isinstance(process, StagedBatchFn) and self._model_pool is not None
-            # A staged batch starts decoding its first items at once and takes the rest of
-            # the wait's arrivals while it decodes (see _run_staged).
-            batch = await self._collect(self._queue, wait=not staged)
-            deadline = self._deadline
-            process = self.process  # replaced meanwhile (tests do): the batch runs the new one
-            staged = isinstance(process, StagedBatchFn) and self._model_pool is not None
+            batch = await self._collect(self._queue)
             # A caller that went away (client disconnect) no longer needs its slot.
             live = [pending for pending in batch if not pending.future.done()]
             if not live:
                 self._batch = []
                 continue
-            if staged:
-                await self._run_staged(process, live, self._queue, deadline)
-                continue
-            work = asyncio.ensure_future(
-                anyio.to_thread.run_sync(self._process_checked, [p.item for p in live])
-            )
-            try:
-                results = await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # Stopping: the thread cannot be interrupted anyway, so let this batch finish
-                # and answer its callers; stop() answers the ones still queued.
-                self._deliver(live, await _settled(work, len(live)))
-                self._batch = []
-                raise
-            except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
-                logger.exception("batch of %d failed", len(live))
-                results = [exc] * len(live)
-            self._deliver(live, results)
-            self._batch = []
-            self._report(len(live))
+            # Read per batch: the stages may be replaced while the worker waits (tests do).
+            await self._run_batch(self.process, live, self._queue, self._deadline)
 
-    async def _collect(self, queue: asyncio.Queue[_Pending[T, R]],
-                       wait: bool = True) -> list[_Pending[T, R]]:
-        """The next batch: deferred items first, then the queue (waiting up to max_wait_s
-        unless ``wait`` is false; the deadline is left in ``self._deadline``)."""
-        batch: list[_Pending[T, R]] = []
+    async def _collect(self, queue: asyncio.Queue[_Pending[Q, A]]) -> list[_Pending[Q, A]]:
+        """The start of the next batch: the deferred items (up to ``max_size``), else the
+        next queued item, then whatever is queued already. Its deadline for company is left in
+        ``self._deadline``: ``max_wait_s`` after the first item was taken, or none for deferred
+        items (they have waited a batch already)."""
+        batch: list[_Pending[Q, A]] = []
         self._batch = batch  # filled in place: stop() and a replacement worker see it
         while self._carry and len(batch) < self.max_size:
             batch.append(self._carry.popleft())
-        if not batch:
-            batch.append(await queue.get())
-            # Counted from when the worker got the first item, not from when it was submitted:
-            # measured (resnet18, 16 clients, 2 cores) the submission clock ran batches of 8 at
-            # 144-147 requests/s and p99 351-407 ms, this one batches of 15 at 161-167 and
-            # 264-285 ms (the callers answered by the last batch have time to come back).
-            deadline = asyncio.get_running_loop().time() + self.max_wait_s
+        if batch:
+            self._deadline = 0.0
         else:
-            deadline = 0.0  # carried items have waited a batch already: take what is queued
-        self._deadline = deadline
-        if not wait:
-            deadline = 0.0
-        while len(batch) < self.max_size:
-            # Whatever is already queued joins without waiting.
-            if not queue.empty():
-                batch.append(queue.get_nowait())
-                continue
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                break
-            try:
-                # Not wait_for: on Python 3.11 it swallows a stop()'s cancellation that
-                # arrives in the same loop pass as an item, and the worker runs on.
-                async with asyncio.timeout(remaining):
-                    batch.append(await queue.get())
-            except TimeoutError:
-                break
+            batch.append(await queue.get())
+            # Counted from when the worker took the first item, not from when it was
+            # submitted: the callers answered by the last batch have time to come back and
+            # join this one (larger batches and a lower p99: benchmarks/service_bench.py).
+            self._deadline = asyncio.get_running_loop().time() + self.max_wait_s
+        while len(batch) < self.max_size and not queue.empty():
+            batch.append(queue.get_nowait())
         return batch
 
-    # ----------------------------------------------------------------- staged functions
-
-    async def _run_staged(self, process: StagedBatchFn, live: list[_Pending[T, R]],
-                          queue: asyncio.Queue[_Pending[T, R]], deadline: float) -> None:
-        """Decode ``live``, growing the batch with what arrives while it decodes (until the
+    async def _run_batch(self, process: BatchStages[Q, Any, A], live: list[_Pending[Q, A]],
+                         queue: asyncio.Queue[_Pending[Q, A]], deadline: float) -> None:
+        """Prepare ``live``, growing the batch with what arrives while it decodes (until the
         ``deadline`` of its first item's wait) and while the model is busy, then hand it to
         the model thread. With ``overlap`` this returns at once (the caller collects the next
         batch meanwhile), else when the model thread is free again."""
-        assert self._decode_pool is not None and self._model_pool is not None
-        taken: list[_Pending[T, R]] = []
-        prepared: Any = None
+        taken: list[_Pending[Q, A]] = []
+        prepared: Prepared[A] | None = None
         chunk = live
         try:
             while True:
@@ -571,9 +486,9 @@ class DynamicBatcher(Generic[T, R]):
                 if not chunk:
                     break
                 self._batch.extend(chunk)
-            if prepared is not None and taken and not any(r is None for r in prepared.results) \
-                    and all(isinstance(r, Deferred) for r in prepared.results):
-                # The function must make progress; refuse instead of looping forever.
+            assert prepared is not None  # the loop prepared at least its first chunk
+            if all(isinstance(r, Deferred) for r in prepared.results):
+                # The stages must make progress; refuse instead of looping forever.
                 self._carry = deque(p for p in self._carry if p not in taken)
                 self._fail(taken, RuntimeError("the batch function deferred every item of a "
                                                "batch"))
@@ -596,15 +511,17 @@ class DynamicBatcher(Generic[T, R]):
             self._batch = []  # answered, carried, or the model task's now
         finally:
             # Not finished here: nothing waits for it (when cancelled, whoever ends the
-            # worker answers the batch's callers with a 503).
+            # worker answers the batch's callers).
             if prepared is not None:
                 process.discard_batch(prepared)
 
-    async def _prepare(self, process: StagedBatchFn, items: list[T], into: Any) -> Any:
+    async def _prepare(self, process: BatchStages[Q, Any, A], items: list[Q],
+                       into: Prepared[A] | None) -> Prepared[A]:
         """``process.prepare_batch`` on the decode thread. If this task is cancelled, the
         decode still finishes in its thread, and its batch is discarded."""
         assert self._decode_pool is not None
-        future: Future[Any] = self._decode_pool.submit(process.prepare_batch, items, into)
+        future: Future[Prepared[A]] = self._decode_pool.submit(process.prepare_batch, items,
+                                                               into)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -612,9 +529,9 @@ class DynamicBatcher(Generic[T, R]):
                 future.add_done_callback(lambda f: _discard(process, f))
             raise
 
-    def _answer_early(self, taken: list[_Pending[T, R]], results: Sequence[Any],
-                      start: int) -> None:
-        """Answer the items of ``taken[start:]`` that failed while being decoded, and carry
+    def _answer_early(self, taken: list[_Pending[Q, A]],
+                      results: Sequence[A | BaseException | None], start: int) -> None:
+        """Answer the items of ``taken[start:]`` that failed while being prepared, and carry
         the deferred ones to the next batch (ahead of everything newer, in their order)."""
         deferred = []
         for pending, result in zip(taken[start:], results[start:], strict=True):
@@ -628,11 +545,11 @@ class DynamicBatcher(Generic[T, R]):
                 pending.future.set_result(result)
         self._carry.extendleft(reversed(deferred))
 
-    async def _more(self, queue: asyncio.Queue[_Pending[T, R]], limit: int,
-                    deadline: float) -> list[_Pending[T, R]]:
+    async def _more(self, queue: asyncio.Queue[_Pending[Q, A]], limit: int,
+                    deadline: float) -> list[_Pending[Q, A]]:
         """Up to ``limit`` queued items. With none queued, waits for one while the batch in
         the model is still running, else until ``deadline``; ``[]`` when none came."""
-        items: list[_Pending[T, R]] = []
+        items: list[_Pending[Q, A]] = []
         if queue.empty():
             loop = asyncio.get_running_loop()
             waits: set[asyncio.Future[Any]] = set()
@@ -645,6 +562,8 @@ class DynamicBatcher(Generic[T, R]):
                     return []
             getter = asyncio.ensure_future(queue.get())
             try:
+                # Not wait_for: on Python 3.11 it swallows a stop()'s cancellation that
+                # arrives in the same loop pass as an item, and the worker runs on.
                 await asyncio.wait({getter, *waits}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -661,12 +580,13 @@ class DynamicBatcher(Generic[T, R]):
             items.append(queue.get_nowait())
         return items
 
-    async def _finish(self, process: StagedBatchFn, prepared: Any,
-                      taken: list[_Pending[T, R]], model_free: asyncio.Future[None]) -> None:
+    async def _finish(self, process: BatchStages[Q, Any, A], prepared: Prepared[A],
+                      taken: list[_Pending[Q, A]], model_free: asyncio.Future[None]) -> None:
         """Run the model stage of a batch on the model thread and answer its callers."""
         assert self._model_pool is not None
         waiting = [r is None for r in prepared.results]
         rows = sum(waiting)
+        results: Sequence[Outcome[A]]
         try:
             results = await asyncio.wrap_future(
                 self._model_pool.submit(process.finish_batch, prepared))
@@ -691,33 +611,6 @@ class DynamicBatcher(Generic[T, R]):
                 pending.future.set_result(result)
         self._report(rows)
 
-    def _deliver(
-        self, live: list[_Pending[T, R]], results: Sequence[R | BaseException]
-    ) -> None:
-        deferred = [pending for pending, result in zip(live, results, strict=True)
-                    if isinstance(result, Deferred) and not pending.future.done()]
-        if deferred and len(deferred) == len(live):
-            # The batch function must make progress; refuse instead of looping forever.
-            results = [RuntimeError("the batch function deferred every item of a batch")] * len(
-                live
-            )
-            deferred = []
-        for pending, result in zip(live, results, strict=True):
-            if pending.future.done() or isinstance(result, Deferred):
-                continue
-            if isinstance(result, BaseException):
-                pending.future.set_exception(result)
-            else:
-                pending.future.set_result(result)
-        # Ahead of everything newer, in their order.
-        self._carry.extendleft(reversed(deferred))
-
-    def _process_checked(self, items: list[T]) -> Sequence[R | BaseException]:
-        results = self.process(items)
-        if len(results) != len(items):
-            raise RuntimeError(f"batch function returned {len(results)} results for {len(items)}")
-        return results
-
     def _report(self, size: int) -> None:
         if self.on_batch is None:
             return
@@ -727,44 +620,19 @@ class DynamicBatcher(Generic[T, R]):
             logger.exception("the on_batch hook failed")
 
     @staticmethod
-    def _fail(pendings: Sequence[_Pending[T, R]] | deque[_Pending[T, R]],
+    def _fail(pendings: Sequence[_Pending[Q, A]] | deque[_Pending[Q, A]],
               error: BaseException) -> None:
         for pending in pendings:
             if not pending.future.done():
                 pending.future.set_exception(error)
 
 
-def _followup_thread(name: str, nice: int) -> None:
-    """A follow-up worker: named for the OS, and ``nice`` steps below the process's CPU
-    priority (Linux gives each thread its own nice value; best effort elsewhere)."""
-    _os_thread_name(name)
-    with contextlib.suppress(Exception):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                       os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
-
-
-def _os_thread_name(name: str) -> None:
-    """Name this thread for the OS too (``top -H``, ``/proc/PID/task/*/comm``): Linux only,
-    best effort."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-def _discard(process: StagedBatchFn, future: Future[Any]) -> None:
+def _discard(process: BatchStages[Any, Any, Any], future: Future[Any]) -> None:
     if not future.cancelled() and future.exception() is None:
         process.discard_batch(future.result())
 
 
-async def _settled(work: asyncio.Future, count: int) -> Sequence[object]:
-    """The results of a batch still running in its thread, or its error for every item."""
-    try:
-        return await work
-    except Exception as exc:  # noqa: BLE001
-        return [exc] * count
-
-
-def _unwrap(result: R | BaseException) -> R:
+def _unwrap(result: T | BaseException) -> T:
     if isinstance(result, BaseException):
         raise result
     return result

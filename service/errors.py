@@ -1,6 +1,8 @@
 """The one place that turns exceptions into HTTP ``{"detail": ...}`` answers.
 
 * imgret's domain exceptions (:mod:`imgret.errors`) -> their 4xx (or 503) by the table below;
+* the service's refusals (:mod:`service.unavailable`: queue full, pool full, shutting down)
+  -> 503 with ``Retry-After``, by the same table;
 * database errors (SQLAlchemy's wrappers of the driver's) -> 422 / 409 / 503, with a message
   that says what to do and never a line of SQL or a parameter value (those go to the log);
 * request validation errors -> FastAPI's 422 shape, with each echoed input cut short (a
@@ -22,12 +24,14 @@ from sqlalchemy import exc as sa_exc
 from imgret import errors
 from index.evaluation import EvaluationError
 from index.versions import VersionNotFound
+from service.unavailable import RETRY_AFTER_S, ServiceUnavailable
 
 logger = logging.getLogger(__name__)
 
 # Most specific first: the first isinstance match wins (ImageTooLarge is an ImageDecodeError).
 # A name that has no match here falls through to the ImgretError row.
 _STATUS: list[tuple[type[Exception], int]] = [
+    (ServiceUnavailable, 503),
     (EvaluationError, 422),
     (VersionNotFound, 404),
     (errors.ImageTooLarge, 413),
@@ -50,14 +54,18 @@ def status_for(exc: Exception) -> int:
     return 400
 
 
-async def _imgret_error(request: Request, exc: Exception) -> JSONResponse:
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     status = status_for(exc)
-    # 5xx-like states (a stale index) deserve a warning; bad input is routine.
-    log = logger.warning if status >= 500 else logger.info
+    # 5xx-like states (a stale index) deserve a warning; bad input is routine, and so is a
+    # busy server telling its clients to come back.
+    overloaded = isinstance(exc, ServiceUnavailable)
+    log = logger.warning if status >= 500 and not overloaded else logger.info
     log("%s %s -> %d: %s", request.method, request.url.path, status, exc)
     # Some refusals carry what they were decided on (a refused activation: the comparison).
     extra = getattr(exc, "details", None) or {}
-    return JSONResponse(jsonable_encoder({"detail": str(exc), **extra}), status_code=status)
+    headers = {"Retry-After": str(exc.retry_after_s)} if overloaded else None
+    return JSONResponse(jsonable_encoder({"detail": str(exc), **extra}), status_code=status,
+                        headers=headers)
 
 
 # Database errors, most specific first. The driver's exception (psycopg, sqlite3) is wrapped by
@@ -76,7 +84,6 @@ _DB_STATUS: list[tuple[type[Exception], int, str]] = [
     (sa_exc.InterfaceError, 503,
      "the connection to the database was lost; retry shortly"),
 ]
-RETRY_AFTER_S = 1
 INPUT_ECHO_MAX = 100
 
 
@@ -130,7 +137,8 @@ def _short(error: dict[str, Any]) -> dict[str, Any]:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers of this module on ``app``."""
-    app.add_exception_handler(errors.ImgretError, _imgret_error)
+    app.add_exception_handler(errors.ImgretError, _domain_error)
+    app.add_exception_handler(ServiceUnavailable, _domain_error)
     # ProgrammingError & co are not mapped: they are bugs of ours, left to the server's 500.
     for kind, _, _ in _DB_STATUS:
         app.add_exception_handler(kind, _database_error)

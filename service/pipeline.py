@@ -27,7 +27,8 @@ from imgret.settings import Settings
 from index.search import Hit, Searcher, SearchFilter
 from index.search.rerank import Rerank, index_searches
 from index.search.threads import limit_pthreads_blas, yielding_to
-from service.batching import Deferred, DynamicBatcher, FollowUp, FollowUpPool
+from service.batching import BatchStages, Deferred, DynamicBatcher
+from service.followups import FollowUp, FollowUpPool
 from service.limits import REQUEST_RERANK_SEARCHES_MAX
 from service.telemetry import ServiceMetrics
 
@@ -142,8 +143,9 @@ class PreparedBatch:
     closed: bool = False
 
 
-class SearchPipeline:
-    """The batch function of the dynamic batcher: many queries, one forward pass.
+class SearchPipeline(BatchStages[Query, PreparedBatch, Answer]):
+    """The dynamic batcher's stages (:class:`~service.batching.BatchStages`): many queries,
+    one forward pass.
 
     Each query is decoded on its own and turned into the model's input at once
     (:func:`imgret.images.preprocess_encoded`), so a batch holds one full-size image at a time
@@ -163,10 +165,9 @@ class SearchPipeline:
 
     An :class:`ItemQuery` (search by a stored item) has no image: its vector is read in stage 1
     for the batch's version and joins the batch's index search. A re-ranked query is embedded
-    and then handed back as a :class:`~service.batching.FollowUp` (:func:`rerank_answer`): the
+    and then handed back as a :class:`~service.followups.FollowUp` (:func:`rerank_answer`): the
     batcher re-ranks it on its re-ranking pool, never on the model thread, whose time per
-    batch thus stays that of a plain search (0.74-0.88 s per query at N = 1,000 and 100k
-    items was measured on it: ``service.limits``).
+    batch thus stays that of a plain search (what re-ranking costs: ``service.limits``).
 
     The batch has a decoded-pixel budget, charged from each image's header before it is
     decoded: once it is spent, the remaining queries are handed back as
@@ -206,12 +207,13 @@ class SearchPipeline:
     def _batches_in_progress(self) -> bool:
         return self._running > 0
 
-    def __call__(self, queries: Sequence[Query]) -> list[Answer | FollowUp | BaseException]:
+    def __call__(self, queries: Sequence[Query]
+                 ) -> list[Answer | FollowUp[Answer] | BaseException]:
         """Run a batch (both stages, in this thread).
 
         Returns:
             Per query, in order: its :class:`Answer` (hits best first, at most ``k``), a
-            :class:`~service.batching.FollowUp` whose ``finish()`` returns it (a re-ranked
+            :class:`~service.followups.FollowUp` whose ``finish()`` returns it (a re-ranked
             query), the exception that failed it (``ImageDecodeError`` for a bad upload), or
             ``Deferred`` (no room left in this batch's budget).
         """
@@ -227,8 +229,8 @@ class SearchPipeline:
         (``serving`` names another version now), ``queries`` are not added: they are handed
         back as :class:`~service.batching.Deferred` and start the next batch, with the new
         version. A request that arrives after a switch was acknowledged is thus never
-        answered by the old model (tests/integration/test_model_switch.py caught one that
-        joined a batch begun before the switch, 0.24 s after the activation's 200).
+        answered by the old model, even when the batch it would join began before the switch
+        (tests/integration/test_model_switch.py).
         """
         if into is None:
             into = PreparedBatch(self.serving(), PixelBudget(
@@ -273,10 +275,11 @@ class SearchPipeline:
                     batch.rows.append(position)
         return batch
 
-    def finish_batch(self, batch: PreparedBatch) -> list[Answer | FollowUp | BaseException]:
+    def finish_batch(self, batch: PreparedBatch
+                     ) -> list[Answer | FollowUp[Answer] | BaseException]:
         """Stage 2: embed the decoded queries in one forward pass and search the plain ones in
         one index call (per-query filters, the largest ``k``, then each list cut to its own
-        ``k``). A re-ranked query gets a :class:`~service.batching.FollowUp` instead: the
+        ``k``). A re-ranked query gets a :class:`~service.followups.FollowUp` instead: the
         batcher finishes it on the re-ranking pool, so this (model) thread never re-ranks.
 
         Returns:
@@ -349,11 +352,10 @@ def overlap_decoding() -> bool:
     """Whether the batcher decodes the next batch while the model runs: only when the model
     leaves a core free (``torch.get_num_threads() < os.cpu_count()``).
 
-    Measured on the 2-core CPU (resnet18 at 64 px, 16 wrk clients, batches of 8): with
-    decoding and the event loop running beside a forward pass that uses both cores, the
-    forward took 44 to 54 ms instead of 30 to 42 ms, which ate what the overlap saved (mean
-    149 against 156 requests/s over five alternating runs each, and a worse p99). One torch
-    thread (leaving a core to decode) was slower still: 40 ms per batch of 8 alone.
+    With decoding and the event loop running beside a forward pass that uses every core, the
+    forward pass slows down by more than the overlap saves; one torch thread fewer (leaving a
+    core to decode) is slower still (``benchmarks/service_bench.py``,
+    ``docs/service_bench.md``).
     """
     return torch.get_num_threads() < (os.cpu_count() or 1)
 

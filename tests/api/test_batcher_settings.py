@@ -1,9 +1,6 @@
 """The batcher built from the settings (IMGRET_BATCH_QUEUE_MAX, IMGRET_BATCH_MAX_PIXELS,
 IMGRET_DECODE_MEMORY_MB) and what they do over HTTP: a full queue answers 503 with Retry-After,
-a batch over its pixel budget is split across batches (issue 10, defects 4 and 8).
-
-These need ``service.resources.load_resources`` to build the batcher with
-``service.pipeline.build_search_batcher(settings, ...)``.
+a batch over its pixel budget is split across batches, with batching on or off.
 """
 
 from __future__ import annotations
@@ -86,9 +83,12 @@ def test_the_settings_reach_the_search_batcher(make_local_client) -> None:
         assert pipeline.gate is DecodeLimits(decode_memory=123 * 1024 * 1024).gate
 
 
-def test_a_batch_over_its_pixel_budget_is_split_not_refused(make_local_client) -> None:
-    # 4 M-pixel bombs against a 5 M-pixel batch budget: one per batch, all answered.
-    with make_local_client(batch_max_pixels=5_000_000) as client:
+@pytest.mark.parametrize("batch_max_size", [32, 1])
+def test_a_batch_over_its_pixel_budget_is_split_not_refused(make_local_client,
+                                                            batch_max_size: int) -> None:
+    # 4 M-pixel bombs against a 5 M-pixel batch budget: one per batch, all answered, with
+    # batching off too (IMGRET_BATCH_MAX_SIZE=1: a request's images still share a budget).
+    with make_local_client(batch_max_pixels=5_000_000, batch_max_size=batch_max_size) as client:
         add_gallery(client, classes=2, per_class=2)
         before = _batches(client)
         response = client.post("/search/batch", files=_files([ratio_bomb(2000, 1999)] * 3),

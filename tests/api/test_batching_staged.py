@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from service.batching import Deferred, DynamicBatcher, ServiceUnavailable, StagedBatchFn
+from service.batching import BatchStages, Deferred, DynamicBatcher
 from service.pipeline import ImageQuery, SearchPipeline, Serving
 from service.telemetry import ServiceMetrics
+from service.unavailable import ShuttingDown
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Staged:
 
 def test_a_staged_function_runs_on_two_dedicated_threads_and_fails_items_alone() -> None:
     staged = Staged()
-    assert isinstance(staged, StagedBatchFn)
+    assert isinstance(staged, BatchStages)
     sizes: list[int] = []
 
     async def run() -> list:
@@ -165,14 +166,15 @@ def test_stop_answers_the_batch_in_the_model_and_503s_the_rest_then_ends_its_thr
     finished, rest = asyncio.run(run())
     assert finished == 2
     # 2 (and 3) may have been decoded while 1 was in the model: never run, 503 like the rest.
-    assert all(isinstance(r, ServiceUnavailable) for r in rest)
+    assert all(isinstance(r, ShuttingDown) for r in rest)
     assert staged.discarded <= 1
     assert not [t for t in threading.enumerate() if t.name.startswith("imgret-")]
 
 
 def test_a_cancelled_stop_still_503s_everyone_then_raises() -> None:
-    # stop() waits for the batch in the model; a cancellation of stop() itself used to be
-    # swallowed there (contextlib.suppress(BaseException)), and the cancelled shutdown ran on.
+    # stop() waits for the batch in the model; a cancellation of stop() itself must not be
+    # swallowed there (as contextlib.suppress(BaseException) would), or the cancelled
+    # shutdown runs on.
     staged = Staged()
 
     async def run() -> tuple[bool, list[object]]:
@@ -193,7 +195,7 @@ def test_a_cancelled_stop_still_503s_everyone_then_raises() -> None:
 
     raised, results = asyncio.run(run())
     assert raised, "stop() swallowed its own cancellation"
-    assert all(isinstance(r, ServiceUnavailable) for r in results), results
+    assert all(isinstance(r, ShuttingDown) for r in results), results
 
 
 class _SlowToCancelQueue(asyncio.Queue):
@@ -215,9 +217,9 @@ def test_stop_while_the_worker_waits_for_a_cancelled_getter_still_ends_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A batch of one waits up to max_wait_s for company (_more), then cancels its queue getter
-    # and waits for it to end. stop() landing in that wait was swallowed with the getter's
-    # own CancelledError: the worker went on and stop() never returned (a CI hang, ~1 in 50
-    # app shutdowns in a loop before the fix, none in 600 after).
+    # and waits for it to end. stop() landing in that wait must not be swallowed with the
+    # getter's own CancelledError, or the worker goes on and stop() never returns (an
+    # intermittent hang of the app's shutdown).
     monkeypatch.setattr(asyncio, "Queue", _SlowToCancelQueue)
     batcher = DynamicBatcher(Staged(), max_size=8, max_wait_s=0.1)
 
@@ -232,7 +234,7 @@ def test_stop_while_the_worker_waits_for_a_cancelled_getter_still_ends_it(
         return (await asyncio.gather(first, return_exceptions=True))[0]
 
     result = asyncio.run(run())
-    assert isinstance(result, ServiceUnavailable), result
+    assert isinstance(result, ShuttingDown), result
 
 
 # --------------------------------------------------------------------------- the pipeline
