@@ -18,9 +18,9 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
 
    a. **the floor**: the same files read, decoded (``imgret.images.decode_for_embedding``,
       the ingest's decoder) and embedded with the same ``Embedder`` at the same batch size,
-      in-process, one batch after the other (the issue's "bare embedding throughput");
+      in-process, one batch after the other (the bare embedding throughput);
    b. **the pooled floor**: the same, in the ingest's own worker processes
-      (``index.ingest._EmbedWorkers``, same worker count: each decodes, preprocesses and
+      (``index.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses and
       embeds whole slices with one torch thread, only vectors come back): what the
       ingest's pipeline does minus every storage step;
    c. **ingest**: ``index.jobs.ingest`` of the folder into a fresh SQLite database and data
@@ -33,8 +33,8 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
 
    and, for reference, the forward pass alone on already preprocessed tensors.
 
-It prints a markdown table with the medians and the ratios ingest / floor (the issue's
-target is >= 0.80) and ingest / pooled floor: the higher of the two floors is the bar (both
+It prints a markdown table with the medians and the ratios ingest / floor (the target is
+>= 0.80) and ingest / pooled floor: the higher of the two floors is the bar (both
 are bare decode + embed of the same files; which is faster depends on the machine), and the
 ingest's per-stage seconds of the median run (with workers, ``decode`` and ``embed`` are
 the seconds the workers spent on them, summed over the workers). Beside each rate it
@@ -306,17 +306,16 @@ def _pooled_floor(paths: list[Path], embedder) -> float | None:
     from types import SimpleNamespace
 
     try:
-        from index.ingest import _EmbedWorkers
+        from index.ingest.workers import EmbedWorkers, default_workers
     except ImportError:
         return None
     from imgret.images import DEFAULT_MAX_PIXELS
-    from index.ingest import default_workers
     from index.media import sha256_hex
 
     workers = default_workers(embedder)
     start = time.perf_counter()
     n = 0
-    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers) as pool:
+    with EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers) as pool:
         tickets = []
         for at in range(0, len(paths), embedder.batch_size):
             work = []

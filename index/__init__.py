@@ -10,7 +10,8 @@ Modules and what the service uses from them:
   ``IMGRET_MEDIA_BACKEND``: those files, or the ``media_blobs`` table (``DatabaseMediaStore``).
 - ``index.store``: repository functions (``session`` keyword-only, never commit).
 - ``index.ingest``: ``add_items(items, *, session, media, embedder)`` for uploads and
-  ``ingest_source(path, ...)`` for ``imgret ingest``.
+  ``ingest_source(path, ...)`` for ``imgret ingest`` (a package: uploads, the chunk pipeline,
+  the worker pool, the writer, the Ray Data variant).
 - ``index.faiss_index``: factory checks, index creation, GPU placement, the index file.
 - ``index.build``: ``build_from_sql(...)``, an index from the stored embeddings.
 - ``index.manifest``: what a saved index was built from, checked against SQL on load.

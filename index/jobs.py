@@ -77,7 +77,7 @@ def ingest(
         workers: processes decoding and, on the CPU, embedding files (with ``ray``: embed
             actors).
         progress: a tqdm bar.
-        ray: ingest on Ray Data (``index.ray_ingest``): ``"local"`` for a local Ray
+        ray: ingest on Ray Data (``index.ingest.ray``): ``"local"`` for a local Ray
             instance, else a cluster address (``auto``, ``ray://host:10001``).
 
     Raises:
@@ -97,7 +97,7 @@ def ingest(
     if query_set is not None and not query_set.strip():
         raise GalleryError("the query set name is empty (--query-set)")
     if ray is not None:
-        from index.ray_ingest import import_ray
+        from index.ingest.ray import import_ray
 
         import_ray()  # a missing extra is said before any work is done
     with open_gallery(settings) as sessions:
@@ -106,7 +106,7 @@ def ingest(
         versions.register_checkpoint(checkpoint, session_factory=sessions,
                                      data_dir=settings.data_dir)
         if ray is not None:
-            from index.ray_ingest import ingest_with_ray
+            from index.ingest.ray import ingest_with_ray
 
             return ingest_with_ray(
                 path, session_factory=sessions, media=open_media_store(settings, sessions),

@@ -95,7 +95,7 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
         time.sleep(0.05)
     files = [p for p in media.root.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name.startswith(".tmp-")]
-    # Files of the chunk in flight may exist without rows: harmless (see index.ingest).
+    # Files of the chunk in flight may exist without rows: harmless (see index.ingest.writer).
     assert items <= len(files) <= items + CHUNK
 
     embedder = Embedder.from_checkpoint(tiny_checkpoint, device=TEST_DEVICE)

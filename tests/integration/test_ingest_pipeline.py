@@ -10,8 +10,9 @@ import pytest
 from sqlalchemy import select
 
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
-from index import ingest, store
-from index.ingest import _EmbedWorkers, _warm_up, ingest_source
+from index import store
+from index.ingest import ingest_source, pipeline, writer
+from index.ingest.workers import EmbedWorkers, _warm_up
 from index.media import sha256_hex
 from index.models import GalleryItem
 from tests.support.threads import torch_threads
@@ -87,7 +88,7 @@ def test_every_worker_mode_gives_the_same_vectors_and_errors(embedder, image_fol
     with torch_threads(2):
         reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size)
                                     for p in paths])
-    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers,
+    with EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, workers,
                        embed_in_workers=embed_in_workers) as pool:
         tickets = [pool.submit(part) for part in slices]
         results = []
@@ -115,7 +116,7 @@ def test_a_lost_worker_leaves_its_slices_to_this_process(embedder, image_folder)
                             sha256=sha256_hex(p.read_bytes())) for p in paths]
     size = embedder.spec.image_size
     reference = embedder.embed([decode_for_embedding(p.read_bytes(), size=size) for p in paths])
-    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2) as pool:
+    with EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2) as pool:
         os.kill(pool._procs[1].pid, signal.SIGKILL)
         pool._procs[1].join(timeout=10)
         tickets = [pool.submit(work[at : at + 4]) for at in range(0, len(work), 4)]
@@ -139,7 +140,7 @@ def test_finished_workers_exit_and_leave_their_staged_files_to_this_process(
     last writes) and keep the files they staged, which the ingest renames; ``close()`` alone
     (an ingest that failed before its end) has them removed by the workers."""
     work = _candidates(sorted(image_folder.rglob("*.png"))[:4])
-    with _EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2, media=media) as pool:
+    with EmbedWorkers(embedder, DEFAULT_MAX_PIXELS, 2, media=media) as pool:
         ticket = pool.submit(work, stage=[True] * len(work))
         staged = pool.result(ticket).staged
         pool.release(ticket)
@@ -156,7 +157,7 @@ def test_a_failed_last_write_leaves_no_staged_file(sessions, media, embedder, im
                                                    monkeypatch):
     """The workers were told to finish (they leave their staged files) and the last chunk's
     write fails: the ingest removes that chunk's staged files itself."""
-    real = ingest._ChunkWriter.write
+    real = writer.ChunkWriter.write
     writes: list[int] = []
 
     def write(self, *args, **kwargs):
@@ -165,7 +166,7 @@ def test_a_failed_last_write_leaves_no_staged_file(sessions, media, embedder, im
             raise OSError("the disk went away")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ingest._ChunkWriter, "write", write)
+    monkeypatch.setattr(writer.ChunkWriter, "write", write)
     with pytest.raises(OSError, match="went away"):
         ingest_source(image_folder, session_factory=sessions, media=media, embedder=embedder,
                       chunk_size=8, workers=2, progress=False)
@@ -196,13 +197,13 @@ def test_the_ingest_keeps_the_objects_it_starts_with_out_of_garbage_collection(
 
     gc.unfreeze()
     frozen: list[int] = []
-    real = ingest._ChunkRun.prepare
+    real = pipeline._ChunkRun.prepare
 
     def prepare(self, *args, **kwargs):
         frozen.append(gc.get_freeze_count())
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ingest._ChunkRun, "prepare", prepare)
+    monkeypatch.setattr(pipeline._ChunkRun, "prepare", prepare)
     report = ingest_source(image_folder, session_factory=sessions, media=media,
                            embedder=embedder, chunk_size=8, workers=2, progress=False)
     assert report.added == 20

@@ -94,7 +94,7 @@ def _counts(report: IngestReport) -> tuple:
 def test_ray_ingest_stores_what_plain_ingest_stores_and_runs_again_as_a_no_op(
     ray_local, folder, sessions, db_url, media, embedder, tiny_checkpoint, tmp_path,
 ):
-    from index.ray_ingest import ingest_with_ray
+    from index.ingest.ray import ingest_with_ray
 
     plain, plain_reports = _ingest_plain(folder, f"sqlite:///{tmp_path / 'plain.db'}",
                                          tmp_path / "plain-data", embedder)
@@ -118,13 +118,13 @@ def test_ray_ingest_stores_what_plain_ingest_stores_and_runs_again_as_a_no_op(
 # write is slowed down so that the kill lands between committed chunks.
 SCRIPT = """
 import sys, time
-import index.ingest
+import index.ingest.ray
 delay = float(sys.argv[1])
-original = index.ingest.write_embedded
+original = index.ingest.ray.write_embedded
 def slow_write(*args, **kwargs):
     time.sleep(delay)
     return original(*args, **kwargs)
-index.ingest.write_embedded = slow_write
+index.ingest.ray.write_embedded = slow_write
 sys.argv = ["imgret", *sys.argv[2:]]
 from cli.main import main
 main()
@@ -188,4 +188,4 @@ def test_ray_without_the_extra_is_one_line_naming_the_fix(tiny_checkpoint, folde
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
-    assert "index/ray_ingest.py" in errors[0] and "pip install 'imgret[ray]'" in errors[0]
+    assert "index/ingest/ray.py" in errors[0] and "pip install 'imgret[ray]'" in errors[0]

@@ -8,15 +8,15 @@ spreads the expensive stages over a Ray cluster (a local one when no address is 
    path and the hash go on: the bytes are not carried through the object store twice;
 2. **embed** (an actor pool, one actor per GPU when the cluster has GPUs, else one per CPU
    slot): reads each file again, checks it still has the hash, decodes and preprocesses it
-   with the plain ingest's :func:`index.ingest.decode_slice` (the served path's decoder) and
-   embeds it with the one :class:`~imgret.embedder.Embedder`, each actor loading the
-   checkpoint once. Its blocks carry the encoded bytes to the writer, which stores them:
-   one image's bytes are in the object store once, for one batch, and Ray Data's streaming
-   back-pressure bounds how many batches wait for the writer;
+   with the plain ingest's :func:`~index.ingest.decode.decode_slice` (the served path's
+   decoder) and embeds it with the one :class:`~imgret.embedder.Embedder`, each actor
+   loading the checkpoint once. Its blocks carry the encoded bytes to the writer, which
+   stores them: one image's bytes are in the object store once, for one batch, and Ray
+   Data's streaming back-pressure bounds how many batches wait for the writer;
 3. **write** (this process): chunks of ``chunk_size`` rows, in source order, go through the
-   plain ingest's writer (:func:`index.ingest.write_embedded`): failures reported, media
-   bytes durable, then the rows in one transaction under the gallery write lock, planned
-   again under it (idempotent, and safe beside other writers).
+   plain ingest's writer (:func:`~index.ingest.writer.write_embedded`): failures reported,
+   media bytes durable, then the rows in one transaction under the gallery write lock,
+   planned again under it (idempotent, and safe beside other writers).
 
 Resuming: every chunk commits on its own; after a killed run, running the same command again
 drops what was committed at stage 1 and embeds the rest. A media file written for a chunk
@@ -41,6 +41,10 @@ from tqdm.auto import tqdm
 
 from imgret.errors import ImgretError
 from imgret.files import read_file
+from index.ingest.decode import decode_slice
+from index.ingest.pipeline import SourceNames
+from index.ingest.report import IngestReport
+from index.ingest.writer import EmbeddedChunk, register_target, write_embedded
 from index.media import MediaBackend
 
 logger = logging.getLogger(__name__)
@@ -83,7 +87,7 @@ def import_ray() -> Any:
         import ray.data  # noqa: F401 - the optional extra's part we use
     except ImportError:
         raise RayUnavailable(
-            "Ray Data is not installed (index/ray_ingest.py needs it): "
+            "Ray Data is not installed (index/ingest/ray.py needs it): "
             "pip install 'imgret[ray]', or ingest without --ray"
         ) from None
     return ray
@@ -151,8 +155,6 @@ class EmbedActor:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
-        from index.ingest import decode_slice
-
         started = time.perf_counter()
         blobs: list[tuple[bytes | None, str, str | None]] = []
         for path, sha, error in zip(batch["path"], batch["sha256"], batch["error"],
@@ -188,7 +190,7 @@ def ingest_with_ray(
     query_set: str | None = None, batch_size: int = 64, chunk_size: int = 256,
     max_pixels: int | None = None, address: str | None = None, actors: int | None = None,
     progress: bool = True,
-) -> Any:
+) -> IngestReport:
     """Ingest ``source`` with Ray Data; see the module docstring.
 
     Args:
@@ -209,7 +211,7 @@ def ingest_with_ray(
         progress: a tqdm bar (images/s).
 
     Returns:
-        The :class:`index.ingest.IngestReport` of the run: counted like the plain ingest's
+        The :class:`~index.ingest.report.IngestReport` of the run: counted like the plain ingest's
         (an image dropped at stage 1 counts as already present). Stage seconds of read,
         dedup, decode and embed are summed over the Ray workers (busy time, not wall time).
 
@@ -219,13 +221,6 @@ def ingest_with_ray(
     from imgret.checkpoint import load_checkpoint
     from imgret.datasets import list_records
     from imgret.images import DEFAULT_MAX_PIXELS
-    from index.ingest import (
-        EmbeddedChunk,
-        IngestReport,
-        SourceNames,
-        register_target,
-        write_embedded,
-    )
 
     ray = import_ray()
     started = time.perf_counter()
@@ -280,7 +275,7 @@ def ingest_with_ray(
             for batch in dataset.iter_batches(batch_size=chunk_size, batch_format="numpy"):
                 if not report.startup_seconds:
                     report.startup_seconds = time.perf_counter() - started
-                chunk = _chunk(batch, EmbeddedChunk)
+                chunk = _chunk(batch)
                 for stage in ("read", "dedup", "decode", "embed"):
                     report.seconds[stage] += float(batch[f"t_{stage}"].sum())
                     report.counts[stage] += len(chunk)
@@ -313,12 +308,12 @@ def _connect(ray: Any, address: str | None) -> bool:
     return True
 
 
-def _chunk(batch: dict[str, np.ndarray], chunk_type: Any) -> Any:
-    """A Ray numpy batch as the writer's :class:`~index.ingest.EmbeddedChunk`."""
+def _chunk(batch: dict[str, np.ndarray]) -> EmbeddedChunk:
+    """A Ray numpy batch as the writer's :class:`~index.ingest.writer.EmbeddedChunk`."""
     errors = [str(e) or None for e in batch["error"]]
     data = [None if not blob and error else bytes(blob)
             for blob, error in zip(batch["data"], errors, strict=True)]
-    return chunk_type(
+    return EmbeddedChunk(
         positions=[int(p) for p in batch["position"]],
         paths=[str(p) for p in batch["path"]],
         labels=[str(label) for label in batch["label"]],
