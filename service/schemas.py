@@ -7,6 +7,7 @@ Models raise ``ValueError`` from their validators, as pydantic expects; the rout
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -49,6 +50,7 @@ from service.validation import (
 K_MAX = 1000
 WORST_MAX = 100
 ID_MAX = 2**63 - 1
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 class HealthStatus(BaseModel):
@@ -266,7 +268,7 @@ class SearchForm(SearchRerankRequest):
         """The filter these fields name (``None``: every item)."""
         if self.label is None and self.camera is None and not self.metadata:
             return None
-        return SearchFilter(label=self.label, camera=self.camera, metadata=self.metadata or None)
+        return SearchFilter(label=self.label, camera=self.camera, metadata=self.metadata)
 
 
 class ImageSearchForm(SearchForm):
@@ -437,8 +439,10 @@ class EvaluateUpload(EvaluateOptions):
             return value
         parts = [part.strip() for v in value for part in str(v).split(",") if part.strip()]
         for part in parts:
-            if not part.lstrip("+-").isdigit():
+            if not _INTEGER.fullmatch(part):
                 raise ValueError(f"{part[:40]!r} is not an integer")
+            if len(part) > 9:  # before int(): a 5000-digit "integer" is refused by int()
+                raise ValueError(f"k must be between 1 and {K_MAX}, got {part[:20]}...")
         return [int(part) for part in parts] or None
 
     @field_validator("compare", mode="before")
