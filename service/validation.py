@@ -1,4 +1,6 @@
-"""Validation at the edge: what a text, a number or a JSON form field may hold.
+"""Validation at the edge: what a text, a number or a JSON form field may hold, the errors
+that refuse a request, and reading a form body within its limits (:func:`read_form`; the
+fields are parsed by :mod:`service.forms`).
 
 Everything here runs before a value reaches the database, so that hostile-but-ordinary input
 gets a 422 with a message instead of a driver error (PostgreSQL refuses NUL in ``text`` and
@@ -86,38 +88,12 @@ def text_problem(value: str, *, allow_whitespace_controls: bool = False) -> str 
     return None
 
 
-def check_text(value: str, name: str, *, max_length: int | None = None) -> str:
-    """``value`` if it is storable text of at most ``max_length`` characters.
-
-    Raises:
-        InvalidRequest: naming ``name`` and the rule broken.
-    """
-    problem = text_problem(value)
-    if problem is None and max_length is not None and len(value) > max_length:
-        problem = f"is {len(value)} characters long; at most {max_length} are allowed"
-    if problem is not None:
-        raise InvalidRequest(f"{name}: {problem}")
-    return value
-
-
 def label_problem(value: str) -> str | None:
     """Why ``value`` is not a class or identity label (1 to ``LABEL_MAX`` characters of
     storable text), or ``None`` when it is one."""
     if not value.strip() or len(value) > LABEL_MAX:
         return f"a label is 1 to {LABEL_MAX} characters, not empty"
     return text_problem(value)
-
-
-def check_label(value: str, name: str) -> str:
-    """``value`` if it is a label (:func:`label_problem`).
-
-    Raises:
-        InvalidRequest: naming ``name`` and the rule broken.
-    """
-    problem = label_problem(value)
-    if problem is not None:
-        raise InvalidRequest(f"{name}: {problem}")
-    return value
 
 
 def _safe_text(value: str) -> str:
