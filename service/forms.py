@@ -134,14 +134,15 @@ async def open_form(
 
 def form_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The JSON schema of ``model`` as a multipart body: its fields (type, range,
-    description; no default, since a form has none to show) and the required ones."""
+    description; no default, since a form has none to show), the required ones, and no
+    others."""
     schema = model.model_json_schema()
     if "$defs" in schema:  # an inline schema: a nested model would need components
         raise TypeError(f"{model.__name__}: a form model holds no nested models")
     body: dict[str, Any] = {"type": "object", "properties": {
         name: {key: value for key, value in field.items() if key != "default"}
         for name, field in schema["properties"].items()
-    }}
+    }, "additionalProperties": False}  # unknown fields are refused
     if schema.get("required"):
         body["required"] = schema["required"]
     return body
