@@ -1,4 +1,4 @@
-"""The package boundaries of the contract, enforced by reading imports (ast), every file and
+"""The package boundaries, enforced by reading imports (ast), every file and
 every import (function-local ones included), with no exemption:
 
     imgret  <-  training
