@@ -882,3 +882,21 @@ def chunks(values: Sequence) -> Iterator[Sequence]:
 
 
 _chunks = chunks  # this module's own call sites
+
+
+def query_set_sizes(*, session: Session) -> list[tuple[str, int]]:
+    """Every stored query set's name and number of items, by name."""
+    rows = session.execute(
+        select(QuerySet.name, func.count(QueryItem.id))
+        .outerjoin(QueryItem, QueryItem.query_set_id == QuerySet.id)
+        .group_by(QuerySet.id, QuerySet.name).order_by(QuerySet.name)
+    )
+    return [(name, int(count)) for name, count in rows]
+
+
+def get_query_item(query_set: str, item_id: int, *, session: Session) -> QueryItem | None:
+    """Item ``item_id`` of the query set named ``query_set``, or ``None``."""
+    return session.scalar(
+        select(QueryItem).join(QuerySet, QuerySet.id == QueryItem.query_set_id)
+        .where(QuerySet.name == query_set, QueryItem.id == item_id)
+    )

@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the app's resources, one DB session per request, the API-key guard.
+"""FastAPI dependencies: the app's resources and settings, one DB session per request, the
+API-key guard.
 
 Dependencies that only read the app's state are ``async def``: FastAPI runs a plain ``def``
 dependency on a worker thread, and on the search path those hand-offs cost the event loop
@@ -13,11 +14,9 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, Security, status
 from fastapi.security import APIKeyHeader
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from imgret.embedder import Embedder
 from imgret.settings import Settings
-from index.search import Searcher
 from service.auth import API_KEY_HEADER, has_api_key
 from service.resources import Resources
 
@@ -34,29 +33,14 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-async def get_session_factory(resources: ResourcesDep) -> sessionmaker[Session]:
-    return resources.sessions
-
-
 def get_session(resources: ResourcesDep) -> Iterator[Session]:
     """One session per request; writes frame their own transaction (``session.begin()``)."""
     with resources.sessions() as session:
         yield session
 
 
-async def get_embedder(resources: ResourcesDep) -> Embedder:
-    return resources.embedder
-
-
-async def get_searcher(resources: ResourcesDep) -> Searcher:
-    return resources.searcher
-
-
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
-SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
-EmbedderDep = Annotated[Embedder, Depends(get_embedder)]
-SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 
 
 _API_KEY = APIKeyHeader(

@@ -1,7 +1,8 @@
 """Evaluations and comparisons of model versions inside the service: the glue between the
 process's open models and indexes (:class:`~service.resources.Resources`) and
-:mod:`index.evaluation`. Used by ``POST /evaluate`` and by the gate of
-``POST /models/{v}/activate``, so a refused switch shows the same numbers ``/evaluate`` does.
+:mod:`index.evaluation`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
+:func:`evaluate_uploaded`) and by the gate of ``POST /models/{v}/activate``, so a refused
+switch shows the same numbers ``/evaluate`` does.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from typing import Any
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError
 from imgret.images import DecodeLimits
-from index import evaluation, versions
+from index import evaluation, store, versions
 from index.search.rerank import Rerank
 from service.resources import Resources
+from service.validation import NotFound
 
 
 def embedder_or_none(resources: Resources, version: str) -> Embedder | None:
@@ -86,3 +88,61 @@ def evaluate_upload(
     )
     return evaluation.evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
                                worst=worst, rerank=rerank, session_factory=resources.sessions)
+
+
+def require_known(resources: Resources, *, query_set: str | None = None,
+                  model_versions: Sequence[str | None] = ()) -> None:
+    """Refuse, before any work, a query set or model version that was never stored.
+
+    Raises:
+        NotFound: naming it (and the stored versions).
+    """
+    with resources.sessions() as session:
+        known = {row.version for row in store.list_model_versions(session=session)}
+        for version in model_versions:
+            if version is not None and version not in known:
+                raise NotFound(
+                    f"unknown model version {version!r}; stored: {', '.join(sorted(known))}"
+                )
+        if query_set is None:
+            return
+        try:
+            store.load_query_set(query_set, session=session)
+        except GalleryError as exc:
+            raise NotFound(str(exc)) from None
+
+
+def evaluate_named(
+    resources: Resources, query_set: str, a: str, b: str | None = None, *,
+    k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
+    rerank: Rerank | None = None, rerank_compare: bool = False,
+) -> dict[str, Any]:
+    """``POST /evaluate`` with a named query set: version ``a`` alone, ``a`` against ``b``
+    (:func:`compare_named`), or ``a``'s plain search against its re-ranked one
+    (``rerank_compare``: :func:`compare_rerank`)."""
+    require_known(resources, query_set=query_set, model_versions=[a, b])
+    options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst)
+    if b is not None:
+        return compare_named(resources, a, b, query_set, rerank=rerank, **options)
+    if rerank_compare and rerank is not None:
+        return compare_rerank(resources, a, query_set, rerank, **options)
+    return evaluate_version(resources, query_set, a, rerank=rerank, **options).report
+
+
+def evaluate_uploaded(
+    resources: Resources, images: Sequence[bytes], labels: Sequence[str], *,
+    cameras: Sequence[int] | None = None, model_versions: Sequence[str] = (),
+    k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
+    rerank: Rerank | None = None,
+) -> dict[str, Any]:
+    """``POST /evaluate`` with uploaded queries: the served version (no ``model_versions``), one
+    version, or two compared on the same uploads (each embeds them with its own model)."""
+    require_known(resources, model_versions=model_versions)
+    results = [
+        evaluate_upload(resources, images, labels, cameras=cameras, version=version, k=k,
+                        exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank)
+        for version in (model_versions or [None])
+    ]
+    if len(results) == 1:
+        return results[0].report
+    return versions.comparison_report(*results)

@@ -1,13 +1,20 @@
-"""Pydantic models of the HTTP API: what the routers accept as JSON and what they return."""
+"""Pydantic models of the HTTP API: what the routers accept (JSON bodies, and multipart forms
+read by :mod:`service.forms`) and what they return.
+
+Models raise ``ValueError`` from their validators, as pydantic expects; the routes and
+:mod:`service.forms` turn the resulting ``ValidationError`` into a 422.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import HTTPException
+from fastapi import UploadFile
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -15,11 +22,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.dataclasses import dataclass as pydantic_dataclass
-from starlette.datastructures import FormData
 
-from index.backup import ADMIN_BACKUPS_DIR, BACKUP_NAME, BackupReport
 from index.evaluation import MIN_EFFECT
+from index.search import SearchFilter
 from index.search.rerank import (
     ALPHA_MAX,
     CANDIDATES_MAX,
@@ -29,10 +34,23 @@ from index.search.rerank import (
     rerank_options,
 )
 from service.limits import SEARCH_CANDIDATES_MAX
-from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, WholeNumber
+from service.validation import (
+    LABEL_MAX,
+    MODEL_VERSION_MAX,
+    NAME_MAX,
+    Camera,
+    JsonObject,
+    Label,
+    SafeText,
+    WholeNumber,
+    text_problem,
+    validation_message,
+)
 
 K_MAX = 1000
 WORST_MAX = 100
+ID_MAX = 2**63 - 1
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 class HealthStatus(BaseModel):
@@ -233,45 +251,99 @@ class SearchRerankRequest(RerankRequest):
                     "below rank N keep their order")
 
 
-def parse_rerank_fields(form: FormData,
-                        model: type[RerankRequest] = RerankRequest) -> Rerank | None:
-    """The ``rerank`` / ``rerank_*`` fields of a form (each sent at most once), checked by
-    ``model``'s :meth:`RerankRequest.parse`; 422 with the reason otherwise."""
-    values: dict[str, Any] = {}
-    for name in RERANK_FIELDS:
-        sent = form.getlist(name)
-        if len(sent) > 1:
-            raise HTTPException(422, f"{name} was sent more than once: send it once")
-        values[name] = str(sent[0]) if sent else None
-    try:
-        return model.parse(values)
-    except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
+class SearchForm(SearchRerankRequest):
+    """The options of ``/search`` and ``/search/batch`` (multipart): how many neighbours,
+    filters on them, and re-ranking (:class:`SearchRerankRequest`)."""
+
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); "
+                                                              "may also be sent as ?k=")
+    label: SafeText | None = Field(None, max_length=LABEL_MAX,
+                                   description="only items with this label")
+    camera: Camera | None = Field(None, description="only items from this camera")
+    metadata: JsonObject | None = Field(None, description='JSON object; only items whose '
+                                                          'metadata has these values, e.g. '
+                                                          '{"color": "red"}')
+
+    def filters(self) -> SearchFilter | None:
+        """The filter these fields name (``None``: every item)."""
+        if self.label is None and self.camera is None and not self.metadata:
+            return None
+        return SearchFilter(label=self.label, camera=self.camera, metadata=self.metadata)
 
 
-def form_field_schemas(model: type[BaseModel]) -> dict[str, dict[str, Any]]:
-    """Each field's JSON schema (type, range, description; no default): how a model's fields
-    appear in the OpenAPI document of a form that a route reads itself."""
-    return {name: {key: value for key, value in schema.items() if key != "default"}
-            for name, schema in model.model_json_schema()["properties"].items()}
+class ImageSearchForm(SearchForm):
+    """``POST /search``'s form: one query image, or the ``id`` of a gallery item."""
+
+    image: UploadFile | None = Field(None, description="the query image (or send `id` instead)")
+    id: WholeNumber | None = Field(None, ge=1, le=ID_MAX,
+                                   description="search with this gallery item's stored "
+                                               "embedding instead of an image (the item "
+                                               "itself is left out of the results)")
+
+    @model_validator(mode="after")
+    def _image_or_id(self) -> ImageSearchForm:
+        if (self.image is None) == (self.id is None):
+            raise ValueError("send exactly one of `image` (a file) or `id` (a gallery item)")
+        return self
 
 
-def validation_message(exc: Any) -> str:
-    """A pydantic ``ValidationError`` as one line: ``field: message; ...``."""
-    parts = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error["loc"])
-        message = str(error["msg"]).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
-    return "; ".join(parts)
+class BatchSearchForm(SearchForm):
+    """``POST /search/batch``'s form: several query images."""
+
+    images: list[UploadFile] = Field(description="query images (at most "
+                                                 "IMGRET_SEARCH_BATCH_MAX_FILES, default 32)")
 
 
-class EvaluateRequest(RerankRequest):
-    """``POST /evaluate`` as JSON: evaluate a named query set stored by ``imgret ingest``."""
+def _storable_file_name(upload: UploadFile) -> UploadFile:
+    # The client's file name is kept as a note (``source``): it must be storable text.
+    problem = text_problem(upload.filename) if upload.filename else None
+    if problem is not None:
+        raise ValueError(f"file name {problem}")
+    return upload
+
+
+def _count_problem(name: str, values: list[Any] | None, n: int) -> str | None:
+    if values is None or len(values) == n:
+        return None
+    return f"{len(values)} {name} for {n} images: send one {name[:-1]} per image, in order"
+
+
+class GalleryUpload(BaseModel):
+    """``POST /gallery``'s form: images, each with its label (and camera, metadata)."""
+
+    images: list[Annotated[UploadFile, AfterValidator(_storable_file_name)]] = Field(
+        description="image files, one per item")
+    labels: list[Label] = Field(description="one label per image, in order")
+    cameras: list[Camera] | None = Field(None, description="one camera id per image (re-ID "
+                                                           "data)")
+    metadata: list[JsonObject] | None = Field(
+        None, description="JSON objects: one per image, or one for all images")
+
+    @model_validator(mode="after")
+    def _one_per_image(self) -> GalleryUpload:
+        n = len(self.images)
+        problem = _count_problem("labels", self.labels, n) or _count_problem(
+            "cameras", self.cameras, n)
+        if problem is None and self.metadata and len(self.metadata) not in (1, n):
+            problem = (f"{len(self.metadata)} metadata fields for {n} images: send one per "
+                       "image or one for all")
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def metadata_per_image(self) -> list[dict[str, Any] | None]:
+        """One metadata object (or ``None``) per image, in order."""
+        if not self.metadata:
+            return [None] * len(self.images)
+        return self.metadata * len(self.images) if len(self.metadata) == 1 else self.metadata
+
+
+class EvaluateOptions(RerankRequest):
+    """The options of ``POST /evaluate``, the same in its JSON body (:class:`EvaluateRequest`)
+    and in its multipart form (:class:`EvaluateUpload`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
     k: list[int] | None = Field(
         default=None, min_length=1, max_length=20,
         description="cut-offs; default 1, 5, 10 (those not over the gallery size)",
@@ -283,10 +355,6 @@ class EvaluateRequest(RerankRequest):
         None, max_length=MODEL_VERSION_MAX,
         description="a stored model version (default: the served one)",
     )
-    compare_to: SafeText | None = Field(
-        None, max_length=MODEL_VERSION_MAX,
-        description="a second model version B: compare [model_version or the served one, B]",
-    )
     compare: list[Annotated[SafeText, Field(min_length=1, max_length=MODEL_VERSION_MAX)]] | None = (
         Field(
             None, min_length=2, max_length=2,
@@ -296,10 +364,6 @@ class EvaluateRequest(RerankRequest):
         )
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
-    rerank_compare: bool = Field(
-        False, description="with rerank: evaluate plain (A) and re-ranked (B) search on the "
-                           "same queries; both reports, B − A with paired 95% intervals "
-                           "(not with compare or compare_to)")
 
     @field_validator("k")
     @classmethod
@@ -307,7 +371,35 @@ class EvaluateRequest(RerankRequest):
         return None if value is None else check_ks(value)
 
     @model_validator(mode="after")
-    def _check_compare(self) -> EvaluateRequest:
+    def _check_compare(self) -> EvaluateOptions:
+        if self.compare is not None:
+            # The fields of this model that name a version besides ``compare``.
+            others = [name for name in ("model_version", "compare_to")
+                      if name in type(self).model_fields]
+            if any(getattr(self, name) is not None for name in others):
+                raise ValueError("compare names both versions: send it without "
+                                 f"{' and '.join(others)}")
+            if self.compare[0] == self.compare[1]:
+                raise ValueError(f"compare needs two different versions, got "
+                                 f"{self.compare[0]!r} twice")
+        return self
+
+
+class EvaluateRequest(EvaluateOptions):
+    """``POST /evaluate`` as JSON: evaluate a named query set stored by ``imgret ingest``."""
+
+    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
+    compare_to: SafeText | None = Field(
+        None, max_length=MODEL_VERSION_MAX,
+        description="a second model version B: compare [model_version or the served one, B]",
+    )
+    rerank_compare: bool = Field(
+        False, description="with rerank: evaluate plain (A) and re-ranked (B) search on the "
+                           "same queries; both reports, B − A with paired 95% intervals "
+                           "(not with compare or compare_to)")
+
+    @model_validator(mode="after")
+    def _check_rerank_compare(self) -> EvaluateRequest:
         if self.rerank_compare:
             if self.rerank is None:
                 raise ValueError("rerank_compare needs rerank (the re-ranking to compare "
@@ -315,13 +407,6 @@ class EvaluateRequest(RerankRequest):
             if self.compare is not None or self.compare_to is not None:
                 raise ValueError("rerank_compare compares one version's plain and re-ranked "
                                  "search: send it without compare and compare_to")
-        if self.compare is not None:
-            if self.model_version is not None or self.compare_to is not None:
-                raise ValueError("compare names both versions: send it without model_version "
-                                 "and compare_to")
-            if self.compare[0] == self.compare[1]:
-                raise ValueError(f"compare needs two different versions, got "
-                                 f"{self.compare[0]!r} twice")
         return self
 
     def versions(self, served: str) -> tuple[str, str | None]:
@@ -331,6 +416,57 @@ class EvaluateRequest(RerankRequest):
         if self.compare is not None:
             return self.compare[0], self.compare[1]
         return self.model_version or served, self.compare_to
+
+
+class EvaluateUpload(EvaluateOptions):
+    """``POST /evaluate`` as a multipart form: query images with their labels (and cameras),
+    embedded by the model of each version evaluated; the options and their checks are
+    :class:`EvaluateOptions`'."""
+
+    images: list[UploadFile] = Field(description="the query images, one file per query")
+    labels: list[Label] = Field(description="one label per image, in order")
+    cameras: list[Camera] | None = Field(None, description="one camera id per image")
+    k: list[int] | None = Field(
+        default=None, min_length=1, max_length=20,
+        description="cut-offs, repeated or as one comma-separated value; default 1, 5, 10",
+    )
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _split_k(cls, value: Any) -> Any:
+        """``k=1,5`` and ``k=1&k=5`` alike; blank parts are not cut-offs."""
+        if not isinstance(value, list):
+            return value
+        parts = [part.strip() for v in value for part in str(v).split(",") if part.strip()]
+        for part in parts:
+            if not _INTEGER.fullmatch(part):
+                raise ValueError(f"{part[:40]!r} is not an integer")
+            if len(part) > 9:  # before int(): a 5000-digit "integer" is refused by int()
+                raise ValueError(f"k must be between 1 and {K_MAX}, got {part[:20]}...")
+        return [int(part) for part in parts] or None
+
+    @field_validator("compare", mode="before")
+    @classmethod
+    def _two_versions(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) != 2:
+            raise ValueError("send two different model versions")
+        return value
+
+    @model_validator(mode="after")
+    def _one_per_image(self) -> EvaluateUpload:
+        n = len(self.images)
+        problem = _count_problem("labels", self.labels, n) or _count_problem(
+            "cameras", self.cameras, n)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def version_names(self) -> list[str]:
+        """The versions to evaluate: the two of ``compare``, ``model_version``, or none (the
+        served one)."""
+        if self.compare is not None:
+            return list(self.compare)
+        return [self.model_version] if self.model_version is not None else []
 
 
 def check_ks(values: list[int]) -> list[int]:
@@ -562,23 +698,3 @@ class QuerySetInfo(BaseModel):
 
 class QuerySetList(BaseModel):
     query_sets: list[QuerySetInfo]
-
-
-class BackupRequest(BaseModel):
-    """``POST /admin/backup``: what to call the backup (default ``imgret-<UTC time>``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str | None = Field(
-        None, pattern=BACKUP_NAME.pattern,
-        description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
-                    "digits, '.', '_' or '-', starting with a letter or digit",
-    )
-
-
-@pydantic_dataclass(frozen=True)
-class BackupCreated(BackupReport):
-    """A finished backup: what it holds (the fields of ``index.backup.BackupReport``, as
-    `imgret backup` reports them), its ``name``, and its ``path`` relative to the data dir."""
-
-    name: str

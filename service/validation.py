@@ -1,4 +1,6 @@
-"""Validation at the edge: what a text, a number or a JSON form field may hold.
+"""Validation at the edge: what a text, a number or a JSON form field may hold, the errors
+that refuse a request, and reading a form body within its limits (:func:`read_form`; the
+fields are parsed by :mod:`service.forms`).
 
 Everything here runs before a value reaches the database, so that hostile-but-ordinary input
 gets a 422 with a message instead of a driver error (PostgreSQL refuses NUL in ``text`` and
@@ -7,20 +9,22 @@ recurses once per nesting level and refuses integers of more than 4300 digits wi
 ``ValueError``). Database errors that still happen are mapped in one place,
 :mod:`service.errors`.
 
-Rules (the contract is silent; these are the service's decisions):
+Rules (the service's decisions):
 
 * **Text** (labels, file names, query-set names, model versions, filter values): no control
   characters (U+0000..U+001F, U+007F) and no lone surrogates (a client can produce them
   through ``\\ud800`` JSON escapes or a multipart ``charset=utf-7``).
 * **Cameras** fit the 32-bit ``camera`` column and are not negative: 0..2**31-1.
-* **Form fields**: a field the endpoint does not know is refused (a typo such as ``camera``
-  for ``cameras`` would otherwise be dropped in silence), and so is a second value of a
-  field that takes one (``k``, ``label``, ...: which one should win?).
+* **Form fields**: see :mod:`service.forms` (unknown and repeated fields are refused).
 * **JSON objects in form fields** (``metadata``): at most :data:`JSON_MAX_CHARS` characters
   and :data:`JSON_MAX_DEPTH` levels of nesting; numbers are finite (no ``NaN``,
   ``Infinity``, ``1e400``) and integers fit in 64 bits; keys are 1..255 characters without
   control characters; string values may hold tabs and newlines but no other control
   character.
+
+A refusal is an :class:`InvalidRequest` (422), :class:`PayloadTooLarge` (413),
+:class:`MalformedBody` (400) or :class:`NotFound` (404): domain errors that
+:mod:`service.errors` answers, so the code that refuses needs no HTTP.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import HTTPException, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, PlainValidator, ValidationError
 from starlette.datastructures import FormData
+
+from imgret.errors import ImgretError
 
 LABEL_MAX = 255
 NAME_MAX = 255
@@ -53,6 +59,22 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 SAFE_TEXT_PATTERN = r"^[^\x00-\x1F\x7F]*$"
 
 
+class InvalidRequest(ImgretError, ValueError):
+    """A field, a form or a value the service refuses (422); the message names the field."""
+
+
+class PayloadTooLarge(ImgretError, ValueError):
+    """More files, fields or bytes than the limits allow (413); the message names the setting."""
+
+
+class MalformedBody(ImgretError, ValueError):
+    """A body that cannot be parsed as the form it claims to be (400)."""
+
+
+class NotFound(ImgretError, LookupError):
+    """Something the request names (an item, a query set, a stored image) is not there (404)."""
+
+
 def text_problem(value: str, *, allow_whitespace_controls: bool = False) -> str | None:
     """Why ``value`` may not be stored as text, or ``None`` when it may."""
     control = _CONTROL_BUT_WHITESPACE if allow_whitespace_controls else _CONTROL
@@ -66,25 +88,23 @@ def text_problem(value: str, *, allow_whitespace_controls: bool = False) -> str 
     return None
 
 
-def check_text(value: str, name: str, *, max_length: int | None = None) -> str:
-    """``value`` if it is storable text of at most ``max_length`` characters; 422 otherwise."""
-    problem = text_problem(value)
-    if problem is None and max_length is not None and len(value) > max_length:
-        problem = f"is {len(value)} characters long; at most {max_length} are allowed"
-    if problem is not None:
-        raise HTTPException(422, f"{name}: {problem}")
-    return value
-
-
-def check_label(value: str, name: str) -> str:
-    """A class or identity label: 1 to ``LABEL_MAX`` characters of storable text; 422 else."""
+def label_problem(value: str) -> str | None:
+    """Why ``value`` is not a class or identity label (1 to ``LABEL_MAX`` characters of
+    storable text), or ``None`` when it is one."""
     if not value.strip() or len(value) > LABEL_MAX:
-        raise HTTPException(422, f"{name}: a label is 1 to {LABEL_MAX} characters, not empty")
-    return check_text(value, name)
+        return f"a label is 1 to {LABEL_MAX} characters, not empty"
+    return text_problem(value)
 
 
 def _safe_text(value: str) -> str:
     problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def _label(value: str) -> str:
+    problem = label_problem(value)
     if problem is not None:
         raise ValueError(problem)
     return value
@@ -101,44 +121,62 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
+def _json_object_text(value: Any) -> dict[str, Any]:
+    if not isinstance(value, str):
+        raise ValueError("expected a JSON object as text")
+    return load_json_object(value)
+
+
 # Parameter and schema types (FastAPI and pydantic report their failures as 422).
 SafeText = Annotated[str, AfterValidator(_safe_text)]
+Label = Annotated[str, AfterValidator(_label)]
 # An integer given as an integer or as decimal digits; not "2.0", "1e3", "0x10" or "1_000".
 WholeNumber = Annotated[int, BeforeValidator(_whole_number)]
 Camera = Annotated[
     int, Field(ge=0, le=CAMERA_MAX, description="camera id (0..2**31-1, re-ID data)")
 ]
+# A form field holding a JSON object, within the rules above; parsed to a dict.
+JsonObject = Annotated[dict[str, Any], PlainValidator(_json_object_text,
+                                                      json_schema_input_type=str)]
 
 
-def parse_json_object(value: str, name: str) -> dict[str, Any]:
-    """A form field holding a JSON object (``{"color": "red"}``), within the rules above.
+def load_json_object(value: str) -> dict[str, Any]:
+    """The JSON object that ``value`` holds (``{"color": "red"}``), within the rules above.
 
     Raises:
-        HTTPException: 422 naming the field and the rule broken.
+        ValueError: the rule broken (the caller names the field).
     """
     if len(value) > JSON_MAX_CHARS:
-        raise HTTPException(
-            422, f"{name}: {len(value)} characters of JSON; at most {JSON_MAX_CHARS} are allowed"
-        )
+        raise ValueError(f"{len(value)} characters of JSON; at most {JSON_MAX_CHARS} are allowed")
     depth = _max_depth(value)
     if depth > JSON_MAX_DEPTH:
-        raise HTTPException(
-            422, f"{name}: JSON nested {depth} levels deep; at most {JSON_MAX_DEPTH} are allowed"
-        )
+        raise ValueError(f"JSON nested {depth} levels deep; at most {JSON_MAX_DEPTH} are allowed")
     try:
         parsed = json.loads(value, parse_constant=_refuse_constant, parse_int=_bounded_int,
                             parse_float=_finite_float)
     except _JsonRule as exc:
-        raise HTTPException(422, f"{name}: {exc}") from None
+        raise ValueError(str(exc)) from None
     except (json.JSONDecodeError, RecursionError) as exc:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "too deeply nested"
-        raise HTTPException(422, f"{name}: not valid JSON ({reason})") from None
+        raise ValueError(f"not valid JSON ({reason})") from None
     if not isinstance(parsed, dict):
-        raise HTTPException(422, f"{name}: expected a JSON object like {{\"key\": \"value\"}}")
+        raise ValueError("expected a JSON object like {\"key\": \"value\"}")
     problem = _json_problem(parsed, "")
     if problem is not None:
-        raise HTTPException(422, f"{name}: {problem}")
+        raise ValueError(problem)
     return parsed
+
+
+def parse_json_object(value: str, name: str) -> dict[str, Any]:
+    """:func:`load_json_object` for the field ``name``.
+
+    Raises:
+        InvalidRequest: naming the field and the rule broken.
+    """
+    try:
+        return load_json_object(value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{name}: {exc}") from None
 
 
 class _JsonRule(ValueError):
@@ -210,40 +248,6 @@ def _json_problem(value: Any, path: str) -> str | None:
     return None
 
 
-def check_form_fields(form: FormData, *, known: Iterable[str], single: Iterable[str] = ()) -> None:
-    """Refuse unknown and repeated form fields with 422.
-
-    Args:
-        known: every field name the endpoint reads.
-        single: the names that take one value.
-    """
-    unknown = sorted(set(form.keys()) - set(known))
-    if unknown:
-        shown = [name[:40] for name in unknown[:5]]
-        raise HTTPException(
-            422, f"unknown form fields {shown}; this endpoint reads {sorted(known)}"
-        )
-    repeated = [name for name in single if len(form.getlist(name)) > 1]
-    if repeated:
-        raise HTTPException(422, f"{repeated[0]} was sent more than once: send it once")
-
-
-def form_fields(
-    *, known: Iterable[str], single: Iterable[str] = ()
-) -> Callable[[Request], Awaitable[None]]:
-    """:func:`check_form_fields` as a dependency of a route whose form FastAPI parses.
-
-    FastAPI has parsed the form before dependencies run; ``request.form()`` returns that
-    parsed form again (nothing is read twice).
-    """
-    known, single = frozenset(known), tuple(single)
-
-    async def form_fields_dependency(request: Request) -> None:
-        check_form_fields(await request.form(), known=known, single=single)
-
-    return form_fields_dependency
-
-
 @contextlib.asynccontextmanager
 async def read_form(
     request: Request, *, max_files: int = 1000, max_fields: int = 1000,
@@ -252,21 +256,37 @@ async def read_form(
     """The multipart (or urlencoded) form of a route that reads its body itself, closed (its
     spooled files removed) on exit.
 
-    Parsing failures are the client's: a malformed body is a 400 naming the problem, and more
-    than ``max_files`` files a 413 saying ``too_many_files`` when given (a 400 otherwise, as
-    FastAPI answers for declared forms; the defaults are Starlette's and FastAPI's).
+    Parsing failures are the client's: a malformed body is a :class:`MalformedBody` (400)
+    naming the problem, and more than ``max_files`` files a :class:`PayloadTooLarge` (413)
+    saying ``too_many_files`` when given (a 400 otherwise, as FastAPI answers for declared
+    forms; the defaults are Starlette's and FastAPI's).
     """
     try:
         form = await request.form(max_files=max_files, max_fields=max_fields)
     except Exception as exc:  # starlette's MultiPartException (as a 400) and parser errors
         message = str(getattr(exc, "detail", exc))
         if too_many_files is not None and "Too many files" in message:
-            raise HTTPException(413, too_many_files) from None
-        raise HTTPException(400, f"malformed multipart body: {message}") from None
+            raise PayloadTooLarge(too_many_files) from None
+        raise MalformedBody(f"malformed multipart body: {message}") from None
     try:
         yield form
     finally:
         await form.close()
+
+
+def validation_message(exc: ValidationError) -> str:
+    """A pydantic ``ValidationError`` as one line: ``field: message; ...`` (list positions as
+    ``labels[1]``). No value sent is echoed: a value too long is described by its length."""
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                        for part in error["loc"]).lstrip(".")
+        message = str(error["msg"]).removeprefix("Value error, ")
+        sent = error.get("input")
+        if error["type"] in ("string_too_long", "too_long") and isinstance(sent, str | list):
+            message += f" ({len(sent)} {'characters' if isinstance(sent, str) else 'values'} sent)"
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
 
 
 def request_validation_error(exc: ValidationError, where: str) -> RequestValidationError:

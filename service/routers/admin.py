@@ -22,21 +22,44 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, HTTPException, status
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from index.backup import (
     ADMIN_BACKUPS_DIR,
+    BACKUP_NAME,
     BackupExists,
     BackupNoSpace,
+    BackupReport,
     admin_backup_path,
     create_backup,
     prune_backups,
 )
 from service.deps import ResourcesDep, require_api_key
-from service.schemas import BackupCreated, BackupRequest
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_api_key)])
 
 _RUNNING = threading.Lock()
+
+
+class BackupRequest(BaseModel):
+    """``POST /admin/backup``: what to call the backup (default ``imgret-<UTC time>``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None, pattern=BACKUP_NAME.pattern,
+        description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
+                    "digits, '.', '_' or '-', starting with a letter or digit",
+    )
+
+
+@pydantic_dataclass(frozen=True)
+class BackupCreated(BackupReport):
+    """A finished backup: what it holds (the fields of ``index.backup.BackupReport``, as
+    `imgret backup` reports them), its ``name``, and its ``path`` relative to the data dir."""
+
+    name: str
 
 
 @router.post(

@@ -1,56 +1,51 @@
-"""/search and /search/batch: query images in, ranked gallery items out (dynamically batched)."""
+"""/search and /search/batch: query images in, ranked gallery items out (dynamically batched).
+
+The path of a search, from this router to FAISS:
+
+1. the form (:mod:`service.forms`, :class:`~service.schemas.ImageSearchForm`) and the
+   request's budget (:mod:`service.limits`) are checked on the event loop;
+2. the query (:class:`~service.pipeline.ImageQuery`, or an
+   :class:`~service.pipeline.ItemQuery` built by :func:`service.gallery.search_by_id`) waits
+   in the batcher's queue (:mod:`service.batching`), which runs whole batches off the loop;
+3. each batch goes through the :class:`~service.pipeline.SearchPipeline`: decode, embed with
+   the served model, rank in that version's :class:`~index.search.Searcher` (FAISS and the
+   filters); a re-ranked query is finished on the batcher's re-ranking pool
+   (:mod:`index.search.rerank`);
+4. the hits come back here with their labels from the answering index's own map.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
-import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
-from starlette.datastructures import FormData, UploadFile
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
-from index import store
-from index.search import SearchFilter
-from index.search.rerank import Rerank
+from service import gallery
 from service.deps import ResourcesDep
+from service.forms import form_body, open_form
 from service.limits import check_search_budget
-from service.pipeline import Answer, ImageQuery, ItemQuery, Serving
-from service.resources import Resources
-from service.routers.gallery import image_uri
+from service.pipeline import Answer, ImageQuery
 from service.schemas import (
     K_MAX,
-    RERANK_FIELDS,
+    BatchSearchForm,
+    ImageSearchForm,
     SearchBatchResponse,
+    SearchForm,
     SearchHit,
-    SearchRerankRequest,
     SearchResponse,
-    form_field_schemas,
-    parse_rerank_fields,
 )
-from service.validation import (
-    LABEL_MAX,
-    Camera,
-    SafeText,
-    WholeNumber,
-    check_form_fields,
-    parse_json_object,
-    read_form,
-    request_validation_error,
-)
+from service.validation import InvalidRequest, WholeNumber, request_validation_error
 
 router = APIRouter(prefix="/search", tags=["search"])
 
 K_DEFAULT = 10
-ID_MAX = 2**63 - 1
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "a malformed multipart body"},
     413: {"description": "upload, image, file count or decoded pixels over the limits"},
     422: {"description": "not an image, invalid options, or a request over the search "
@@ -60,109 +55,25 @@ _ERRORS = {
 }
 
 
-class SearchFields(BaseModel):
-    """The option fields of ``/search`` and ``/search/batch`` besides re-ranking (which is
-    :class:`~service.schemas.SearchRerankRequest`'s)."""
-
-    k: WholeNumber | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); may "
-                                                              "also be sent as ?k=")
-    label: SafeText | None = Field(None, max_length=LABEL_MAX,
-                                   description="only items with this label")
-    camera: Camera | None = Field(None, description="only items from this camera")
-    metadata: str | None = Field(None, description='JSON object; only items whose metadata '
-                                                    'has these values, e.g. {"color": "red"}')
-
-
-class ItemSearchFields(SearchFields):
-    """``/search``'s fields: the options and the ``id`` of a gallery item to search with."""
-
-    id: WholeNumber | None = Field(None, ge=1, le=ID_MAX,
-                           description="search with this gallery item's stored embedding "
-                                       "instead of an image (the item itself is left out of "
-                                       "the results)")
-
-
 class _QueryK(BaseModel):
     k: WholeNumber | None = Field(None, ge=1, le=K_MAX)
 
 
-@dataclass(frozen=True)
-class SearchOptions:
-    """What every search request may say besides its images."""
-
-    k: int
-    filters: SearchFilter | None
-    rerank: Rerank | None = None
-
-
-@dataclass(frozen=True)
-class SearchForm:
-    """A parsed search form: its files (in order), the ``id`` (``/search`` only) and the
-    options."""
-
-    files: list[UploadFile]
-    item_id: int | None
-    options: SearchOptions
-
-
-def read_search_form(
-    request: Request, form: FormData, *, files_field: str, fields: type[SearchFields]
-) -> SearchForm:
-    """Check and parse a search form with one model per part, on the event loop.
-
-    The routes read the multipart body themselves instead of declaring one FastAPI parameter
-    per field: FastAPI's per-field form handling and dependency solving were 54% of the
-    event loop's time per ``/search`` request (cProfile under load, issue 14). The rules are
-    the same as a declared form's: unknown and repeated fields are refused, blank fields
-    count as not sent, and invalid values get FastAPI's own 422 (``loc`` ``body``/``query``).
-    """
-    single = (*fields.model_fields, *RERANK_FIELDS)
-    check_form_fields(form, known=(files_field, *single), single=single)
-    values: dict[str, str] = {}
-    for name in fields.model_fields:
-        value = form.get(name)
-        if isinstance(value, UploadFile):
-            raise HTTPException(422, f"{name}: send a text field, not a file")
-        if value:  # blank is "not sent", as for a declared form field
-            values[name] = value
-    files = form.getlist(files_field)
-    if any(not isinstance(file, UploadFile) for file in files):
-        raise HTTPException(422, f"{files_field}: send a file, not a text field")
-    try:
-        parsed = fields.model_validate(values)
-    except ValidationError as exc:
-        raise request_validation_error(exc, "body") from None
+def _k(request: Request, form: SearchForm) -> int:
+    """``k`` from the form or the query string (``?k=``; both: they must agree)."""
     try:
         k_query = _QueryK.model_validate({"k": request.query_params.get("k")}).k
     except ValidationError as exc:
         raise request_validation_error(exc, "query") from None
-    rerank = parse_rerank_fields(form, SearchRerankRequest)
-    if parsed.k is not None and k_query is not None and parsed.k != k_query:
-        raise HTTPException(422, f"k is {parsed.k} in the form but {k_query} in the query string")
-    k = parsed.k if parsed.k is not None else k_query if k_query is not None else K_DEFAULT
-    meta = parse_json_object(parsed.metadata, "metadata") if parsed.metadata else None
-    filters = None
-    if parsed.label is not None or parsed.camera is not None or meta:
-        filters = SearchFilter(label=parsed.label, camera=parsed.camera, metadata=meta)
-    return SearchForm(files, getattr(parsed, "id", None), SearchOptions(k, filters, rerank))
-
-
-def _form_body(fields: type[SearchFields], files: dict[str, Any]) -> dict[str, Any]:
-    """The documented multipart body of a search route (FastAPI cannot see the fields of a
-    form the route reads itself)."""
-    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object",
-        "properties": {**files, **form_field_schemas(fields),
-                       **form_field_schemas(SearchRerankRequest)},
-    }}}}}
+    if form.k is not None and k_query is not None and form.k != k_query:
+        raise InvalidRequest(f"k is {form.k} in the form but {k_query} in the query string")
+    return form.k if form.k is not None else k_query if k_query is not None else K_DEFAULT
 
 
 @router.post(
     "",
     responses={**_ERRORS, 404: {"description": "no live item with that id"}},
-    openapi_extra=_form_body(ItemSearchFields, {"image": {
-        "type": "string", "format": "binary",
-        "description": "the query image (or send `id` instead)"}}),
+    openapi_extra=form_body(ImageSearchForm),
 )
 async def search_images(request: Request, resources: ResourcesDep) -> SearchResponse:
     """The ``k`` gallery items most similar to one image, best first.
@@ -177,22 +88,15 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     index ranked it (always the same one).
     """
     start = time.perf_counter()
-    async with read_form(request) as form:
-        search = read_search_form(request, form, files_field="image", fields=ItemSearchFields)
-        if (search.item_id is None) == (len(search.files) == 0):
-            raise HTTPException(
-                422, "send exactly one of `image` (a file) or `id` (a gallery item)")
-        check_search_budget(search.options.k, [search.options.rerank])
-        if search.item_id is not None:
-            # Queued and batched like an image: the same queue, its limit and its 503s.
-            answer = await resources.batcher.submit(
-                _item_query(resources, search.item_id, search.options))
+    async with open_form(request, ImageSearchForm) as form:
+        k, filters, rerank = _k(request, form), form.filters(), form.rerank_option()
+        check_search_budget(k, [rerank])
+        if form.id is not None:
+            answer = await gallery.search_by_id(resources, form.id, k, filters, rerank)
         else:
-            if len(search.files) != 1:
-                raise HTTPException(
-                    422, "send exactly one `image` file (use /search/batch for more)")
-            data = await search.files[0].read()
-            answer = await resources.batcher.submit(_image_query(data, search.options))
+            assert form.image is not None  # the form holds exactly one of them
+            query = ImageQuery(await form.image.read(), k, filters, rerank=rerank)
+            answer = await resources.batcher.submit(query)
     return SearchResponse(
         results=_public_hits(answer),
         took_ms=round((time.perf_counter() - start) * 1000, 3),
@@ -200,42 +104,7 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     )
 
 
-def _item_query(resources: Resources, item_id: int, options: SearchOptions) -> ItemQuery:
-    """The pipeline's query for a stored item: its vector, the item itself left out."""
-    base = options.filters or SearchFilter()
-    flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
-    return ItemQuery(item_id, functools.partial(_stored_vector, resources, item_id),
-                     options.k, flt, rerank=options.rerank)
-
-
-def _stored_vector(resources: Resources, item_id: int, serving: Serving) -> np.ndarray:
-    """The item's stored ``(d,)`` vector for ``serving``'s version (the batch's: the vector
-    and the index of one version); 404 / 409 when there is none."""
-    with resources.sessions() as session:
-        version = store.get_model_version(session=session, version=serving.version)
-        if store.get_item(item_id, session=session) is None:
-            raise HTTPException(404, f"gallery item {item_id} does not exist or was deleted")
-        page = store.fetch_vectors([item_id], session=session, model_version=version)
-    if len(page.ids) == 0:
-        raise HTTPException(
-            409, f"gallery item {item_id} has no embedding for model version {serving.version} "
-                 "yet; retry shortly"
-        )
-    return page.vectors[0]
-
-
-def _image_query(data: bytes, options: SearchOptions) -> ImageQuery:
-    """The pipeline's query for an uploaded image."""
-    return ImageQuery(data, options.k, options.filters, rerank=options.rerank)
-
-
-@router.post(
-    "/batch",
-    responses=_ERRORS,
-    openapi_extra=_form_body(SearchFields, {"images": {
-        "type": "array", "items": {"type": "string", "format": "binary"},
-        "description": "query images (at most IMGRET_SEARCH_BATCH_MAX_FILES, default 32)"}}),
-)
+@router.post("/batch", responses=_ERRORS, openapi_extra=form_body(BatchSearchForm))
 async def search_images_batch(request: Request, resources: ResourcesDep) -> SearchBatchResponse:
     """The neighbours of several images, in request order (each list best first).
 
@@ -247,18 +116,14 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     """
     start = time.perf_counter()
     settings = resources.settings
-    async with read_form(request) as form:
-        search = read_search_form(request, form, files_field="images", fields=SearchFields)
-        images, options = search.files, search.options
-        if not images:
-            raise HTTPException(422, "send at least one `images` file")
-        if len(images) > settings.search_batch_max_files:
-            raise HTTPException(
-                413, f"{len(images)} images: send at most {settings.search_batch_max_files} "
-                     "per request (IMGRET_SEARCH_BATCH_MAX_FILES)"
-            )
-        check_search_budget(options.k, [options.rerank] * len(images))
-        blobs = [await upload.read() for upload in images]
+    max_files = settings.search_batch_max_files
+    too_many = (f"too many images: send at most {max_files} per request "
+                "(IMGRET_SEARCH_BATCH_MAX_FILES)")
+    async with open_form(request, BatchSearchForm, max_files=max_files,
+                         too_many_files=too_many) as form:
+        k, filters, rerank = _k(request, form), form.filters(), form.rerank_option()
+        check_search_budget(k, [rerank] * len(form.images))
+        blobs = [await upload.read() for upload in form.images]
     # Headers only, off the event loop: the whole request is priced before decoding starts.
     await anyio.to_thread.run_sync(
         lambda: check_request_pixels(
@@ -266,7 +131,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
             limits=DecodeLimits.from_settings(settings),
         )
     )
-    queries = [_image_query(data, options) for data in blobs]
+    queries = [ImageQuery(data, k, filters, rerank=rerank) for data in blobs]
     results = await resources.batcher.submit_many(queries, return_exceptions=True)
     answers: list[Answer] = []
     for position, result in enumerate(results):
@@ -302,7 +167,7 @@ def _public_hits(answer: Answer) -> list[SearchHit]:
         public.append(
             SearchHit(
                 id=hit.id, score=hit.score, label=info.label, camera=info.camera,
-                uri=image_uri(hit.id), metadata=dict(info.metadata or {}),
+                uri=gallery.image_uri(hit.id), metadata=dict(info.metadata or {}),
             )
         )
     return public

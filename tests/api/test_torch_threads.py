@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import service.app
+import service.evaluations
+import service.gallery
 import service.resources
-import service.routers.evaluate
-import service.routers.gallery
 from imgret.metrics import retrieval_metrics
 from imgret.process import in_own_thread
 from tests.api.conftest import add_gallery, png
@@ -42,8 +42,8 @@ def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
     make_local_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for module, name in [(service.app, "load_resources"),
-                         (service.routers.gallery, "add_items"),
-                         (service.routers.evaluate, "_evaluate_upload"),
+                         (service.gallery, "add_items"),
+                         (service.evaluations, "evaluate_uploaded"),
                          (service.resources.versions, "load_embedder")]:
         monkeypatch.setattr(module, name, _parallel_torch_first(getattr(module, name)))
     with torch_threads(2):

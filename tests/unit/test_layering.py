@@ -1,4 +1,4 @@
-"""The package boundaries of the contract, enforced by reading imports (ast), every file and
+"""The package boundaries, enforced by reading imports (ast), every file and
 every import (function-local ones included), with no exemption:
 
     imgret  <-  training
@@ -63,3 +63,15 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return import_graph.cycles(graph)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "service" / "routers").glob("[!_]*.py")),
+                         ids=lambda path: path.stem)
+def test_routers_only_translate_http(path: Path) -> None:
+    """A router imports no other router and writes no SQL: the work is a service module's
+    (``service.gallery``, ``service.evaluations``), the SQL ``index.store``'s."""
+    names = _imported(path)
+    routers = {name for name in names if name.startswith("service.routers.")}
+    sql = {name for name in names if name.split(".")[0] == "sqlalchemy" or name == "index.store"}
+    assert not routers, f"{path.name} imports routers {sorted(routers)}"
+    assert not sql, f"{path.name} imports {sorted(sql)}"
