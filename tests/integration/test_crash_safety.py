@@ -331,10 +331,13 @@ import os, sys, time
 from pathlib import Path
 marker, point = Path(sys.argv[1]), sys.argv[2]
 target = {"index-file": "index.faiss", "manifest": "manifest.json"}[point]
+real_replace = os.replace
 def stop_before(real):
     def rename(src, dst, *args, **kwargs):
         if Path(dst).name == target:
-            marker.write_text(str(src))
+            # The marker appears whole (the test reads it as soon as it exists).
+            Path(f"{marker}.tmp").write_text(str(src))
+            real_replace(f"{marker}.tmp", marker)
             time.sleep(600)
         return real(src, dst, *args, **kwargs)
     return rename

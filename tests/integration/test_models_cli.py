@@ -136,7 +136,7 @@ def test_evaluate_rerank_is_the_endpoints_report_and_not_recorded(
     (["--rerank", "k_reciprocal", "--rerank-lambda", "1.5"],
      "error: --rerank-lambda: Input should be less than or equal to 1"),
     (["--rerank", "k_reciprocal", "--rerank-k1", "abc"],
-     "error: --rerank-k1: Input should be a valid integer"),
+     "error: --rerank-k1: must be a whole number written with digits only"),
     (["--rerank", "k_reciprocal", "--rerank-top-m", "3"],
      "error: --rerank-top-m: a parameter of --rerank=query_expansion"),
     (["--rerank-alpha", "1"], "error: --rerank-alpha: re-ranking parameters need --rerank="),
