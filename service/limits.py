@@ -80,7 +80,7 @@ class UploadLimitMiddleware:
       is cut off at the first chunk past the limit.
 
     Starlette's ``RequestBodyLimitMiddleware`` only looks at the first ``receive`` and answers in
-    plain text; the contract wants FastAPI's JSON error shape with the limit in the message.
+    plain text; the API answers in FastAPI's JSON error shape with the limit in the message.
     A pure ASGI class (not ``BaseHTTPMiddleware``) keeps streaming intact.
 
     Args:

@@ -55,8 +55,8 @@ _QUERY_BLOCK = 256
 _GALLERY_BLOCK = 16_384
 _SCORE_BLOCK = 4 * 1024 * 1024
 # Each searching thread keeps the buffer its products are written into (at most _SCORE_BLOCK
-# floats, 16 MiB): a fresh one per search paid its page faults every time, ~6 % of a single
-# query over 100k vectors (1.21 -> 1.15 ms here).
+# floats, 16 MiB): a fresh one per search would pay its page faults every time, a few percent
+# of a single query over 100k vectors.
 _scratch = threading.local()
 # The "something more urgent is running" test of a thread that searches in the background
 # (:func:`yielding_to`), per thread.
