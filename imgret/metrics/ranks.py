@@ -76,9 +76,8 @@ def exact_ranks(
     n_g = g.shape[0]
     chunk = min(chunk_size, len(evaluated))
     # Allocated by torch: 64-byte aligned, where NumPy's large arrays start 16 bytes past a
-    # page. torch.mm writing into a misaligned out= buffer took 1.13-1.19 s for the 20k x 20k
-    # benchmark's chunks against 0.82-0.87 s aligned (AMD Zen 3, 2 cores): a third of the
-    # product, which the ranks' ratio to the chunked product counted as overhead.
+    # page, and torch.mm writing into a misaligned out= buffer is about a third slower
+    # (docs/metrics_bench.md).
     buf = torch.empty((chunk, n_g), dtype=torch.float32).numpy()
     for lo in range(0, len(evaluated), chunk):
         qs = evaluated[lo : lo + chunk]
@@ -110,7 +109,7 @@ LANES = 16
 CELLS_PER_ITEM = 8
 WAYS = 2
 # The histograms count in uint16 (two ways of a 1,600-cell histogram fit in 6.4 KB of L1,
-# against 25 KB for four ways of int32: -15 % kernel time on the benchmark, AMD Zen 4) and
+# against 25 KB for four ways of int32, most of L1d beside the streaming score row) and
 # are added into int64 totals every FLUSH_BLOCKS blocks, before any count can pass 65,535
 # (a way gains at most BLOCK per block).
 FLUSH_BLOCKS = 65535 // BLOCK
