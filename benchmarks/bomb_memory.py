@@ -1,4 +1,4 @@
-"""Peak memory of a real server under a flood of decompression-ratio bombs (issue 10, defect 4).
+"""Peak memory of a real server under a flood of decompression-ratio bombs.
 
     python benchmarks/bomb_memory.py [--seconds 30] [--clients 6] [--model PATH]
                                      [--endpoints search,batch,evaluate,gallery]
@@ -34,9 +34,9 @@ largest batch); each upload request in flight holds at most one chunk of model i
 images, the uploads themselves). So:
 ``bound = idle after warm-up + IMGRET_DECODE_MEMORY_MB + clients x one chunk of model inputs
 + 256 MiB`` (threads' stacks, allocator slack). The server runs with ``MALLOC_ARENA_MAX=2``,
-as the Docker image does. Before the fix the same flood made the server hold every
-decoded image of a request at once, at full size and then as float tensors: 8 bombs in one
-/search/batch request were over 8 x 1 GB, times the concurrent requests.
+as the Docker image does. Without the budget a server would hold every decoded image of a
+request at once, at full size and then as float tensors: 8 bombs in one /search/batch
+request would be over 8 x 1 GB, times the concurrent requests.
 
 This imports no test code (benchmarks never do): the few lines that start a server and make
 images are here.

@@ -1,6 +1,6 @@
 """GPU figures against the device's own ceilings, measured in the same run; markdown tables.
 
-Four parts (issue 14, item 5), each beside its floor or peer:
+Four parts, each beside its floor or peer:
 
 1. **Ceilings** of this device, measured first: dense bf16, TF32 and strict fp32 matrix
    products (8192³) and the copy and read bandwidth of a 4 GiB buffer. Datasheets are not

@@ -47,12 +47,12 @@ rates.
 Each round also times what a new media file costs in the work dir (``MediaStore.stage`` of
 256 new keys into a fresh store: a fan-out folder and a file each, as in a fresh ingest) and
 prints it under the table: the media-files backend's ratio follows it. On an ext4 file system
-without a journal (this project's VMs) creating a file in a block group where many files were
-deleted in the last 5-300 s costs 10-30 times more (the kernel skips each recently deleted
-inode when it allocates one: ``recently_deleted`` in a profile), so the work dir matters:
-everything goes under ``TMPDIR`` (default ``/tmp``), and a folder where nothing was deleted
-in the last minutes (not one a test suite or an earlier run just cleaned up) measures the
-backend rather than that leftover.
+without a journal (as on the machines in docs/ingest_bench.md) creating a file in a block group
+where many files were deleted in the last 5-300 s costs 10-30 times more (the kernel skips each
+recently deleted inode when it allocates one: ``recently_deleted`` in a profile), so the work
+dir matters: everything goes under ``TMPDIR`` (default ``/tmp``), and a folder where nothing was
+deleted in the last minutes (not one a test suite or an earlier run just cleaned up) measures
+the backend rather than that leftover.
 Run it against an older tree by copying this file into that tree's ``benchmarks/`` (it
 imports the tree it sits in); there the pooled floor is skipped.
 """

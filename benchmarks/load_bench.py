@@ -10,7 +10,7 @@ What it does, in one run (loopback only; every load level is bounded in time and
 connections):
 
 1. the model: ``--model``; or ``--untrained resnet18`` (an untrained resnet18, 128-d at 64 px,
-   built in a temporary folder: the realistic work per image of the issue) or
+   built in a temporary folder: a realistic amount of work per image) or
    ``--untrained tiny_cnn`` (the demo model's architecture, 64-d at 28 px); by default the
    demo's run (``<IMGRET_DATA_DIR or imgret-data>/demo-run``, left there by ``make demo``),
    else the untrained tiny_cnn. Untrained weights do the same work per image, so they give
@@ -40,9 +40,8 @@ connections):
    them, the floor's CPU per image over the server's CPU per request (with every core busy,
    server/floor cannot pass it: the request path's CPU is taken from the pipeline), and
    the mean forward pass per batch in the server (its ``imgret_embed_seconds``) and in
-   the floor's pipeline: the same model should take the same time in both. It did not,
-   38 against 26 ms for resnet18, while a second thread's OpenMP team slowed the server's
-   passes (docs/service_bench.md, "Stop 26").
+   the floor's pipeline: the same model should take the same time in both (a second
+   thread's OpenMP team once made them differ: docs/service_bench.md, "One OpenMP team").
 
 wrk and the server share this machine's cores, as the floor shares them with nothing: the gap
 between the two columns is HTTP + multipart parsing + the load generator + the batcher.
@@ -83,8 +82,8 @@ logger = logging.getLogger("load_bench")
 QUERY_BODIES = 64
 WARMUP_S = 3.0
 GALLERY_CHUNK = 16  # images per POST /gallery
-# The demo's model (cli/demo.py): what the untrained fallback imitates; and the issue's
-# realistic one.
+# The demo's model (cli/demo.py): what the untrained fallback imitates; and a realistic
+# one.
 UNTRAINED = {
     "tiny_cnn": {"backbone": "tiny_cnn", "dim": 64, "image_size": 28},
     "resnet18": {"backbone": "resnet18", "dim": 128, "image_size": 64},

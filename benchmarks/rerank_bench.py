@@ -24,7 +24,7 @@ implementation (torchreid's ``re_ranking``) allocates for one query; then the sa
 clustered 128-d galleries of 10k and 100k vectors, where only the cost and memory mean
 anything.
 
-Run: ``flock /tmp/heavy.lock .venv/bin/python benchmarks/rerank_bench.py``
+Run: ``python benchmarks/rerank_bench.py``
 (``--work DIR`` keeps the trained models and the generated folder between runs).
 
 ``--grid [SIZE]`` measures only the cost of one k-reciprocal query against its parameters

@@ -163,7 +163,7 @@ def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """Accept a run directory or its model.pt (the contract's ``--model`` rule)."""
+    """Accept a run directory or its model.pt (the rule for every ``--model`` option)."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT_FILE

@@ -88,9 +88,8 @@ def _image_files_under(folder: Path) -> list[str]:
     not entered, symlinked files are listed, an unreadable folder is passed over.
 
     One ``os.scandir`` per folder: a directory entry knows whether it is a file, so the
-    regular files cost no ``stat`` and no ``Path`` until they are kept. ``rglob`` + ``sorted``
-    + ``is_file`` took ~20 us per file, a noticeable share of ingesting a folder of small
-    images.
+    regular files cost no ``stat`` and no ``Path`` until they are kept (``rglob`` + ``sorted``
+    + ``is_file`` cost a noticeable share of ingesting a folder of small images).
     """
     found: list[tuple[tuple[str, ...], str]] = []
     pending: list[tuple[str, tuple[str, ...]]] = [(str(folder), ())]

@@ -3,10 +3,10 @@ out of Python's garbage collections.
 
 A process that imported torch, torchvision, numpy, SQLAlchemy, pydantic and FastAPI and
 loaded a model holds ~460,000 objects tracked by the cyclic garbage collector. Every full
-collection scans all of them with the process stopped: ~200-300 ms on the 2-core machine
-this was measured on, every 20-40 s of serving under load (every request in flight waited:
-p99 217-263 ms at a p50 of ~55 ms, see docs/service_bench.md) and about once per few
-thousand ingested images (the ingest's pipeline stalled meanwhile). ``gc.freeze`` moves them
+collection scans all of them with the process stopped, hundreds of milliseconds on a small
+machine, every few tens of seconds of serving under load (every request in flight waits: the
+p99 that docs/service_bench.md shows for it) and about once per few thousand ingested images
+(the ingest's pipeline stalls meanwhile). ``gc.freeze`` moves them
 to a permanent generation that collections skip, so a full collection scans only what was
 made since (1-4 ms); forked workers that inherit them frozen do not write to their pages
 when they collect either (the copy-on-write the ``gc.freeze`` documentation warns about).
@@ -73,9 +73,9 @@ def in_own_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     upload). Every thread that runs a parallel torch operator keeps a team of OpenMP worker
     threads for as long as it lives, and once more OpenMP threads exist than cores, libgomp
     stops spinning between parallel regions, so that each of the many regions of a forward
-    pass waits for its workers to wake: on 2 cores, resnet18 at batch 16 took 35-39 ms per
-    pass on a thread of a process where another thread had run torch before, against 25 ms
-    when it was the only one (docs/service_bench.md, "Stop 26"). A pooled worker thread
+    pass waits for its workers to wake: a forward pass on a thread of a process where another
+    thread had run torch before is markedly slower than on the only one (docs/service_bench.md,
+    "One OpenMP team"). A pooled worker thread
     (anyio's, which FastAPI runs sync routes on) would keep its team; this thread ends, and
     its team with it.
 

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     batch_max_size: int = Field(32, ge=1, description="1 turns dynamic batching off")
     batch_max_wait_ms: float = Field(5.0, ge=0)
 
-    # --- Decoding budgets, file caps and the batch queue (issue 10, defects 4 and 8; HELPER A).
+    # --- Decoding budgets, file caps and the batch queue.
     # A 5 KB PNG can declare 40 M pixels, so uploads are limited by what they decode, not by
     # their bytes. PNG decodes at roughly 100 M pixels/s per core; JPEG decodes at 1/8 scale
     # for our input sizes (imgret.images.decode_for_embedding), so photos cost little.
@@ -188,7 +188,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    # Write guard (issue 10, defect 5; enforced by service.auth): a keyless server beyond
+    # Write guard (enforced by service.auth): a keyless server beyond
     # loopback refuses to start unless this is true; browsers may write only from these origins
     # (comma-separated, e.g. "https://ui.example.com") or from the API's own origin.
     allow_anonymous_writes: bool = Field(

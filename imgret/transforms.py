@@ -18,8 +18,8 @@ class EvalTransform:
     The steps of ``v2.Compose([ToImage(), (Grayscale(3)), Resize((S, S), antialias=True),
     ToDtype(float32, scale=True), Normalize(mean, std)])``, calling the same torchvision
     kernels directly: equal output (``tests/unit/test_transforms.py``) without the per-call
-    dispatch of five transform objects, which cost ~140 us of the ~190 us of decoding and
-    preparing a 28 px query (issue 14: the search pipeline decodes every query in Python).
+    dispatch of five transform objects, most of the cost of preparing a small query (the
+    search pipeline decodes every query in Python).
     The result is a plain tensor (not a ``tv_tensors.Image``).
     """
 

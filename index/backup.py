@@ -11,7 +11,7 @@ Layout of a backup folder (``imgret backup DEST``, ``POST /admin/backup``)::
     models/<v>/model.pt  the stored checkpoint of every model version of the snapshot
     indexes/<v>/         index.faiss + manifest.json, matching the snapshot (see below)
 
-Decisions (the contract is silent on these):
+Decisions the architecture leaves open:
 
 - **One portable database format.** The snapshot is always a SQLite file at the source's
   Alembic revision. From SQLite it is made with SQLite's online backup API; from PostgreSQL by

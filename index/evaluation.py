@@ -3,7 +3,7 @@ and filters as /search) and score the rankings with ``imgret.metrics.ranking_met
 
 Shared by ``POST /evaluate`` and ``imgret evaluate``.
 
-Protocol details (the contract leaves them to us):
+Protocol details the architecture leaves open:
 
 - R (relevant items of a query) = live gallery items of the searcher's model version with the
   query's label, counted from the searcher's own id -> label map, so the ranking and R

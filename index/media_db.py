@@ -65,11 +65,10 @@ class DatabaseMediaStore:
         if not rows:
             return paths
         # The keys already stored are read first, then the others go in with one bulk insert
-        # (store.insert_rows, as the gallery rows do): on PostgreSQL an executemany of INSERT
-        # ... ON CONFLICT took ~70 us per image of an ingest chunk, most of it one round of
-        # statement handling per row. Safe under the gallery write lock, which every writer
-        # of media_blobs holds: no key can appear between the read and the insert (a writer
-        # without it would make the insert fail on the key, not store twice).
+        # (store.insert_rows, as the gallery rows do): an executemany of INSERT ... ON CONFLICT
+        # pays one round of statement handling per row. Safe under the gallery write lock, which
+        # every writer of media_blobs holds: no key can appear between the read and the insert
+        # (a writer without it would make the insert fail on the key, not store twice).
         for chunk in store.chunks(sorted(rows)):
             for sha in session.scalars(select(MediaBlob.sha256)
                                        .where(MediaBlob.sha256.in_(chunk))):

@@ -1,17 +1,14 @@
 """What one request may cost: the body size (a pure ASGI middleware that answers 413 before the
 body is read) and the search budget (``k`` and re-ranking, refused with 422 before any work).
 
-Search budget. Measured (``benchmarks/rerank_bench.py --grid``, 100k x 128-d exact ``Flat``
-index, one query, median ms, a 2-core CPU; the table is in :mod:`index.search.rerank`):
+Search budget. The unit costs (measured by ``benchmarks/rerank_bench.py --grid`` at 100k x
+128-d, exact ``Flat``; the table is in docs/rerank.md):
 
 - k-reciprocal re-ranking costs about 1 ms per candidate N (two index searches each: the
-  candidate's neighbourhood and its farthest item), whatever k1 (20, 50 or 100: within the
-  noise) and k (10, 100 or 1,000: 102-103 ms at N = 100). N = 1,000 cost 0.74-0.88 s per
-  query: 32 of them held the model thread for ~27 s. Query expansion costs two searches
-  (8 ms at top_m = 100).
-- ``k`` costs nothing measurable in the index (4.1 ms at k = 10, 4.3 ms at 1,000) but every hit
-  is built and serialised on the event loop: ~6 us each (2.8 ms to build and 4.1 ms to
-  serialise 1,000 hits; 32,000 hits of one batch took 1.2 s, during which no request moved).
+  candidate's neighbourhood and its farthest item), whatever k1 and k; N = 1,000 costs most of
+  a second per query. Query expansion costs two searches.
+- ``k`` costs nothing measurable in the index, but every hit is built and serialised on the
+  event loop, ~6 us each, during which no other request moves.
 
 So, with :func:`~index.search.rerank.index_searches` as the cost unit (~0.5 ms at 100k):
 
@@ -23,8 +20,9 @@ So, with :func:`~index.search.rerank.index_searches` as the cost unit (~0.5 ms a
   keeps k up to 1,000 (``service.schemas.K_MAX``).
 
 The re-ranking itself runs on its own bounded pool, never on the model thread
-(``service.pipeline``): plain searches keep being answered while it works, and its queue
-(``IMGRET_RERANK_QUEUE_MAX``, in the same unit) answers 503 with Retry-After when full.
+(``service.followups.FollowUpPool``, set up by ``service.pipeline``): plain searches keep being
+answered while it works, and its queue (``IMGRET_RERANK_QUEUE_MAX``, in the same unit) answers
+503 with Retry-After when full.
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class UploadLimitMiddleware:
       is cut off at the first chunk past the limit.
 
     Starlette's ``RequestBodyLimitMiddleware`` only looks at the first ``receive`` and answers in
-    plain text; the contract wants FastAPI's JSON error shape with the limit in the message.
+    plain text; the API answers in FastAPI's JSON error shape with the limit in the message.
     A pure ASGI class (not ``BaseHTTPMiddleware``) keeps streaming intact.
 
     Args:

@@ -1,6 +1,6 @@
 """Which differences between losses are real, and how fast each loss gets where it ends.
 
-Verdicts (issue 12, deliverable 4). Every loss is trained with the same seeds, and seed ``k``
+Verdicts. Every loss is trained with the same seeds, and seed ``k``
 fixes the initialisation, the batches and the augmentation for every loss alike, so two
 losses are compared *paired*: the difference ``A_k - B_k`` per seed, its mean and Student-t
 95% interval (:func:`imgret.stats.paired_mean_ci`). A pair is a real difference when the
@@ -16,7 +16,7 @@ losses left. Every loss lands in exactly one tier, and a loss in tier 1 is one t
 tell from the best. (A compact letter display would also show the ties between lower losses,
 but its overlapping letters are harder to read in a table; the pairwise table has them all.)
 
-Convergence (deliverable 5): from each run's per-epoch validation MAP@R (``metrics.json``
+Convergence: from each run's per-epoch validation MAP@R (``metrics.json``
 ``epochs``: epoch 0 = the untrained network), the first validated epoch whose MAP@R reaches
 90% (95%) of that run's *final* validation MAP@R, and the training seconds (validation time
 excluded) spent by then; mean ± 95% t-interval over seeds. Validation happens at epoch ends,

@@ -96,7 +96,7 @@ def check_comparable(records: Sequence[tuple[str, dict[str, Any]]]) -> None:
                 f"runs {ref_name} and {name} were tested on different splits "
                 f"({ref['split']['digest']} vs {record['split']['digest']}"
                 + (f"; rules: {rules[0]!r} vs {rules[1]!r}" if rules[0] != rules[1] else "")
-                + "). Runs made before a split change (e.g. issue 12's 5 / 5 Fashion-MNIST "
+                + "). Runs made before a split change (e.g. the 5 / 5 Fashion-MNIST "
                 "classes) cannot join newer ones: benchmark into a new --out."
             )
 

@@ -1,7 +1,7 @@
 /* libcublas.so.12 that forwards to the CUDA 13 cuBLAS already loaded by torch.
  *
  * Why: PyPI's faiss-gpu wheels link cuBLAS 12 (about 600 MB as wheels) while the GPU
- * machines this project is lent carry CUDA 13 only and take at most 64 MiB per call. FAISS
+ * machines the benchmark runs on carry CUDA 13 only and accept at most 64 MiB per upload. FAISS
  * calls eight cuBLAS entry points whose signatures did not change between 12 and 13; each
  * one here is a tail jump to its CUDA 13 twin, so the arguments pass through untouched.
  * Benchmarks only: a production image installs the faiss-gpu matching its CUDA.

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Prepare, on this (CPU) machine, what run_on_device.sh needs on a lent GPU machine whose
+# Prepare, on this (CPU) machine, what run_on_device.sh needs on a GPU machine whose
 # image has torch but no registry: .whl (the service's pure dependencies for its Python
 # 3.12), .gpu/lib (CUDA 12's runtime and the cuBLAS 12 -> 13 shim) and .faissA/part.aa
 # (faiss-gpu 1.15.1 as an xz tar, 58.5 MB: too large to travel with the rest in one call).
-# Add /.whl/, /.gpu/ and /.faissA/ to .git/info/exclude first. Then, with the device tool:
-#   run "mv .faissA/part.aa /tmp/faiss-part.aa" carrying .faissA, and at once (the machine
-#   stays warm 30 s) run "bash benchmarks/gpu/run_on_device.sh" carrying .whl and .gpu.
+# Add /.whl/, /.gpu/ and /.faissA/ to .git/info/exclude first. Then copy the checkout and
+#   .faissA to the GPU machine and move .faissA/part.aa to /tmp/faiss-part.aa there; copy
+#   .whl and .gpu next (a separate transfer when uploads are capped) and run
+#   "bash benchmarks/gpu/run_on_device.sh".
 set -eu
 cd "$(dirname "$0")/../.."
 get() {

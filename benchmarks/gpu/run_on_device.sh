@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14, item 5, on a GPU machine lent through the `device` tool (a bare image with
-# torch, no registry): install the carried wheels (.whl: the service's dependencies) and
+# The GPU benchmark and the CUDA-path tests on a GPU machine (a bare image with torch, no
+# package registry): install the carried wheels (.whl: the service's dependencies) and
 # faiss-gpu, point faiss at CUDA 13's cuBLAS through the shim in .gpu/lib (see
 # cublas12_shim.c), then the GPU benchmark and the unit and API tests on the CUDA paths.
 # Usage there: [GPU_BENCH_PARTS=...] [UNIT_TESTS="paths"] bash benchmarks/gpu/run_on_device.sh

@@ -13,28 +13,20 @@ then a numba-compiled kernel, parallel over the chunk's rows, counts the ranks
 on). Thread counts are whatever torch and numba are configured with: nothing process-wide is
 changed here.
 
-Issue 14: the kernel went from three to four passes over each row (cells, histogram, flagged
-items) to one (cells computed and compressed LANES at a time, in vector registers with
-AVX-512 or AVX2 where the CPU has them, then counted), writes each query's ranks already
-ascending (no sort of the chunk's ranks afterwards), and the GEMM no longer runs in a helper
-thread. Later: interleaved histograms, a branch-free first comparison per candidate, an L2
-prefetch of the next score row while one is counted (the chunk comes back from DRAM: -20%
-kernel time). Stop 24 (-30 % together): two uint16 histograms flushed into int64 totals
-instead of four of int32, one suffix pass over the totals, the relevant items laid out in
-cell order, and each candidate's cell kept from the counting pass; see docs/metrics_bench.md.
-Stop 29 (-16 % kernel time on the hard set, AMD Zen 4): a candidate is one int64 store
-(gallery index << 32 | cell) instead of two int32 ones, and the candidate count is unsigned, so
-numba emits no negative-index wrap-around in the counting loop (8 instructions per kept item,
-down from 13 with two reloads from the stack).
+How the kernel keeps its single pass cheap: cells are computed and compressed LANES at a time in
+vector registers (AVX-512 or AVX2 where the CPU has them, else a portable path); two uint16
+histograms are flushed into int64 totals and summed by one suffix pass; the relevant items are
+laid out in cell order and each candidate's cell is kept from the counting pass; a candidate is
+one int64 store (gallery index << 32 | cell) with an unsigned count, so numba emits no
+negative-index wrap-around in the counting loop; the next score row is prefetched into L2
+while one is counted (a chunk comes back from DRAM); each query's ranks are written already
+ascending, so nothing is sorted afterwards.
 
-One engine (issue 11): this was the fastest of the three exact engines the module had, measured
-on the CPU (2 cores, ``benchmarks/metrics_bench.py`` data, best of 3): 10,000 x 10,000
-leave-one-out at noise 1.5 / 2.0: numba 0.61 / 0.70 s, a NumPy block algorithm 0.68 / 1.03 s,
-torch ``searchsorted`` 7.0 / 5.8 s; 2,000 x 200,000: 1.9 / 2.4 / 15.4 s. The torch engine
-served ``device="cuda"``; its CUDA speed was never measured, and no caller hands over tensors
-already on a GPU (training and the demo pass NumPy embeddings), so it went too. With a CUDA
-``device`` the GEMM runs on the GPU and each chunk's scores are copied to the host for the
-kernel.
+Why one engine: a NumPy block algorithm and torch ``searchsorted`` were both slower on the CPU,
+and no caller hands over tensors already on a GPU (training and the demo pass NumPy
+embeddings). With a CUDA ``device`` the GEMM runs on the GPU and each chunk's scores are copied
+to the host for the kernel. Timings against the bare product and against
+pytorch-metric-learning: docs/metrics_bench.md (``benchmarks/metrics_bench.py``).
 """
 
 from __future__ import annotations
@@ -84,9 +76,8 @@ def exact_ranks(
     n_g = g.shape[0]
     chunk = min(chunk_size, len(evaluated))
     # Allocated by torch: 64-byte aligned, where NumPy's large arrays start 16 bytes past a
-    # page. torch.mm writing into a misaligned out= buffer took 1.13-1.19 s for the 20k x 20k
-    # benchmark's chunks against 0.82-0.87 s aligned (AMD Zen 3, 2 cores): a third of the
-    # product, which the ranks' ratio to the chunked product counted as overhead.
+    # page, and torch.mm writing into a misaligned out= buffer is about a third slower
+    # (docs/metrics_bench.md).
     buf = torch.empty((chunk, n_g), dtype=torch.float32).numpy()
     for lo in range(0, len(evaluated), chunk):
         qs = evaluated[lo : lo + chunk]
@@ -118,7 +109,7 @@ LANES = 16
 CELLS_PER_ITEM = 8
 WAYS = 2
 # The histograms count in uint16 (two ways of a 1,600-cell histogram fit in 6.4 KB of L1,
-# against 25 KB for four ways of int32: -15 % kernel time on the benchmark, AMD Zen 4) and
+# against 25 KB for four ways of int32, most of L1d beside the streaming score row) and
 # are added into int64 totals every FLUSH_BLOCKS blocks, before any count can pass 65,535
 # (a way gains at most BLOCK per block).
 FLUSH_BLOCKS = 65535 // BLOCK
@@ -424,10 +415,9 @@ def _vector_compress(kind: str):
 @functools.cache
 def compiled_kernel():
     """:func:`rank_kernel` compiled by numba, parallel over row segments, with
-    :func:`compress_cells` as vector code where the CPU has AVX-512 or else AVX2 (measured
-    on a Zen 3 without AVX-512: 2.23 / 2.48 -> 1.94 / 2.26 of the chunked product in
-    ``benchmarks/metrics_bench.py``); compiled on first use and cached on disk when the
-    package directory is writable."""
+    :func:`compress_cells` as vector code where the CPU has AVX-512 or else AVX2 (the
+    portable path is slower: docs/metrics_bench.md); compiled on first use and cached on disk
+    when the package directory is writable."""
     from llvmlite import binding
 
     features = binding.get_host_cpu_features().flatten().split(",")

@@ -54,13 +54,10 @@ candidates of its queries. Cost: one more batched search of the candidates (thei
 neighbourhoods) and one of the negated vectors (their row maxima), each of ``N`` rows per
 query at most; ``benchmarks/rerank_bench.py`` measures it.
 
-Cost, measured (``benchmarks/rerank_bench.py --grid``: 100k x 128-d exact ``Flat``, one query,
-k = 10 unless said, median ms, 2-core CPU shared with other work): plain 4.1 (k = 1,000: 4.3);
-k-reciprocal N = 50: 68-74, N = 100: 102-117, N = 200: 170-182, N = 400: 368-405,
-N = 1,000: 738-879, each over k1 = 20, 50, 100; N = 100 at k = 100 or 1,000: 102-103; query
-expansion top_m = 100: 8.1 (k = 1,000: 8.5). So the time is the index searches, about 1 ms
-per candidate at 100k: k1 only sizes a heap and k only the first list, and the (N + 1)^2 work
-inside U matters only from N ~ 1,000 (two (N+1)^3 products). :func:`index_searches` counts
+Cost: the time is the index searches, about 1 ms per candidate at 100k vectors (the grid of
+``benchmarks/rerank_bench.py --grid`` is in docs/rerank.md): k1 only sizes a heap and k only
+the first list, and the (N + 1)^2 work inside U matters only from N ~ 1,000 (two (N+1)^3
+products). :func:`index_searches` counts
 those searches; the service prices a request's re-ranking with it (``service.limits``).
 """
 

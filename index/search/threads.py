@@ -55,8 +55,8 @@ _QUERY_BLOCK = 256
 _GALLERY_BLOCK = 16_384
 _SCORE_BLOCK = 4 * 1024 * 1024
 # Each searching thread keeps the buffer its products are written into (at most _SCORE_BLOCK
-# floats, 16 MiB): a fresh one per search paid its page faults every time, ~6 % of a single
-# query over 100k vectors (1.21 -> 1.15 ms here).
+# floats, 16 MiB): a fresh one per search would pay its page faults every time, a few percent
+# of a single query over 100k vectors.
 _scratch = threading.local()
 # The "something more urgent is running" test of a thread that searches in the background
 # (:func:`yielding_to`), per thread.
@@ -71,8 +71,8 @@ def limit_pthreads_blas(n: int) -> int:
     OpenBLAS's workers spin on their cores for a while (``OPENBLAS_THREAD_TIMEOUT``, about
     2^28 cycles by default) before they sleep, so a search batch (the :class:`ExactFlat`
     product) followed by the next batch's forward pass left torch's OpenMP team fighting two
-    spinning threads for the two cores: measured on the 2-core CPU, resnet18 at 64 px, batch
-    16, one forward pass took 209 ms after a search instead of 47 ms with one BLAS thread.
+    spinning threads for the two cores (a forward pass several times slower after a search:
+    docs/service_bench.md).
     A single-threaded product costs a service batch little (it is well under a millisecond on
     a few thousand vectors, against tens of milliseconds of model).
 

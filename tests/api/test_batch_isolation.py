@@ -1,5 +1,5 @@
 """Hostile uploads against the real app: ratio bombs priced before decoding, file caps, one bad
-image failing only its own request, and the batch queue's 503s (issue 10, defects 4 and 8).
+image failing only its own request, and the batch queue's 503s.
 
 The batcher and pipeline are the app's own (``app.state.resources``); where a test needs a batch
 to stay busy it wraps the real pipeline in a subclass that waits for a signal. Nothing is
@@ -27,7 +27,7 @@ def _files(blobs: Sequence[bytes], field: str = "images") -> list:
     return [(field, (f"f{i}.png", data, "image/png")) for i, data in enumerate(blobs)]
 
 
-# --------------------------------------------------------------------------- defect 4: bombs
+# --------------------------------------------------------------------------- ratio bombs
 
 
 def test_ratio_bombs_are_priced_from_their_headers_and_refused_with_413(
@@ -84,7 +84,7 @@ def test_file_caps_refuse_with_413_naming_the_setting(
         assert two.status_code in (200, 201), two.text
 
 
-# --------------------------------------------------------------------------- defect 8: isolation
+# --------------------------------------------------------------------------- isolation
 
 
 def test_a_crafted_image_fails_only_its_own_query_in_a_shared_batch(make_client) -> None:
@@ -150,7 +150,7 @@ def test_any_exception_while_preparing_one_query_fails_only_that_query(make_loca
         assert response.status_code == 422
 
 
-# --------------------------------------------------------------------------- defect 8: queue
+# --------------------------------------------------------------------------- the queue
 
 
 def _in_thread(fn) -> tuple[threading.Thread, list]:

@@ -1,4 +1,4 @@
-"""Defect 7 (issue 10): nasty-but-plausible values get a 4xx with a message, never a 500.
+"""Nasty-but-plausible values get a 4xx with a message, never a 500.
 
 PostgreSQL refuses NUL in ``text`` and ``jsonb``, ``Infinity``/``NaN`` in ``jsonb`` and
 integers beyond a column's range; Python's ``json`` recurses per nesting level and refuses

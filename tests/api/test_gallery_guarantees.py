@@ -1,4 +1,4 @@
-"""What a 201 and a 204 promise, through the API (SQLite and PostgreSQL; issue 10, 2-3, 6)."""
+"""What a 201 and a 204 promise, through the API (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 

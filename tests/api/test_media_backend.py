@@ -1,6 +1,6 @@
 """IMGRET_MEDIA_BACKEND=database through the API (SQLite and PostgreSQL): images are stored
 in the database, served, removed by a delete, 404 (never 500) when missing, and carried by a
-backup (issue 15)."""
+backup."""
 
 from __future__ import annotations
 

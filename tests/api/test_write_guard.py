@@ -1,4 +1,4 @@
-"""Defect 5 (issue 10): writes are closed by default and decided before the body is read.
+"""Writes are closed by default and decided before the body is read.
 
 The key, the exposure rule and the ``Origin`` check run in a pure ASGI middleware
 (``service.auth.WriteGuardMiddleware``): FastAPI parses a multipart form *before* it solves a

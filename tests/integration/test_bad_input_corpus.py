@@ -1,4 +1,4 @@
-"""The bad-input corpus (issue 10): hostile-but-ordinary requests against a real server.
+"""The bad-input corpus: hostile-but-ordinary requests against a real server.
 
 One ``imgret serve`` per backend (SQLite, then PostgreSQL), with an API key, a small gallery
 and tight limits. Then, from a table:
@@ -44,7 +44,7 @@ KEY = "corpus-key"
 AUTH = {"X-API-Key": KEY}
 MAX_UPLOAD = 2_000_000
 MAX_IMAGE_PIXELS = 4_000_000
-MAX_REQUEST_PIXELS = 10_000_000  # Helper A's per-request budget (IMGRET_MAX_REQUEST_PIXELS)
+MAX_REQUEST_PIXELS = 10_000_000  # the server's per-request budget (IMGRET_MAX_REQUEST_PIXELS)
 SEED_LABELS = ["cat", "dog", "bird"]
 PER_LABEL = 3
 
@@ -424,7 +424,7 @@ BAD: list[Case] = [
          _evaluate_upload(headers={**AUTH, "Origin": "https://evil.example"}), 403),
 ]
 
-# The per-request pixel budget (defect 4): these rows run on their own, after the gallery
+# The per-request pixel budget: these rows run on their own, after the gallery
 # comparison (an accepted bomb would change the gallery), and must all be refused.
 RATIO_BOMBS = [case for case in BAD if "ratio bomb" in case.kind]
 

@@ -6,7 +6,7 @@ Every DELETE records when its 204 arrived and every search when it started; afte
 
 - no response is a 5xx (nor a dropped connection);
 - no search that *started* after an id's DELETE was acknowledged (by either process)
-  returned that id (the contract: a delete holds in every process for the next search);
+  returned that id (a delete holds in every process for the next search);
 - both processes' indexes, their ``GET /gallery`` listings and ``/health`` agree with the
   database's live items once the followers have caught up on adds, and no deleted item's
   bytes are left in the shared media store (unless a live item has the same bytes).

@@ -1,6 +1,6 @@
-"""Deletes are final and acknowledged adds are real, on SQLite and PostgreSQL (issue 10, 1-3, 6).
+"""Deletes are final and acknowledged adds are real, on SQLite and PostgreSQL.
 
-Each test replays one interleaving that the old code got wrong, in the order that exposed it:
+Each test replays one interleaving that could break a guarantee, in the order that exposes it:
 a late ``Searcher.add`` after a delete, a replica that had not polled yet, a dedup answer read
 before a concurrent delete committed, a re-embedding of an item deleted meanwhile, image
 bytes left on disk after a delete.
@@ -118,7 +118,7 @@ def test_dedup_waits_for_a_concurrent_delete_instead_of_acknowledging_a_deleted_
 
 def test_two_uploads_of_the_same_new_bytes_at_once_make_one_item(sessions, media, embedder):
     data = image_bytes(class_image(5, 0))
-    # The old code: a unique-key IntegrityError (a 500) in all but one.
+    # Without the unique-key retry: an IntegrityError (a 500) in all but one.
     results, errors = run_in_threads(
         lambda: _add(sessions, media, embedder, data, label="same"), 4, timeout_s=60)
     assert errors == []

@@ -1,4 +1,4 @@
-"""Images every replica can serve (issue 15): with ``IMGRET_MEDIA_BACKEND=database`` two
+"""Images every replica can serve: with ``IMGRET_MEDIA_BACKEND=database`` two
 server processes with *separate* data dirs on one PostgreSQL database serve each other's
 images, and a hard delete through one removes the bytes for both.
 

@@ -1,6 +1,6 @@
 """The database media store (``IMGRET_MEDIA_BACKEND=database``) on SQLite and PostgreSQL: bytes
 stored once per hash, in the writer's transaction, and gone with the transaction that finds
-them unreferenced (issue 15)."""
+them unreferenced."""
 
 from __future__ import annotations
 

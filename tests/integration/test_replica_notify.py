@@ -1,4 +1,4 @@
-"""Replicas that follow at once (issue 15): on PostgreSQL, a write committed through one
+"""Replicas that follow at once: on PostgreSQL, a write committed through one
 server process wakes the other through LISTEN/NOTIFY, long before its next poll.
 
 Two real ``imgret serve`` processes share one PostgreSQL database and one data dir; both poll

@@ -1,4 +1,4 @@
-"""Schema fuzzing (issue 10): schemathesis against a real server's ``/openapi.json`` on PostgreSQL.
+"""Schema fuzzing: schemathesis against a real server's ``/openapi.json`` on PostgreSQL.
 
 For every operation of the schema, schemathesis generates requests that follow the schema
 (positive) and requests that break it (negative: wrong types, out-of-range values, missing

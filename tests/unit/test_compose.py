@@ -92,7 +92,7 @@ API_SERVICES = ("api", "api-gpu")
 
 
 def test_api_key_is_required_by_compose() -> None:
-    """Defect 5 (issue 10): no keyless API out of `docker compose up`."""
+    """No keyless API out of `docker compose up`."""
     for name in API_SERVICES:
         raw = _compose()["services"][name]["environment"]["IMGRET_API_KEY"]
         for env in ({}, {"IMGRET_API_KEY": ""}):

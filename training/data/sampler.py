@@ -14,7 +14,7 @@ from training.config import TrainConfigError
 class MPerClassSampler(Sampler[int]):
     """Indices in batches of ``batch_size // m`` distinct classes, ``m`` items each.
 
-    The contract of pytorch-metric-learning's ``MPerClassSampler`` (given a batch size):
+    What pytorch-metric-learning's ``MPerClassSampler`` promises (given a batch size):
     ``len(self)`` is ``length`` rounded down to a multiple of ``batch_size``, and each run of
     ``batch_size`` consecutive indices is one batch of ``batch_size // m`` classes drawn without
     replacement, ``m`` items of each (without replacement, or with it for a class of fewer than

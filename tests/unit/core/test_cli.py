@@ -1,4 +1,4 @@
-"""The CLI starts fast (no heavy imports for --help) and lists the contract's commands."""
+"""The CLI starts fast (no heavy imports for --help) and lists the documented commands."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Decoding for the model: pixel budgets, the decode gate, JPEG draft, shrink-as-you-go, and
-the same model input as the full-size path (issue 10, defects 4 and 8)."""
+the same model input as the full-size path."""
 
 from __future__ import annotations
 

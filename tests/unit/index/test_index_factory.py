@@ -116,8 +116,8 @@ def test_gpu_branch_shards_across_all_gpus(fake_gpus, vectors):
 
 
 def test_gpu_copies_share_one_capped_set_of_resources(monkeypatch, vectors):
-    """Each GPU copy used to make its own FAISS resources (up to 1.5 GiB reserved each) until
-    FAISS aborted the process: every copy now shares one capped set per process."""
+    """Every GPU copy shares one capped set of FAISS resources per process: a set per copy
+    (up to 1.5 GiB reserved each) makes FAISS abort the process after enough copies."""
     from index import faiss_index
 
     made, copies = [], []

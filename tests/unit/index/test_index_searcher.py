@@ -309,7 +309,7 @@ def test_query_time_knobs_are_applied(vectors):
 
 def test_an_evaluation_ranks_the_gallery_it_counted_while_items_are_added(vectors):
     """/evaluate counts R on the index's ids, then searches; an add in between (the gallery
-    stays writable) must not make a ranking list more relevant items than R (was a 422)."""
+    stays writable) must not make a ranking list more relevant items than R (a 422)."""
     from index.evaluation import QueryBatch, evaluate
 
     class AddsDuringEvaluation(Searcher):

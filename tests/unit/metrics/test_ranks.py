@@ -131,7 +131,7 @@ def test_compiled_kernel_matches_plain_python_kernel_on_ties():
     )
 
 
-@functools.cache  # numba compiles a parallel kernel in ~10 s: once per session
+@functools.cache  # numba compiles a parallel kernel in ~10 s: once per test run
 def scalar_compiled_kernel():
     """The kernel compiled with the portable compress (what a CPU without AVX-512 runs)."""
     return _compile_uncached("portable")

@@ -49,7 +49,7 @@ def test_class_disjoint_split_is_disjoint_and_covers_everything(split_seed: int)
     train, val, test = (_classes(split, source, s) for s in ("train", "val", "test"))
     assert not (train & val) and not (train & test) and not (val & test)
     assert train | val | test == set(source.labels.tolist())
-    # Issue 12: half of the classes for test, a fifth for validation (was 6 / 3 / 3).
+    # Half of the classes for test, a fifth for validation.
     assert (len(train), len(val), len(test)) == (4, 2, 6)
     all_idx = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
     assert sorted(all_idx.tolist()) == list(range(len(source.labels)))
@@ -118,7 +118,7 @@ def test_fashion_mnist_class_split_is_the_documented_one() -> None:
     split = make_split(source, TrainConfig(data="fashion-mnist", split_seed=5))
     for name, ids in FASHION_SPLIT.items():
         assert _classes(split, source, name) == {FASHION_MNIST_CLASSES[i] for i in ids}
-    # Issue 12: the Reality Check's halves (classes 0-4 train + validation, 5-9 test).
+    # The Reality Check's halves (classes 0-4 train + validation, 5-9 test).
     assert split.summary(source)["splits"]["test"]["classes"] == [
         "Ankle boot", "Bag", "Sandal", "Shirt", "Sneaker"]
 

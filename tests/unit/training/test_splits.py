@@ -1,4 +1,4 @@
-"""Issue 12's split: Fashion-MNIST in halves (5 test classes), folders in the same proportions."""
+"""The split: Fashion-MNIST in halves (5 test classes), folders in the same proportions."""
 
 from __future__ import annotations
 
