@@ -1,7 +1,7 @@
 """SQL schema of the gallery (the source of truth): items, embeddings, model versions,
 query sets and the change log that replicas poll.
 
-Design decisions (the contract is silent on these):
+Design decisions:
 
 - ``gallery_items.id`` is the FAISS id. Ids are never reused (SQLite ``AUTOINCREMENT``, a
   PostgreSQL sequence), because a replica that missed a delete must not confuse an old vector
