@@ -1,7 +1,8 @@
 """Repository functions over the gallery tables: items, embeddings, the change log, query
 sets, and the model versions they are embedded with (which one is active:
 :func:`active_model_version`). With :mod:`index.version_store` (a version's checkpoint,
-activations and re-embedding job), the only modules that write gallery SQL.
+activations and re-embedding job), the only modules that query or write the gallery's
+tables (a backup copies them whole: :mod:`index.backup`).
 
 Every function takes ``session`` keyword-only and never commits: the caller frames the
 transaction (``with sessionmaker.begin() as session:``), so a request or an ingest chunk is

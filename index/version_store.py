@@ -5,10 +5,10 @@ version's vector.
 
 A sibling of :mod:`index.store`, which keeps the gallery's rows and the version they are
 served with (:func:`index.store.active_model_version`, the one answer to "which version is
-active"); the two together are the only modules that write gallery SQL. They are split
-because these records are read and written only by the model-version lifecycle
-(:mod:`index.versions`) and the re-embedding runner (:mod:`index.reembed`), while every
-writer and searcher uses :mod:`index.store`.
+active"). They are two modules because these records are read and written only by the
+model-version lifecycle (:mod:`index.versions`) and the re-embedding runner
+(:mod:`index.reembed`), while every writer and searcher uses :mod:`index.store`, which is
+large enough already.
 
 As in :mod:`index.store`, every function takes ``session`` keyword-only and never commits.
 """
