@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from imgret.settings import Settings
-from index import versions
+from index import reembed, versions
 from index.jobs import open_gallery
 from index.media_db import open_media_store
 
@@ -36,7 +36,7 @@ def register(settings: Settings, run: str | Path) -> dict[str, Any]:
 
 def embed(settings: Settings, version: str, *,
           progress: Callable[[int, int], None] | None = None,
-          duty: float = 1.0) -> versions.EmbedReport:
+          duty: float = 1.0) -> reembed.EmbedReport:
     """`imgret models embed VERSION`: the re-embedding job of ``POST /models/{v}/embed``, in
     this process (claimed like the service's, so the two never run the same job at once),
     then the version's index built and saved.
@@ -50,9 +50,9 @@ def embed(settings: Settings, version: str, *,
     with open_gallery(settings) as sessions:
         embedder = versions.load_embedder(version, session_factory=sessions,
                                           data_dir=settings.data_dir, device=settings.device)
-        report = versions.run_embed_job(
+        report = reembed.run_embed_job(
             version, session_factory=sessions, media=open_media_store(settings, sessions),
-            embedder=embedder, throttle=versions.Throttle(duty=duty),
+            embedder=embedder, throttle=reembed.Throttle(duty=duty),
             max_pixels=settings.max_image_pixels, progress=progress,
         )
         Searcher.from_settings(sessions, settings, version).save()

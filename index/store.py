@@ -1,4 +1,8 @@
-"""Repository functions over the gallery tables: the only module that writes gallery SQL.
+"""Repository functions over the gallery tables: items, embeddings, the change log, query
+sets, and the model versions they are embedded with (which one is active:
+:func:`active_model_version`). With :mod:`index.version_store` (a version's checkpoint,
+activations and re-embedding job), the only modules that query or write the gallery's
+tables (a backup copies them whole: :mod:`index.backup`).
 
 Every function takes ``session`` keyword-only and never commits: the caller frames the
 transaction (``with sessionmaker.begin() as session:``), so a request or an ingest chunk is
@@ -153,7 +157,7 @@ def register_model_version(
     """
     row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
     if row is None:
-        has_active = bool(session.scalar(select(func.count()).where(ModelVersion.is_active)))
+        has_active = active_model_version(session=session) is not None
         # Try as the active version if there is none yet, else (or on a lost race) inactive.
         for is_active in (True, False) if not has_active else (False,):
             try:
@@ -185,7 +189,7 @@ def get_model_version(*, session: Session, version: str | None = None) -> ModelV
         GalleryError: no such version, or no active version (nothing ingested yet).
     """
     if version is None:
-        row = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        row = active_model_version(session=session)
         if row is None:
             raise GalleryError(
                 "no active model version: the gallery is empty; run "
@@ -199,6 +203,11 @@ def get_model_version(*, session: Session, version: str | None = None) -> ModelV
             f"unknown model version {version!r}; known: {', '.join(known) or 'none'}"
         )
     return row
+
+
+def active_model_version(*, session: Session) -> ModelVersion | None:
+    """The active model version (the one searches and writes use), ``None`` before any."""
+    return session.scalar(select(ModelVersion).where(ModelVersion.is_active))
 
 
 def activate_model_version(*, session: Session, version: str) -> ModelVersion:
@@ -231,7 +240,7 @@ def check_active(*, session: Session, version: ModelVersion) -> None:
     Raises:
         ModelSwitched: another version is active.
     """
-    active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+    active = active_model_version(session=session)
     if active is not None and active.id != version.id:
         raise ModelSwitched(version.version, active.version)
 
@@ -377,10 +386,8 @@ def insert_items(
         }
         for r in rows
     ]
-    # One bulk statement (insert_rows): 3,072 rows in chunks of 256 (items, embeddings, change
-    # rows) took ~140 us per item through multi-row INSERTs on PostgreSQL, most of it psycopg
-    # re-parsing each long statement, and ~40 us per row on SQLite through a Core executemany
-    # with RETURNING (one statement per row).
+    # One bulk statement per table (insert_rows): multi-row INSERTs spent most of their time
+    # in the driver re-parsing each long statement (measured by benchmarks/ingest_bench.py).
     ids = insert_rows(session, table, params, return_ids=True)
     if len(ids) != len(rows):
         raise GalleryError(f"inserted {len(rows)} items but got {len(ids)} ids back")
@@ -562,6 +569,18 @@ def list_items(
     return list(items), int(total)
 
 
+def count_live_items(*, session: Session) -> int:
+    """How many gallery items are live (not deleted)."""
+    return int(session.scalar(
+        select(func.count()).select_from(GalleryItem).where(GalleryItem.deleted_at.is_(None))
+    ) or 0)
+
+
+def newest_item_id(*, session: Session) -> int | None:
+    """The largest gallery item id ever handed out (deleted rows included), ``None`` if none."""
+    return session.scalar(select(func.max(GalleryItem.id)))
+
+
 def max_change_seq(*, session: Session) -> int:
     """The newest change-log sequence number (0 for an empty log)."""
     return int(session.scalar(select(func.max(GalleryChange.seq))) or 0)
@@ -595,8 +614,8 @@ def deletes_after(seq: int, *, connection: Connection | Session) -> tuple[list[i
 
     One statement, so both answers come from one snapshot: nothing committed between them
     can be skipped. Cheap enough to run before every search batch (an index range scan over
-    the few changes since the last call); the Searcher runs it on a plain Core connection
-    (about 0.1 ms on SQLite, a third of an ORM session's overhead).
+    the few changes since the last call); the Searcher runs it on a plain Core connection,
+    which skips an ORM session's overhead.
 
     Returns:
         ``(deleted_ids, last_seq)``; ``last_seq`` is ``seq`` when nothing changed.
@@ -780,8 +799,7 @@ def insert_rows(session: Session, table, params: Sequence[Mapping[str, Any]], *,
     SQLite: one DBAPI ``executemany`` of a plain ``INSERT``, each value converted by its
     column type's bind processor, so rows are stored exactly as SQLAlchemy stores them (a
     timestamp shared by every row is converted once). Both skip SQLAlchemy's per-row
-    parameter handling: on SQLite that was ~half the cost of an ingest chunk's rows (the
-    DATETIME formatting alone ran four times per image).
+    parameter handling, the larger part of an ingest chunk's insert cost.
 
     Every row has the same keys; JSON columns are given as dicts.
 

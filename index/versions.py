@@ -1,8 +1,10 @@
-"""Model versions in production: register a checkpoint, re-embed the stored gallery in the
-background, compare two versions, switch the served one atomically (gated on a paired
-verdict), roll back. One code path for ``/models`` and ``imgret models``.
+"""Model versions in production: register a checkpoint, describe and compare versions,
+switch the served one atomically (gated on a paired verdict), roll back, delete. One code
+path for ``/models`` and ``imgret models``. This module sequences the steps; the SQL is
+:mod:`index.store`'s and :mod:`index.version_store`'s, and the background re-embedding of
+the gallery for a version is :mod:`index.reembed`.
 
-Decisions (the contract is silent on these):
+Decisions:
 
 - **Checkpoints live in the database** (``model_checkpoints``, beside ``media_blobs``), so
   every process on the database loads every version, a replica without any local file
@@ -20,19 +22,6 @@ Decisions (the contract is silent on these):
   Every read is capped by ``IMGRET_MAX_CHECKPOINT_BYTES``, checked with ``fstat`` first.
 - **Deleting a version** (:func:`delete_version`) is allowed unless it is active, the
   rollback target or being re-embedded; it removes everything of the version (no tombstone).
-- **Re-embedding reads the media store**, never a source folder. It is stateless: each chunk
-  takes the next live items (in id order) that lack an embedding of the version, so a crash
-  loses at most one chunk and a new run resumes where the last commit left off. Items added
-  while it runs have larger ids and are picked up by the same scan; an item deleted while it
-  runs is skipped at the write (``store.add_embeddings`` re-checks liveness under the gallery
-  write lock), so a delete never comes back. Query-set items are embedded after the gallery.
-  The job's state and heartbeat are columns of ``model_versions``, so every process sees
-  progress; a ``running`` job whose heartbeat is older than :data:`HEARTBEAT_STALE_S` was
-  interrupted and may be claimed again. The heartbeat beats from its own thread (every
-  third of that), not per chunk: a slow chunk plus its throttle pause never looks dead.
-- **Throttle**: the job computes at most ``duty`` of the wall time (it sleeps in between) and
-  waits while the caller says searches are queued, so ``/search`` on the active version keeps
-  its latency (measured in ``benchmarks/reembed_bench.py``).
 - **Activation** needs a stored checkpoint and full coverage: every live item up to
   ``covered_through`` (the newest id when the version was last complete: its re-embedding
   finished, or it stopped being the active one) must have a vector. Items added after that
@@ -55,17 +44,12 @@ import logging
 import os
 import shutil
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.checkpoint import (
@@ -76,23 +60,17 @@ from imgret.checkpoint import (
     version_name,
 )
 from imgret.embedder import Embedder
-from imgret.errors import CheckpointError, GalleryError, ImageDecodeError, IndexStale
+from imgret.errors import CheckpointError, GalleryError, IndexStale
 from imgret.files import file_sha256, write_atomic_with
-from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
-from index import store
+from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits
+from index import store, version_store
 from index.evaluation import Evaluation, compare_versions, evaluate_query_set, gate
 from index.manifest import Manifest, index_dir
 from index.media import MediaBackend
-from index.models import (
-    Embedding,
-    GalleryItem,
-    ModelActivation,
-    ModelCheckpoint,
-    ModelVersion,
-    QueryEmbedding,
-    QueryItem,
-    utcnow,
-)
+from index.models import ModelVersion, utcnow
+from index.reembed import EMBED_CHUNK, embed_missing, embed_stored
+from index.version_store import VersionNotFound as VersionNotFound  # raised here too
+from index.version_store import as_utc
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +80,6 @@ INCOMING_DIR = ".incoming"
 INCOMING_STALE_S = 600.0
 # Items still missing a vector that an activation embeds itself (more: 409, embed first).
 STRAGGLER_LIMIT = 1000
-# A running job whose heartbeat is older than this was interrupted (crash, kill).
-HEARTBEAT_STALE_S = 30.0
-EMBED_CHUNK = 64
-DEFAULT_DUTY = 0.5
-
-STATE_RUNNING, STATE_DONE, STATE_FAILED = "running", "done", "failed"
-
-
-class VersionNotFound(GalleryError, LookupError):
-    """No model version by that name (404)."""
-
 
 class ActivationRefused(GalleryError):
     """A switch that the state or the verdict does not allow (409); ``details`` goes into the
@@ -305,7 +272,7 @@ def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessio
     with session_factory.begin() as session:
         # Serialised with deletes and activations (they take the same lock).
         store.lock_gallery_writes(session=session)
-        new = session.scalar(select(ModelVersion.id).where(ModelVersion.version == version)) is None
+        new = version_store.find_version(version, session=session) is None
         row = store.register_model_version(session=session, version=version,
                                            dim=loaded.spec.dim, config=loaded.spec.to_dict())
         if row.content_digest is not None and row.content_digest != loaded.digest:
@@ -314,19 +281,12 @@ def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessio
                 f"{row.content_digest[:16]}..., these: {loaded.digest[:16]}...); the names "
                 "share 12 digits only: a registered version is never re-bound"
             )
-        row.content_digest = loaded.digest
-        stored = session.scalar(select(ModelCheckpoint.sha256)
-                                .where(ModelCheckpoint.model_version_id == row.id))
-        if stored is None:
-            session.add(ModelCheckpoint(model_version_id=row.id, sha256=sha, size=len(data),
-                                        data=data))
-            stored = sha
-        row.checkpoint_sha256 = stored
+        stored = version_store.store_checkpoint(row, session=session, digest=loaded.digest,
+                                                sha256=sha, data=data)
         if new and row.is_active:
             # The first version of a fresh database: active through a recorded switch.
-            row.activated_at = utcnow()
-            session.add(ModelActivation(model_version_id=row.id, previous_version_id=None,
-                                        reason="register"))
+            version_store.record_activation(row, session=session, previous=None,
+                                            reason="register")
     if stored == sha:
         _write_local_copy(data_dir, version, data)
     return describe_one(version, session_factory=session_factory, data_dir=data_dir)
@@ -346,12 +306,6 @@ def _write_local_copy(data_dir: str | Path, version: str, data: bytes) -> None:
         logger.warning("cannot keep a local copy of checkpoint %s: %s", version, exc)
 
 
-def _stored_bytes(session: Session, row: ModelVersion) -> bytes | None:
-    data = session.scalar(select(ModelCheckpoint.data)
-                          .where(ModelCheckpoint.model_version_id == row.id))
-    return bytes(data) if data is not None else None
-
-
 def load_embedder(
     version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
     device: str = "auto",
@@ -366,7 +320,7 @@ def load_embedder(
     with session_factory() as session:
         row = _get(session, version)
         digest = row.content_digest
-        data = _stored_bytes(session, row)
+        data = version_store.checkpoint_bytes(row.id, session=session)
     if data is None:
         raise GalleryError(
             f"model version {version} has no stored checkpoint; register it with "
@@ -393,8 +347,7 @@ def import_checkpoint_files(
         The versions imported.
     """
     with session_factory() as session:
-        has = exists().where(ModelCheckpoint.model_version_id == ModelVersion.id)
-        missing = session.scalars(select(ModelVersion.version).where(~has)).all()
+        missing = version_store.versions_without_checkpoint(session=session)
     imported = []
     for version in missing:
         path = checkpoint_file(data_dir, version)
@@ -442,36 +395,6 @@ def sweep_incoming(data_dir: str | Path, older_than_s: float = INCOMING_STALE_S)
 # --------------------------------------------------------------------------- describing
 
 
-@dataclass(frozen=True)
-class Coverage:
-    """Live gallery items with a vector of the version, and all live items."""
-
-    embedded: int
-    live: int
-
-    @property
-    def missing(self) -> int:
-        return self.live - self.embedded
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"embedded": self.embedded, "live": self.live,
-                "fraction": self.embedded / self.live if self.live else 1.0,
-                "complete": self.embedded >= self.live}
-
-
-def coverage(session: Session, model_version_id: int) -> Coverage:
-    """How much of the live gallery has a vector of the version (two counts)."""
-    live = session.scalar(
-        select(func.count()).select_from(GalleryItem).where(GalleryItem.deleted_at.is_(None))
-    ) or 0
-    embedded = session.scalar(
-        select(func.count()).select_from(Embedding)
-        .join(GalleryItem, GalleryItem.id == Embedding.item_id)
-        .where(Embedding.model_version_id == model_version_id, GalleryItem.deleted_at.is_(None))
-    ) or 0
-    return Coverage(int(embedded), int(live))
-
-
 def describe(
     *, session_factory: sessionmaker[Session], data_dir: str | Path,
     index_sizes: dict[str, tuple[int, str]] | None = None,
@@ -499,11 +422,7 @@ def describe_one(
 
 def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
               index_sizes: dict[str, tuple[int, str]]) -> dict[str, Any]:
-    total_queries = session.scalar(select(func.count()).select_from(QueryItem)) or 0
-    embedded_queries = session.scalar(
-        select(func.count()).select_from(QueryEmbedding)
-        .where(QueryEmbedding.model_version_id == row.id)
-    ) or 0
+    embedded_queries, total_queries = version_store.query_coverage(row.id, session=session)
     if row.version in index_sizes:
         size, factory = index_sizes[row.version]
         index = {"state": "built", "size": size, "factory": factory}
@@ -513,14 +432,14 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         "version": row.version,
         "dim": row.dim,
         "config": dict(row.config or {}),
-        "created_at": _utc(row.created_at),
+        "created_at": as_utc(row.created_at),
         "active": bool(row.is_active),
-        "activated_at": _utc(row.activated_at),
-        "coverage": coverage(session, row.id).to_dict(),
-        "query_items": {"embedded": int(embedded_queries), "total": int(total_queries)},
+        "activated_at": as_utc(row.activated_at),
+        "coverage": version_store.coverage(row.id, session=session).to_dict(),
+        "query_items": {"embedded": embedded_queries, "total": total_queries},
         "index": index,
         "embedding": _job_state(row),
-        "checkpoint_stored": _has_checkpoint(session, row.id),
+        "checkpoint_stored": version_store.has_checkpoint(row.id, session=session),
         "last_evaluation": row.last_evaluation,
     }
 
@@ -535,45 +454,22 @@ def _saved_index(data_dir: str | Path, version: str) -> dict[str, Any]:
 
 def _job_state(row: ModelVersion) -> dict[str, Any]:
     state = row.embed_state or "idle"
-    if state == STATE_RUNNING and _stale(row.embed_heartbeat_at):
+    if state == version_store.STATE_RUNNING and not version_store.job_is_live(row):
         state = "interrupted"
-    return {"state": state, "error": row.embed_error, "updated_at": _utc(row.embed_heartbeat_at)}
-
-
-def _utc(moment: datetime | None) -> datetime | None:
-    """Timezone-aware (SQLite gives stored UTC times back without their zone)."""
-    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
-
-
-def _stale(heartbeat: datetime | None) -> bool:
-    if heartbeat is None:
-        return True
-    return utcnow() - _utc(heartbeat) > timedelta(seconds=HEARTBEAT_STALE_S)
+    return {"state": state, "error": row.embed_error,
+            "updated_at": as_utc(row.embed_heartbeat_at)}
 
 
 def has_checkpoint(version: str, *, session_factory: sessionmaker[Session]) -> bool:
     """Whether a registered version's checkpoint bytes are in the database (False for an
     unknown version)."""
     with session_factory() as session:
-        return session.scalar(
-            select(ModelCheckpoint.model_version_id)
-            .join(ModelVersion, ModelVersion.id == ModelCheckpoint.model_version_id)
-            .where(ModelVersion.version == version)) is not None
-
-
-def _has_checkpoint(session: Session, version_id: int) -> bool:
-    return session.scalar(select(ModelCheckpoint.model_version_id)
-                          .where(ModelCheckpoint.model_version_id == version_id)) is not None
+        row = version_store.find_version(version, session=session)
+        return row is not None and version_store.has_checkpoint(row.id, session=session)
 
 
 def _get(session: Session, version: str) -> ModelVersion:
-    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
-    if row is None:
-        known = session.scalars(select(ModelVersion.version).order_by(ModelVersion.id)).all()
-        raise VersionNotFound(
-            f"unknown model version {version!r}; registered: {', '.join(known) or 'none'}"
-        )
-    return row
+    return version_store.get_version(version, session=session)
 
 
 def record_evaluation(
@@ -592,8 +488,7 @@ def record_evaluation(
         **{m: report.get(m) for m in ("map_at_r", "r_precision", "precision_at_1")},
     }
     with session_factory.begin() as session:
-        session.execute(update(ModelVersion).where(ModelVersion.version == version)
-                        .values(last_evaluation=summary))
+        version_store.set_last_evaluation(version, summary, session=session)
 
 
 def evaluate_recorded(searcher: Any, query_set: str, *,
@@ -621,291 +516,6 @@ def comparison_report(a: Evaluation, b: Evaluation) -> dict[str, Any]:
         "b_better": comparison["b_better"],
         "a_better": comparison["a_better"],
     }
-
-
-# --------------------------------------------------------------------------- re-embedding
-
-
-@dataclass
-class Throttle:
-    """Keeps a background job from starving searches.
-
-    Attributes:
-        duty: the largest fraction of wall time the job computes (it sleeps the rest).
-        busy: says whether searches are waiting; the job waits (up to ``max_wait_s`` per
-            chunk) while it does.
-    """
-
-    duty: float = DEFAULT_DUTY
-    busy: Callable[[], bool] | None = None
-    max_wait_s: float = 2.0
-
-    def pause(self, worked_s: float) -> None:
-        if 0 < self.duty < 1:
-            time.sleep(worked_s * (1 - self.duty) / self.duty)
-        if self.busy is not None:
-            deadline = time.monotonic() + self.max_wait_s
-            while self.busy() and time.monotonic() < deadline:
-                time.sleep(0.005)
-
-
-@dataclass
-class EmbedReport:
-    """What a re-embedding run did."""
-
-    version: str
-    gallery_embedded: int = 0
-    queries_embedded: int = 0
-    skipped_deleted: int = 0
-    failed: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def rate(self) -> float:
-        return (self.gallery_embedded + self.queries_embedded) / max(self.seconds, 1e-9)
-
-
-def claim_job(version: str, *, session_factory: sessionmaker[Session]) -> bool:
-    """Mark the version's job running, unless a live job (fresh heartbeat) already runs.
-
-    One conditional UPDATE: of several processes asked at once, one wins.
-    """
-    stale_before = utcnow() - timedelta(seconds=HEARTBEAT_STALE_S)
-    with session_factory.begin() as session:
-        row = _get(session, version)
-        result = session.execute(
-            update(ModelVersion)
-            .where(ModelVersion.id == row.id)
-            .where(
-                (ModelVersion.embed_state.is_(None))
-                | (ModelVersion.embed_state != STATE_RUNNING)
-                | (ModelVersion.embed_heartbeat_at.is_(None))
-                | (ModelVersion.embed_heartbeat_at < stale_before)
-            )
-            .values(embed_state=STATE_RUNNING, embed_heartbeat_at=utcnow(), embed_error=None)
-            # Not evaluated in Python against the loaded row: SQLite gives its heartbeat back
-            # without a zone, and comparing it with an aware time raised TypeError.
-            .execution_options(synchronize_session=False)
-        )
-        return result.rowcount == 1
-
-
-@contextmanager
-def _beating(version: str, session_factory: sessionmaker[Session]) -> Iterator[None]:
-    """Refresh the job's heartbeat from a thread every third of :data:`HEARTBEAT_STALE_S`
-    while the job runs, however long one chunk or its throttle pause takes: the heartbeat
-    says the process is alive, not that a chunk just ended, so a live job is never claimed
-    by a second process. (A process that dies stops beating; one whose job hangs keeps its
-    claim until it is restarted.)"""
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(HEARTBEAT_STALE_S / 3):
-            try:
-                with session_factory.begin() as session:
-                    session.execute(
-                        update(ModelVersion)
-                        .where(ModelVersion.version == version,
-                               ModelVersion.embed_state == STATE_RUNNING)
-                        .values(embed_heartbeat_at=utcnow()))
-            except Exception:  # noqa: BLE001 - a lost connection: the next beat retries
-                logger.warning("heartbeat of the re-embedding of %s failed", version,
-                               exc_info=True)
-
-    thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{version}")
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-def _finish_job(version: str, session_factory: sessionmaker[Session], state: str,
-                error: str | None, covered_through: int | None = None) -> None:
-    values: dict[str, Any] = dict(embed_state=state, embed_heartbeat_at=utcnow(),
-                                  embed_error=error)
-    if covered_through is not None:
-        values["covered_through"] = covered_through
-    with session_factory.begin() as session:
-        session.execute(update(ModelVersion).where(ModelVersion.version == version)
-                        .values(**values))
-
-
-def run_embed_job(
-    version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
-    embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
-    max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
-    stop: threading.Event | None = None, claimed: bool = False,
-) -> EmbedReport:
-    """Claimed job around :func:`embed_missing`: state ``done`` or ``failed`` at the end.
-
-    Args:
-        claimed: the caller already won :func:`claim_job`.
-
-    Raises:
-        GalleryError: a live job of this version runs elsewhere.
-    """
-    if not claimed and not claim_job(version, session_factory=session_factory):
-        raise GalleryError(f"the re-embedding of {version} is already running")
-    with session_factory() as session:
-        # Every item up to here is covered once the scan ends (items added later may be too,
-        # but an activation checks those itself).
-        through = session.scalar(select(func.max(GalleryItem.id)))
-    try:
-        with _beating(version, session_factory):
-            report = embed_missing(
-                version, session_factory=session_factory, media=media, embedder=embedder,
-                throttle=throttle, chunk_size=chunk_size, max_pixels=max_pixels,
-                progress=progress, stop=stop, heartbeat=True,
-            )
-    except BaseException as exc:
-        _finish_job(version, session_factory, STATE_FAILED, f"{type(exc).__name__}: {exc}"[:500])
-        raise
-    error = (f"{len(report.failed)} stored images could not be decoded (ids "
-             f"{report.failed[:10]})" if report.failed else None)
-    if stop is not None and stop.is_set():
-        # Stopped by a shutdown: "running" without a heartbeat reads as interrupted, and the
-        # next start of any process (or a POST) resumes it at once.
-        with session_factory.begin() as session:
-            session.execute(update(ModelVersion).where(ModelVersion.version == version)
-                            .values(embed_heartbeat_at=None))
-    else:
-        _finish_job(version, session_factory, STATE_DONE, error, covered_through=through)
-    return report
-
-
-def embed_missing(
-    version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
-    embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
-    max_pixels: int = DEFAULT_MAX_PIXELS, progress: Callable[[int, int], None] | None = None,
-    stop: threading.Event | None = None, heartbeat: bool = False,
-    include_queries: bool = True,
-) -> EmbedReport:
-    """Embed every live gallery item (then every query item) that lacks a vector of
-    ``version``, from the stored images, one committed chunk at a time (see the module
-    docstring for why this covers concurrent adds and deletes).
-
-    Args:
-        progress: called with (embedded so far, live items) after each chunk.
-        stop: set it to stop after the current chunk.
-        heartbeat: update the job's heartbeat with each chunk.
-    """
-    if embedder.model_version != version:
-        raise GalleryError(f"the embedder is {embedder.model_version}, not {version}")
-    report = EmbedReport(version)
-    start = time.perf_counter()
-    limits = DecodeLimits(image_pixels=max_pixels, request_pixels=2**62)
-    failed: set[int] = set()
-    for queries in ((False, True) if include_queries else (False,)):
-        after = 0
-        while stop is None or not stop.is_set():
-            with session_factory() as session:
-                row = _get(session, version)
-                batch = _missing(session, row.id, after, chunk_size, queries=queries)
-            if not batch:
-                break
-            after = batch[-1][0]
-            t0 = time.perf_counter()
-            ids, vectors, broken = _embed_stored(batch, media, embedder, limits)
-            failed.update(broken)
-            with session_factory.begin() as session:
-                row = _get(session, version)
-                if queries:
-                    written = _add_query_embeddings(session, row, ids, vectors)
-                    report.queries_embedded += written
-                else:
-                    written = len(store.add_embeddings(ids, vectors, session=session,
-                                                       model_version=row))
-                    report.gallery_embedded += written
-                    report.skipped_deleted += len(ids) - written
-                if heartbeat:
-                    row.embed_heartbeat_at = utcnow()
-                cov = coverage(session, row.id) if progress is not None else None
-            if progress is not None and cov is not None:
-                progress(cov.embedded, cov.live)
-            if throttle is not None:
-                throttle.pause(time.perf_counter() - t0)
-    report.failed = sorted(failed)
-    report.seconds = time.perf_counter() - start
-    return report
-
-
-def _count_missing(session: Session, version_id: int, *, through: int | None) -> int:
-    """Live gallery items up to id ``through`` (all, for ``None``) without a vector of the
-    version."""
-    has = exists().where(and_(Embedding.item_id == GalleryItem.id,
-                              Embedding.model_version_id == version_id))
-    query = select(func.count()).select_from(GalleryItem).where(
-        GalleryItem.deleted_at.is_(None), ~has)
-    if through is not None:
-        query = query.where(GalleryItem.id <= through)
-    return int(session.scalar(query) or 0)
-
-
-def _missing(session: Session, version_id: int, after: int, limit: int, *,
-             queries: bool) -> list[tuple[int, str]]:
-    """The next ``limit`` items (id > ``after``, id order) with no vector of the version:
-    live gallery items, or query items."""
-    if queries:
-        item, vec, key, scope = QueryItem, QueryEmbedding, QueryEmbedding.query_item_id, True
-    else:
-        item, vec, key = GalleryItem, Embedding, Embedding.item_id
-        scope = GalleryItem.deleted_at.is_(None)
-    has = exists().where(and_(key == item.id, vec.model_version_id == version_id))
-    rows = session.execute(
-        select(item.id, item.media_path).where(item.id > after, scope, ~has)
-        .order_by(item.id).limit(limit)
-    )
-    return [(int(i), path) for i, path in rows]
-
-
-def _embed_stored(batch: list[tuple[int, str]], media: MediaBackend, embedder: Embedder,
-                  limits: DecodeLimits) -> tuple[list[int], np.ndarray, list[int]]:
-    """Vectors of stored images; an unreadable one is left out (its id in the third list)."""
-    ids, blobs, broken = [], [], []
-    for (item_id, _), data in zip(batch, media.read_many([path for _, path in batch]),
-                                  strict=True):
-        if data is None:
-            # Bytes gone: the item was deleted (its media purged) after the scan read it.
-            broken.append(item_id)
-        else:
-            blobs.append(data)
-            ids.append(item_id)
-    if not blobs:
-        return [], np.zeros((0, embedder.dim), np.float32), broken
-    try:
-        vectors = embed_encoded(blobs, embedder=embedder, limits=limits,
-                                names=[f"item {i}" for i in ids])
-        return ids, vectors, broken
-    except ImageDecodeError:
-        pass
-    # One bad image: embed one at a time so the others still get their vectors.
-    good, vectors = [], []
-    for item_id, data in zip(ids, blobs, strict=True):
-        try:
-            vectors.append(embed_encoded([data], embedder=embedder, limits=limits,
-                                         names=[f"item {item_id}"])[0])
-            good.append(item_id)
-        except ImageDecodeError as exc:
-            logger.warning("cannot re-embed %s", exc)
-            broken.append(item_id)
-    stacked = np.stack(vectors) if vectors else np.zeros((0, embedder.dim), np.float32)
-    return good, stacked, broken
-
-
-def _add_query_embeddings(session: Session, row: ModelVersion, ids: list[int],
-                          vectors: np.ndarray) -> int:
-    if not ids:
-        return 0
-    # An ingest of the same query set may have stored some meanwhile: skip those.
-    have = store.ids_with_embedding(ids, session=session, model_version_id=row.id,
-                                    query_set=store.ANY_QUERY_SET)
-    keep = [j for j, item_id in enumerate(ids) if item_id not in have]
-    if keep:
-        store.add_embeddings([ids[j] for j in keep], vectors[keep], session=session,
-                             model_version=row, query_set=store.ANY_QUERY_SET)
-    return len(keep)
 
 
 # --------------------------------------------------------------------------- switching
@@ -956,15 +566,16 @@ def activate(
         raise ActivationRefused(f"require must be better or not_worse, not {require!r}")
     with session_factory() as session:
         row = _get(session, version)
-        active = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+        active = store.active_model_version(session=session)
         active_name = active.version if active is not None else None
-        if not _has_checkpoint(session, row.id):
+        if not version_store.has_checkpoint(row.id, session=session):
             raise ActivationRefused(
                 f"model version {version} has no stored checkpoint, so other processes could "
                 "not load it; register it first (imgret models register / POST /models)"
             )
-        cov = coverage(session, row.id)
-        old_gaps = _count_missing(session, row.id, through=row.covered_through)
+        cov = version_store.coverage(row.id, session=session)
+        old_gaps = version_store.count_missing(row.id, session=session,
+                                               through=row.covered_through)
         new_gaps = cov.missing - old_gaps
     if active_name == version:
         return Activation(version, None, None, changed=False)
@@ -993,41 +604,22 @@ def activate(
         # ... then the last ones under the gallery write lock: nothing commits in between.
         store.lock_gallery_writes(session=session)
         row = _get(session, version)
-        while batch := _missing(session, row.id, 0, EMBED_CHUNK, queries=False):
-            ids, vectors, broken = _embed_stored(batch, media, embedder, limits)
+        while batch := version_store.missing_items(row.id, session=session, after=0,
+                                                   limit=EMBED_CHUNK, queries=False):
+            ids, vectors, broken = embed_stored(batch, media, embedder, limits)
             if broken:
                 raise ActivationRefused(
                     f"stored images of items {broken[:10]} cannot be decoded with {version}"
                 )
             caught_up += len(store.add_embeddings(ids, vectors, session=session,
                                                   model_version=row))
-        previous = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
-        newest = session.scalar(select(func.max(GalleryItem.id)))
-        if previous is not None:
-            # It served until now, so every item so far has its vector (writes check it).
-            previous.covered_through = newest
-        store.activate_model_version(session=session, version=version)
-        row.activated_at = utcnow()
-        row.covered_through = newest
-        session.add(ModelActivation(
-            model_version_id=row.id, previous_version_id=previous.id if previous else None,
-            reason=reason, gate=_gate_summary(comparison, require, query_set),
-        ))
+        # The previous version served until now, so every item so far has its vector too
+        # (writes check it): both are covered through the newest item.
+        version_store.switch_active(row, session=session, reason=reason,
+                                    gate=_gate_summary(comparison, require, query_set))
     logger.info("%s: %s is active (was %s; %d items embedded during the switch)", reason,
                 version, active_name, caught_up)
     return Activation(version, active_name, comparison, changed=True, stragglers=caught_up)
-
-
-def _rollback_target(session: Session) -> int | None:
-    """The id of the version the active one replaced (the last switch to it), if any."""
-    active = session.scalar(select(ModelVersion.id).where(ModelVersion.is_active))
-    if active is None:
-        return None
-    return session.scalar(
-        select(ModelActivation.previous_version_id)
-        .where(ModelActivation.model_version_id == active)
-        .order_by(ModelActivation.id.desc()).limit(1)
-    )
 
 
 def previous_version(*, session_factory: sessionmaker[Session]) -> str:
@@ -1037,11 +629,11 @@ def previous_version(*, session_factory: sessionmaker[Session]) -> str:
         ActivationRefused: no switch on record.
     """
     with session_factory() as session:
-        target = _rollback_target(session)
+        target = version_store.rollback_target(session=session)
         if target is None:
             raise ActivationRefused("no previous version to roll back to: the active version "
                                     "was never switched to from another one")
-        return session.get(ModelVersion, target).version
+        return target.version
 
 
 def delete_version(version: str, *, session_factory: sessionmaker[Session],
@@ -1063,22 +655,15 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
         if row.is_active:
             raise VersionInUse(f"model version {version} is active; activate another version "
                                "first")
-        if row.id == _rollback_target(session):
+        target = version_store.rollback_target(session=session)
+        if target is not None and row.id == target.id:
             raise VersionInUse(f"model version {version} is the rollback target (the version "
                                "the active one replaced); it can be deleted after the next "
                                "switch")
-        if row.embed_state == STATE_RUNNING and not _stale(row.embed_heartbeat_at):
+        if version_store.job_is_live(row):
             raise VersionInUse(f"model version {version} is being re-embedded; wait for the "
                                "job to end")
-        for table, key in ((Embedding, Embedding.model_version_id),
-                           (QueryEmbedding, QueryEmbedding.model_version_id),
-                           (ModelCheckpoint, ModelCheckpoint.model_version_id),
-                           (ModelActivation, ModelActivation.model_version_id)):
-            session.execute(delete(table).where(key == row.id))
-        session.execute(update(ModelActivation).where(ModelActivation.previous_version_id
-                                                      == row.id)
-                        .values(previous_version_id=None))
-        session.delete(row)
+        version_store.delete_version(row, session=session)
     for folder in (index_dir(data_dir, version), checkpoint_file(data_dir, version).parent):
         shutil.rmtree(folder, ignore_errors=True)
     logger.info("deleted model version %s", version)
@@ -1087,19 +672,18 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
 def active_version(*, session_factory: sessionmaker[Session]) -> str | None:
     """The name of the active version (``None`` on an empty database)."""
     with session_factory() as session:
-        return session.scalar(select(ModelVersion.version).where(ModelVersion.is_active))
+        active = store.active_model_version(session=session)
+        return active.version if active is not None else None
 
 
 def history(*, session_factory: sessionmaker[Session], limit: int = 20) -> list[dict[str, Any]]:
     """The last switches, newest first."""
     with session_factory() as session:
-        names = dict(session.execute(select(ModelVersion.id, ModelVersion.version)).all())
-        rows = session.scalars(
-            select(ModelActivation).order_by(ModelActivation.id.desc()).limit(limit)
-        )
+        names = version_store.version_names(session=session)
+        rows = version_store.last_activations(session=session, limit=limit)
         return [{"version": names.get(r.model_version_id),
                  "previous": names.get(r.previous_version_id), "reason": r.reason,
-                 "at": _utc(r.created_at), "gate": r.gate} for r in rows]
+                 "at": as_utc(r.created_at), "gate": r.gate} for r in rows]
 
 
 def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
@@ -1107,12 +691,4 @@ def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
     if comparison is None:
         return None
     return {"require": require, "query_set": query_set, "verdict": comparison.get("verdict")}
-
-
-def stale_jobs(*, session_factory: sessionmaker[Session]) -> list[str]:
-    """Versions whose job was running when its process died (heartbeat gone stale)."""
-    with session_factory() as session:
-        rows = session.scalars(select(ModelVersion).where(ModelVersion.embed_state
-                                                          == STATE_RUNNING))
-        return [row.version for row in rows if _stale(row.embed_heartbeat_at)]
 

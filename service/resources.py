@@ -19,7 +19,7 @@ from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
 from imgret.process import in_own_thread
 from imgret.settings import Settings
-from index import versions
+from index import reembed, versions
 from index.db import make_engine, make_sessionmaker, upgrade_to_head
 from index.gc import sweep_media
 from index.media import MediaBackend
@@ -206,7 +206,7 @@ class Resources:
 class EmbedJobs:
     """This process's background re-embedding threads (one per version at most).
 
-    The state that other processes see lives in SQL (:func:`index.versions.claim_job`); a
+    The state that other processes see lives in SQL (:func:`index.reembed.claim_job`); a
     job stopped by a shutdown is left "running" with an old heartbeat, which any process's
     next start or ``POST /models/{v}/embed`` resumes.
     """
@@ -232,7 +232,7 @@ class EmbedJobs:
             running = self._threads.get(version)
             if running is not None and running.is_alive():
                 return False
-            if not versions.claim_job(version, session_factory=resources.sessions):
+            if not reembed.claim_job(version, session_factory=resources.sessions):
                 return False
             thread = threading.Thread(target=self._run, args=(version,), daemon=True,
                                       name=f"embed-{version}")
@@ -242,10 +242,10 @@ class EmbedJobs:
 
     def _run(self, version: str) -> None:
         resources = self.resources
-        throttle = versions.Throttle(duty=resources.settings.embed_duty,
-                                     busy=resources.search_busy)
+        throttle = reembed.Throttle(duty=resources.settings.embed_duty,
+                                    busy=resources.search_busy)
         try:
-            report = versions.run_embed_job(
+            report = reembed.run_embed_job(
                 version, session_factory=resources.sessions, media=resources.media,
                 embedder=resources.embedder_for(version), throttle=throttle,
                 max_pixels=resources.settings.max_image_pixels, stop=self._stop, claimed=True,
@@ -393,7 +393,7 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
 def resume_interrupted_jobs(resources: Resources) -> list[str]:
     """Start the re-embedding jobs whose process died (stale heartbeat) again, here."""
     started = []
-    for version in versions.stale_jobs(session_factory=resources.sessions):
+    for version in reembed.stale_jobs(session_factory=resources.sessions):
         try:
             if resources.jobs is not None and resources.jobs.start(version):
                 started.append(version)

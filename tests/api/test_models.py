@@ -174,7 +174,7 @@ def test_bad_registrations_are_refused_and_change_nothing(make_client, tmp_path:
 
 def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoint: Path
                                                      ) -> None:
-    from index import versions
+    from index import reembed
 
     with make_client() as client:
         add_gallery(client, classes=4, per_class=5)
@@ -188,9 +188,9 @@ def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoi
             calls.append(done)
             stop.set()
 
-        versions.run_embed_job(version_b, session_factory=resources.sessions,
-                               media=resources.media, embedder=resources.embedder_for(version_b),
-                               chunk_size=8, progress=progress, stop=stop)
+        reembed.run_embed_job(version_b, session_factory=resources.sessions,
+                              media=resources.media, embedder=resources.embedder_for(version_b),
+                              chunk_size=8, progress=progress, stop=stop)
         info = client.get(f"/models/{version_b}").json()
         assert info["coverage"]["embedded"] == 8 and info["embedding"]["state"] == "interrupted"
     # The next start resumes it (no POST needed) and finishes the other 12.
@@ -245,7 +245,7 @@ def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
     added meanwhile gets its vector, no item deleted meanwhile keeps one or comes back."""
     from sqlalchemy import func, select
 
-    from index import versions
+    from index import reembed
     from index.models import Embedding, ModelVersion
 
     with make_client() as client:
@@ -253,10 +253,10 @@ def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
         version_b = _register(client, other_checkpoint)["version"]
         resources = client.app.state.resources
         report: list = []
-        job = threading.Thread(target=lambda: report.append(versions.run_embed_job(
+        job = threading.Thread(target=lambda: report.append(reembed.run_embed_job(
             version_b, session_factory=resources.sessions, media=resources.media,
             embedder=resources.embedder_for(version_b), chunk_size=4,
-            throttle=versions.Throttle(duty=0.02))))
+            throttle=reembed.Throttle(duty=0.02))))
         job.start()
         added, deleted = [], []
         for i in range(6):

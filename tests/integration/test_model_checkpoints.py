@@ -17,7 +17,7 @@ from sqlalchemy import func, inspect, select, text, update
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from index import store, versions
+from index import reembed, store, version_store, versions
 from index.db import alembic_config, downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from index.ingest import NewItem, add_items
 from index.media import MediaStore
@@ -192,7 +192,7 @@ def test_delete_removes_everything_but_never_the_active_or_rollback_target(
                                            device=TEST_DEVICE) for v in names}
     _gallery(sessions, media, embedders[a])
     for v in (b, c):
-        versions.run_embed_job(v, session_factory=sessions, media=media, embedder=embedders[v])
+        reembed.run_embed_job(v, session_factory=sessions, media=media, embedder=embedders[v])
     versions.activate(b, session_factory=sessions, data_dir=data_dir, media=media,
                       embedder=embedders[b])
     with pytest.raises(versions.VersionInUse, match="active"):
@@ -259,7 +259,7 @@ def test_a_delete_racing_an_activation_never_leaves_the_active_version_without_i
                                          data_dir=data_dir)["version"]
         embedder_b = versions.load_embedder(b, session_factory=sessions, data_dir=data_dir,
                                             device=TEST_DEVICE)
-        versions.run_embed_job(b, session_factory=sessions, media=media, embedder=embedder_b)
+        reembed.run_embed_job(b, session_factory=sessions, media=media, embedder=embedder_b)
         result = _race(sessions, data_dir, media, b, embedder_b)
         # Exactly one of them won; the active version always has its checkpoint and vectors.
         assert sorted(result.values()).count("ok") == 1, result
@@ -286,7 +286,7 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
                                                             monkeypatch) -> None:
     """Each chunk plus its throttle pause lasts several times the staleness limit: the
     heartbeat must beat in between, or a second claimer takes the job over."""
-    monkeypatch.setattr(versions, "HEARTBEAT_STALE_S", 0.3)
+    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 0.3)
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = versions.register_checkpoint(runs[0], session_factory=sessions,
@@ -297,19 +297,19 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     _gallery(sessions, media, versions.load_embedder(a, **load), n=4)
     embedder_b = versions.load_embedder(b, **load)
 
-    class Slow(versions.Throttle):
+    class Slow(reembed.Throttle):
         def pause(self, worked_s: float) -> None:
             time.sleep(1.0)  # > 3x the staleness limit after every chunk
 
-    assert versions.claim_job(b, session_factory=sessions)
+    assert reembed.claim_job(b, session_factory=sessions)
     report: list = []
-    job = threading.Thread(target=lambda: report.append(versions.run_embed_job(
+    job = threading.Thread(target=lambda: report.append(reembed.run_embed_job(
         b, session_factory=sessions, media=media, embedder=embedder_b, chunk_size=1,
         throttle=Slow(), claimed=True)))
     job.start()
     stolen = []
     while job.is_alive():
-        if versions.claim_job(b, session_factory=sessions):
+        if reembed.claim_job(b, session_factory=sessions):
             stolen.append(time.monotonic())
         time.sleep(0.05)
     job.join()
@@ -317,4 +317,4 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     assert report and report[0].gallery_embedded == 4
     with sessions() as session:
         assert session.scalar(select(ModelVersion.embed_state)
-                              .where(ModelVersion.version == b)) == versions.STATE_DONE
+                              .where(ModelVersion.version == b)) == version_store.STATE_DONE
