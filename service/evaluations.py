@@ -15,8 +15,8 @@ from imgret.errors import GalleryError
 from imgret.images import DecodeLimits
 from index import evaluation, store, versions
 from index.search.rerank import Rerank
+from service.request_rules import NotFound
 from service.resources import Resources
-from service.validation import NotFound
 
 
 def embedder_or_none(resources: Resources, version: str) -> Embedder | None:

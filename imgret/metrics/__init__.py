@@ -21,7 +21,7 @@ exactly without sorting the gallery.
 Modules, in reading order:
 
 * ``retrieval``: the two entry points.
-* ``validation``: input checks (every malformed input is a ``ValueError``).
+* ``inputs``: input checks and conversions (every malformed input is a ``ValueError``).
 * ``relevance``: who is relevant to whom (labels, leave-one-out, the re-ID camera rule).
 * ``ranks``: the one rank engine (a float32 GEMM per chunk, a numba kernel for the counts).
 * ``definitions``: the metrics from the ranks, and the report; its ``ci95`` is

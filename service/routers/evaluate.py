@@ -18,9 +18,9 @@ from imgret.process import in_own_thread
 from service import evaluations
 from service.deps import ResourcesDep, require_api_key
 from service.forms import form_schema, open_form
+from service.request_rules import request_validation_error
 from service.resources import Resources
 from service.schemas import EvaluateRequest, EvaluateUpload, EvaluationReport, ModelComparison
-from service.validation import request_validation_error
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 

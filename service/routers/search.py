@@ -30,6 +30,7 @@ from service.deps import ResourcesDep
 from service.forms import form_body, open_form
 from service.limits import check_search_budget
 from service.pipeline import Answer, ImageQuery
+from service.request_rules import InvalidRequest, WholeNumber, request_validation_error
 from service.schemas import (
     K_MAX,
     BatchSearchForm,
@@ -39,7 +40,6 @@ from service.schemas import (
     SearchHit,
     SearchResponse,
 )
-from service.validation import InvalidRequest, WholeNumber, request_validation_error
 
 router = APIRouter(prefix="/search", tags=["search"])
 
