@@ -137,7 +137,7 @@ def _evaluate(settings: Any, run_dir: Path) -> None:
     from imgret.metrics import retrieval_metrics
     from index.commands import evaluate_named
     from index.evaluation import format_report
-    from training.evaluation import pixel_embeddings
+    from training.scoring import pixel_embeddings
 
     data_dir = settings.data_dir
     report = evaluate_named(settings, QUERY_SET, ks=[1, 5, 10])

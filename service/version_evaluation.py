@@ -1,4 +1,4 @@
-"""Evaluations and comparisons of model versions inside the service: the glue between the
+"""Evaluating and comparing model versions inside the service: the glue between the
 process's open models and indexes (:class:`~service.resources.Resources`) and
 :mod:`index.evaluation`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
 :func:`evaluate_uploaded`) and by the gate of ``POST /models/{v}/activate``, so a refused
