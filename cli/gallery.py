@@ -1,5 +1,5 @@
-"""CLI commands: the gallery database (`db upgrade`), `ingest`, and `index build`: each calls
-one function of ``index.commands``.
+"""CLI commands: the gallery database (`db upgrade|downgrade`), `ingest`, `index build` and
+`media migrate`: each calls one function of ``index.commands``.
 
 Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_MODEL``, ``IMGRET_DEVICE``,
 ``IMGRET_INDEX_FACTORY``, ``IMGRET_MAX_IMAGE_PIXELS``) come from the environment; options

@@ -26,6 +26,7 @@ Modules, in reading order:
 * ``ranks``: the one rank engine (a float32 GEMM per chunk, a numba kernel for the counts).
 * ``definitions``: the metrics from the ranks, and the report; its ``ci95`` is
   :func:`imgret.stats.bootstrap_ci`.
+* ``jit``: the numba compilation of the loops, each written once as plain Python.
 """
 
 from imgret.metrics.retrieval import ranking_metrics, retrieval_metrics
