@@ -23,7 +23,7 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
       (``index.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses and
       embeds whole slices with one torch thread, only vectors come back): what the
       ingest's pipeline does minus every storage step;
-   c. **ingest**: ``index.jobs.ingest`` of the folder into a fresh SQLite database and data
+   c. **ingest**: ``index.commands.ingest`` of the folder into a fresh SQLite database and data
       dir (and into a fresh PostgreSQL database with ``--postgres``), once per media backend
       of ``--media-backend`` (``IMGRET_MEDIA_BACKEND``: ``files``, the bytes as files in
       the data dir; ``database``, the bytes as ``media_blobs`` rows in the chunk's
@@ -202,7 +202,7 @@ def main() -> None:
         rates = [rate for rate, _ in results]
         rate = statistics.median(rates)
         used = statistics.median(cpu[db, backend])
-        lines.append(f"| (c) `index.jobs.ingest`, {db}, media {backend} | {rate:.0f} | "
+        lines.append(f"| (c) `index.commands.ingest`, {db}, media {backend} | {rate:.0f} | "
                      f"{_list(rates)} | {_ratio(rate, floor, bold=not pooled_is_bar)} | "
                      f"{_ratio(rate, pooled_floor, bold=pooled_is_bar)} | {used:.2f} | "
                      f"{_ratio(pooled_cpu_s, used) if pooled_cpu_s else '–'} |")
@@ -344,11 +344,11 @@ def _forward(paths: list[Path], embedder) -> float:
 
 def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
                  *, ray: str | None = None, media_backend: str = "files"):
-    """``index.jobs.ingest`` into a fresh database: (images/s over its wall time, report);
+    """``index.commands.ingest`` into a fresh database: (images/s over its wall time, report);
     with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``); the image bytes go to
     ``media_backend`` (``IMGRET_MEDIA_BACKEND``)."""
     from imgret.settings import Settings
-    from index import jobs
+    from index import commands
 
     db_url, drop = f"sqlite:///{data_dir}/gallery.db", None
     if postgres:
@@ -357,7 +357,7 @@ def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str |
     try:
         settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
                             device="cpu", media_backend=media_backend)
-        report = jobs.ingest(settings, folder, batch_size=args.batch_size,
+        report = commands.ingest(settings, folder, batch_size=args.batch_size,
                              chunk_size=args.chunk_size, progress=args.progress, ray=ray)
     finally:
         if drop:

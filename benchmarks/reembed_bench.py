@@ -12,7 +12,7 @@ the default run takes about 2 minutes on 2 cores):
    rankings meaningless (throughput and latency are what is measured here);
 2. ``--items`` Fashion-MNIST train images (Debian's ``dataset-fashion-mnist``; generated
    images when it is not installed) written as an ImageFolder and ingested with A the way
-   ``imgret demo`` does (``index.jobs.ingest``, SQLite in a temporary data dir);
+   ``imgret demo`` does (``index.commands.ingest``, SQLite in a temporary data dir);
 3. starts ``imgret serve`` (A) with ``IMGRET_EMBED_DUTY=--duty`` and registers B and C
    (``POST /models``);
 4. phases, each measured by ``wrk -t1 -c<connections>`` on ``POST /search`` (k=10, cycling
@@ -181,10 +181,10 @@ def _models(work: Path) -> list[tuple[str, Path]]:
 def _ingest(folder: Path, data_dir: Path, db_url: str, model: Path) -> float:
     """Ingest the gallery with A the way ``imgret demo`` does; returns its items/s."""
     from imgret.settings import Settings
-    from index import jobs
+    from index import commands
 
     settings = Settings(data_dir=data_dir, model=model, database_url=db_url, device="cpu")
-    report = jobs.ingest(settings, folder, progress=False)
+    report = commands.ingest(settings, folder, progress=False)
     for line in report.summary():
         logger.info("ingest: %s", line)
     return report.added / report.wall_seconds

@@ -4,7 +4,7 @@ Train (closed-set protocol) -> export a gallery and a held-out query set as PNG 
 ingest both -> build the index -> evaluate through the serving path, beside the untrained
 network and raw pixels measured by the same metric function on the same images -> serve.
 Every stage calls the same layer function as its own command (``training.loop.train``,
-``index.jobs.ingest`` / ``build`` / ``evaluate_named``, ``service.run.serve``) with the demo's
+``index.commands.ingest`` / ``build`` / ``evaluate_named``, ``service.run.serve``) with the demo's
 settings, and a re-run reuses what is already there.
 """
 
@@ -41,7 +41,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         """Train, ingest, index and evaluate on Fashion-MNIST, then serve the API and web page."""
         from imgret.settings import Settings
         from imgret.timing import timed
-        from index import jobs
+        from index import commands
 
         base = Settings()
         data_dir = (data_dir or base.data_dir).resolve()
@@ -58,11 +58,11 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
                 work()
 
         def ingest(folder: Path, query_set: str | None = None) -> None:
-            for line in jobs.ingest(settings, folder, query_set=query_set).summary():
+            for line in commands.ingest(settings, folder, query_set=query_set).summary():
                 typer.echo(line)
 
         def build() -> None:
-            built = jobs.build(settings)
+            built = commands.build(settings)
             typer.echo(f"built {built.factory} index: {built.size} vectors -> {built.folder}")
 
         stage("train (closed-set protocol)", lambda: _train(run_dir, epochs, train_images))
@@ -135,9 +135,9 @@ def _evaluate(settings: Any, run_dir: Path) -> None:
     from imgret.embedder import Embedder
     from imgret.images import load_image_file
     from imgret.metrics import retrieval_metrics
+    from index.commands import evaluate_named
     from index.evaluation import format_report
-    from index.jobs import evaluate_named
-    from training.evaluation import pixel_embeddings
+    from training.scoring import pixel_embeddings
 
     data_dir = settings.data_dir
     report = evaluate_named(settings, QUERY_SET, ks=[1, 5, 10])

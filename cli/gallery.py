@@ -1,5 +1,5 @@
-"""CLI commands: the gallery database (`db upgrade`), `ingest`, and `index build`: each calls
-one function of ``index.jobs``.
+"""CLI commands: the gallery database (`db upgrade|downgrade`), `ingest`, `index build` and
+`media migrate`: each calls one function of ``index.commands``.
 
 Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_MODEL``, ``IMGRET_DEVICE``,
 ``IMGRET_INDEX_FACTORY``, ``IMGRET_MAX_IMAGE_PIXELS``) come from the environment; options
@@ -32,12 +32,12 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         Refused, changing nothing, while any server holds the gallery's database (each holds
         a lock on it while it serves: index.serving); servers do not start while it runs."""
         from imgret.settings import get_settings
-        from index import jobs
+        from index import commands
         from index.serving import hold_for_maintenance
 
         settings = get_settings()
         with hold_for_maintenance(settings.db_url, "imgret media migrate"):
-            report = jobs.migrate_media(settings, to, progress=progress)
+            report = commands.migrate_media(settings, to, progress=progress)
         typer.echo(
             f"moved {report.moved} images from the {report.source} backend to the "
             f"{report.target} backend in {report.seconds:.1f}s ({report.missing} referenced "
@@ -50,11 +50,11 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     def db_upgrade() -> None:
         """Bring the database schema to the latest migration (Alembic `upgrade head`)."""
         from imgret.settings import get_settings
-        from index import jobs
+        from index import commands
         from index.db import safe_url
 
         settings = get_settings()
-        revision = jobs.upgrade(settings)
+        revision = commands.upgrade(settings)
         typer.echo(f"database schema at revision {revision} ({safe_url(settings.db_url)})")
 
     @db_app.command("downgrade")
@@ -64,11 +64,11 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     ) -> None:
         """Undo migrations down to REVISION (data in dropped tables is lost)."""
         from imgret.settings import get_settings
-        from index import jobs
+        from index import commands
         from index.db import safe_url
 
         settings = get_settings()
-        jobs.downgrade_to(settings, revision, confirmed=yes)
+        commands.downgrade_to(settings, revision, confirmed=yes)
         typer.echo(f"database schema downgraded to {revision} "
                    f"({safe_url(settings.db_url)})")
 
@@ -104,9 +104,9 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     ) -> None:
         """Embed a data set into the gallery (or a query set); running it again adds nothing."""
         from imgret.settings import get_settings
-        from index import jobs
+        from index import commands
 
-        report = jobs.ingest(get_settings(), path, model=model, query_set=query_set,
+        report = commands.ingest(get_settings(), path, model=model, query_set=query_set,
                              batch_size=batch_size, chunk_size=chunk_size, workers=workers,
                              progress=progress, ray=ray)
         for line in report.summary():
@@ -128,9 +128,9 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     ) -> None:
         """Build the FAISS index from the stored embeddings (no re-embedding) and save it."""
         from imgret.settings import get_settings
-        from index import jobs
+        from index import commands
 
-        built = jobs.build(get_settings(), factory=factory, model_version=model_version,
+        built = commands.build(get_settings(), factory=factory, model_version=model_version,
                            progress=progress)
         typer.echo(
             f"built {built.factory} index of model version {built.model_version}: "

@@ -1,6 +1,6 @@
 """CLI commands: `imgret models list|register|embed|compare|activate|rollback|delete`, the twins of
 ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one function of
-``index.model_jobs`` (which calls the same ``index.versions`` code as the service).
+``index.model_commands`` (which calls the same ``index.versions`` code as the service).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def list_command(
     as_json: bool = typer.Option(False, "--json", help="print GET /models's JSON"),
 ) -> None:
     """Every version: active flag, coverage, index and re-embedding state, last evaluation."""
-    from index import model_jobs
+    from index import model_commands
 
-    listing = model_jobs.list_models(_settings())
+    listing = model_commands.list_models(_settings())
     if as_json:
         typer.echo(json.dumps(listing, default=str, indent=2))
         return
@@ -53,9 +53,9 @@ def register_command(
     run: Path = typer.Argument(..., help="run directory from `imgret train`, or its model.pt"),
 ) -> None:
     """Register a checkpoint (stored in the database so every server can load it)."""
-    from index import model_jobs
+    from index import model_commands
 
-    info = model_jobs.register(_settings(), run)
+    info = model_commands.register(_settings(), run)
     typer.echo(f"registered {info['version']} (dim {info['dim']}); coverage "
                f"{info['coverage']['embedded']}/{info['coverage']['live']}")
     if not info["coverage"]["complete"]:
@@ -74,7 +74,7 @@ def embed_command(
     index."""
     from tqdm import tqdm
 
-    from index import model_jobs
+    from index import model_commands
 
     bar: Any = None
 
@@ -89,7 +89,7 @@ def embed_command(
         bar.refresh()
 
     try:
-        report = model_jobs.embed(_settings(), version, progress=show, duty=duty)
+        report = model_commands.embed(_settings(), version, progress=show, duty=duty)
     finally:
         if bar is not None:
             bar.close()
@@ -108,9 +108,9 @@ def compare_command(
 ) -> None:
     """B against A on the same queries: each metric, B − A with its paired 95% interval and
     the verdict (better / worse / no detectable difference)."""
-    from index import model_jobs
+    from index import model_commands
 
-    result = model_jobs.compare(_settings(), a, b, query_set)
+    result = model_commands.compare(_settings(), a, b, query_set)
     if as_json:
         typer.echo(json.dumps(result, default=str, indent=2))
         return
@@ -140,14 +140,14 @@ def activate_command(
 ) -> None:
     """Switch the served version (running servers follow within their follower interval)."""
     from imgret.errors import ImgretError
-    from index import model_jobs
+    from index import model_commands
 
     if require not in (None, "better", "not_worse"):
         raise typer.BadParameter("better or not_worse", param_hint="--require")
     if require is not None and query_set is None:
         raise typer.BadParameter("--require needs --query-set", param_hint="--query-set")
     try:
-        result = model_jobs.activate(_settings(), version, require=require,
+        result = model_commands.activate(_settings(), version, require=require,
                                      query_set=query_set)
     except ImgretError as exc:
         comparison = getattr(exc, "details", {}).get("comparison")
@@ -163,9 +163,9 @@ def activate_command(
 @models_app.command("rollback")
 def rollback_command() -> None:
     """Serve the version the active one replaced again."""
-    from index import model_jobs
+    from index import model_commands
 
-    result = model_jobs.rollback(_settings())
+    result = model_commands.rollback(_settings())
     typer.echo(f"active: {result.active} (rolled back from {result.previous})")
 
 
@@ -177,7 +177,7 @@ def delete_command(
     """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
     (``DELETE /models/{version}``)."""
     from index import versions
-    from index.jobs import open_gallery
+    from index.commands import open_gallery
 
     settings = _settings()
     with open_gallery(settings) as sessions:

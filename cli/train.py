@@ -125,7 +125,7 @@ def train_command(
 def echo_run(result: Any) -> None:
     """Print a finished run (a ``training.loop.RunResult``): where, split, val and test."""
     from training.data import describe_split
-    from training.evaluation import format_metric
+    from training.scoring import format_metric
 
     typer.echo(f"run: {result.out} (model version {result.model_version})")
     typer.echo(f"split: {describe_split(result.split)}")

@@ -48,9 +48,9 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from torch import nn
 
 from imgret.backbones import BACKBONES, build_backbone
+from imgret.config_rules import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 from imgret.errors import CheckpointError
 from imgret.files import write_atomic_with
-from imgret.validation import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 
 CHECKPOINT_FILE = "model.pt"
 FORMAT = "imgret-checkpoint-v1"

@@ -1,20 +1,46 @@
-"""The gallery in SQL (source of truth), ingest jobs, and the FAISS index derived from it.
+"""The gallery: SQL as the source of truth, image bytes beside it, and the FAISS indexes
+derived from it; model versions; what the commands run on them.
 
-Modules and what the service uses from them:
+No module here knows HTTP: ``service`` calls these, and ``imgret`` (the core) is below.
 
-- ``index.db``: ``make_engine(url)``, ``make_sessionmaker(engine)``, ``upgrade_to_head(url)``.
-- ``index.models``: the SQLAlchemy tables (gallery items, embeddings per model version, model
-  versions, query sets, the gallery change log).
-- ``index.media``: ``MediaStore.in_data_dir(data_dir)`` — content-addressed image files.
-- ``index.media_db``: ``open_media_store(settings, sessions)`` — the store of
-  ``IMGRET_MEDIA_BACKEND``: those files, or the ``media_blobs`` table (``DatabaseMediaStore``).
-- ``index.store``: repository functions (``session`` keyword-only, never commit).
-- ``index.ingest``: ``add_items(items, *, session, media, embedder)`` for uploads and
-  ``ingest_source(path, ...)`` for ``imgret ingest`` (a package: uploads, the chunk pipeline,
-  the worker pool, the writer, the Ray Data variant).
-- ``index.faiss_index``: factory checks, index creation, GPU placement, the index file.
-- ``index.build``: ``build_from_sql(...)``, an index from the stored embeddings.
-- ``index.manifest``: what a saved index was built from, checked against SQL on load.
-- ``index.search``: ``Searcher.open(...)``, ``search``, ``add``, ``remove``,
-  ``refresh_from_changes`` (a package: filters, ranking, live index, change log, lifecycle).
+The database:
+
+- ``db``: engines, sessions, and the Alembic migrations brought to head;
+- ``models``: the SQLAlchemy tables (items, embeddings per model version, model versions,
+  query sets, the change log, stored checkpoints and image bytes);
+- ``store``: the repository functions, the gallery's SQL (``session`` keyword-only, never
+  commit: the caller frames the transaction);
+- ``notify``: PostgreSQL LISTEN wake-ups, so replicas follow writes at once;
+- ``serving``: the database lock that running servers share and maintenance takes alone.
+
+Image bytes:
+
+- ``media``: the content-addressed folder of image files;
+- ``media_db``: the ``media_blobs`` store in the database, the choice between the two, and
+  moving a gallery from one to the other;
+- ``gc``: removing bytes no row refers to, after a delete and at start-up.
+
+Writing and searching:
+
+- ``ingest``: image bytes -> media + rows + embeddings, for uploads and bulk sources (a
+  package: its ``__init__`` lists the parts);
+- ``faiss_index``: factory checks, index creation, query-time knobs, GPU placement, the file;
+- ``build``: an index from the stored embeddings of a model version;
+- ``manifest``: what a saved index was built from, checked against SQL on load;
+- ``search``: the ``Searcher``, one version's index with filters, live updates and
+  re-ranking (a package: its ``__init__`` lists the parts);
+- ``evaluation``: a labelled query set ranked through the Searcher and scored, and the
+  paired comparison of two versions (``POST /evaluate``, ``imgret evaluate``).
+
+Model versions and operations:
+
+- ``versions``: register a checkpoint, describe, compare and delete versions, switch the
+  served one (gated on a paired verdict), roll back (``/models`` and ``imgret models``);
+- the re-embedding runner (a module of its own): the background job that embeds the stored
+  gallery for a new version, resumable and throttled;
+- ``backup``: a consistent backup of database, media, checkpoints and indexes while
+  serving, and its restore;
+- ``commands``: what ``imgret db``, ``ingest``, ``index build``, ``evaluate`` and
+  ``media migrate`` run, one function each;
+- ``model_commands``: what ``imgret models ...`` runs, one function each.
 """

@@ -24,7 +24,7 @@ from sqlalchemy import exc as sa_exc
 from imgret import errors
 from index.evaluation import EvaluationError
 from index.versions import VersionNotFound
-from service import validation
+from service import request_rules
 from service.unavailable import RETRY_AFTER_S, ServiceUnavailable
 
 logger = logging.getLogger(__name__)
@@ -35,10 +35,10 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (ServiceUnavailable, 503),
     (EvaluationError, 422),
     (VersionNotFound, 404),
-    (validation.InvalidRequest, 422),
-    (validation.PayloadTooLarge, 413),
-    (validation.MalformedBody, 400),
-    (validation.NotFound, 404),
+    (request_rules.InvalidRequest, 422),
+    (request_rules.PayloadTooLarge, 413),
+    (request_rules.MalformedBody, 400),
+    (request_rules.NotFound, 404),
     (errors.ImageTooLarge, 413),
     (errors.ImageDecodeError, 422),
     (errors.UnknownName, 404),

@@ -14,7 +14,7 @@ FastAPI parses for declared parameters, and adds three:
   are kept, since their position means something (``labels[1]``).
 
 Every refusal is one 422 message, ``field: reason; ...`` with list positions as
-``labels[1]`` (:class:`service.validation.InvalidRequest`). JSON bodies and query
+``labels[1]`` (:class:`service.request_rules.InvalidRequest`). JSON bodies and query
 parameters keep FastAPI's list of field errors.
 
 Why the routes read their bodies themselves instead of declaring one FastAPI parameter per
@@ -39,7 +39,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 
-from service.validation import InvalidRequest, read_form, validation_message
+from service.request_rules import InvalidRequest, read_form, validation_message
 
 FormModel = TypeVar("FormModel", bound=BaseModel)
 
@@ -125,7 +125,7 @@ async def open_form(
     Args:
         max_files, max_fields: what the body may hold; more files than ``max_files`` is a
             413 saying ``too_many_files`` when given, more fields a 400
-            (:func:`service.validation.read_form`).
+            (:func:`service.request_rules.read_form`).
     """
     async with read_form(request, max_files=max_files, max_fields=max_fields,
                          too_many_files=too_many_files) as form:

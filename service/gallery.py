@@ -3,7 +3,7 @@ stored images (gallery and query sets), and search with a stored item.
 
 The routers (:mod:`service.routers.gallery`, ``search``, ``query_sets``) turn HTTP into these
 calls and their results back into HTTP; SQL stays in :mod:`index.store`. Refusals are domain
-errors (:class:`~service.validation.NotFound`, :class:`NoEmbedding`) that
+errors (:class:`~service.request_rules.NotFound`, :class:`NoEmbedding`) that
 :mod:`service.errors` answers.
 
 Writes commit in SQL before the in-memory index changes (the database is the source of truth:
@@ -33,8 +33,8 @@ from index.models import GalleryItem
 from index.search import SearchFilter
 from index.search.rerank import Rerank
 from service.pipeline import Answer, ItemQuery, Serving
+from service.request_rules import NotFound
 from service.resources import Resources
-from service.validation import NotFound
 
 logger = logging.getLogger(__name__)
 

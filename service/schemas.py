@@ -34,7 +34,7 @@ from index.search.rerank import (
     rerank_options,
 )
 from service.limits import SEARCH_CANDIDATES_MAX
-from service.validation import (
+from service.request_rules import (
     LABEL_MAX,
     MODEL_VERSION_MAX,
     NAME_MAX,

@@ -20,8 +20,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
+from imgret.config_rules import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, raising
 from imgret.errors import ImgretError
-from imgret.validation import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, raising
 
 FASHION_MNIST = "fashion-mnist"
 # Fields that may differ between the runs of one benchmark.

@@ -50,7 +50,6 @@ from training.data import (
     train_transform,
 )
 from training.distributed import Distributed, ShardedBatchSampler, connect
-from training.evaluation import Evaluator, format_metric, to_jsonable
 from training.plots import plot_run_curves
 from training.registry import (
     LossBundle,
@@ -73,6 +72,7 @@ from training.run_dir import (
     write_record,
     write_split,
 )
+from training.scoring import Evaluator, format_metric, to_jsonable
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from imgret.checkpoint import EmbeddingNet, save_checkpoint
 from imgret.files import write_atomic, write_atomic_with
 from training.config import TrainConfig, TrainConfigError, config_diff
 from training.data import DataSplit, ImageSource
-from training.evaluation import to_jsonable
+from training.scoring import to_jsonable
 
 METRICS_FILE = "metrics.json"
 LAST_FILE = "last.pt"

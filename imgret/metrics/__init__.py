@@ -21,11 +21,12 @@ exactly without sorting the gallery.
 Modules, in reading order:
 
 * ``retrieval``: the two entry points.
-* ``validation``: input checks (every malformed input is a ``ValueError``).
+* ``inputs``: input checks and conversions (every malformed input is a ``ValueError``).
 * ``relevance``: who is relevant to whom (labels, leave-one-out, the re-ID camera rule).
 * ``ranks``: the one rank engine (a float32 GEMM per chunk, a numba kernel for the counts).
 * ``definitions``: the metrics from the ranks, and the report; its ``ci95`` is
   :func:`imgret.stats.bootstrap_ci`.
+* ``jit``: the numba compilation of the loops, each written once as plain Python.
 """
 
 from imgret.metrics.retrieval import ranking_metrics, retrieval_metrics

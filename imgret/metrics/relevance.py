@@ -9,8 +9,8 @@ import functools
 
 import numpy as np
 
+from imgret.metrics.inputs import encode_pair
 from imgret.metrics.jit import compile_loop
-from imgret.metrics.validation import encode_pair
 
 
 class RelevancePlan:

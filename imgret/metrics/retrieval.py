@@ -13,9 +13,7 @@ import numpy as np
 import torch
 
 from imgret.metrics.definitions import build_report, per_query_values, value_names
-from imgret.metrics.ranks import default_chunk_size, exact_ranks
-from imgret.metrics.relevance import RelevancePlan
-from imgret.metrics.validation import (
+from imgret.metrics.inputs import (
     as_int_vector,
     is_bool_matrix,
     prepare_embeddings,
@@ -24,6 +22,8 @@ from imgret.metrics.validation import (
     validate_bootstrap,
     validate_k,
 )
+from imgret.metrics.ranks import default_chunk_size, exact_ranks
+from imgret.metrics.relevance import RelevancePlan
 
 
 def retrieval_metrics(

@@ -12,6 +12,8 @@ holds the locks that make them safe together:
   the memory of deleted ids, changed by adds, removes and rebuild swaps;
 - :mod:`index.search.changes`: what other processes committed (the deletes to catch up on
   before each search, the change log to replay);
+- :mod:`index.search.rerank`: k-reciprocal re-ranking and average query expansion, from one
+  query's top candidates and their own neighbourhoods in the index;
 - :mod:`index.search.lifecycle`: open (load and check against SQL, or rebuild), save,
   background rebuilds;
 - :mod:`index.search.threads`: how many threads a search may use (one per query, at most

@@ -2,7 +2,7 @@
 
 HTTP only: the body is a JSON :class:`~service.schemas.EvaluateRequest` or a multipart
 :class:`~service.schemas.EvaluateUpload` (:mod:`service.forms`); the work is
-:mod:`service.evaluations`'.
+:mod:`service.version_evaluation`'.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import ValidationError
 
 from imgret.process import in_own_thread
-from service import evaluations
+from service import version_evaluation
 from service.deps import ResourcesDep, require_api_key
 from service.forms import form_schema, open_form
+from service.request_rules import request_validation_error
 from service.resources import Resources
 from service.schemas import EvaluateRequest, EvaluateUpload, EvaluationReport, ModelComparison
-from service.validation import request_validation_error
 
 router = APIRouter(prefix="/evaluate", tags=["evaluate"], dependencies=[Depends(require_api_key)])
 
@@ -83,7 +83,7 @@ async def evaluate_query_set(
                              max_fields=4 * max_files, too_many_files=too_many) as upload:
             images = [await image.read() for image in upload.images]
         evaluate = functools.partial(
-            evaluations.evaluate_uploaded, resources, images, upload.labels,
+            version_evaluation.evaluate_uploaded, resources, images, upload.labels,
             cameras=upload.cameras, model_versions=upload.version_names(), k=upload.k,
             exclude_same_camera=upload.exclude_same_camera, worst=upload.worst,
             rerank=upload.rerank_option(),
@@ -103,7 +103,7 @@ def _parse_json(body: bytes) -> EvaluateRequest:
 
 def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str, Any]:
     a, b = options.versions(resources.serving.version)
-    return evaluations.evaluate_named(
+    return version_evaluation.evaluate_named(
         resources, options.query_set, a, b, k=options.k,
         exclude_same_camera=options.exclude_same_camera, worst=options.worst,
         rerank=options.rerank_option(), rerank_compare=options.rerank_compare,

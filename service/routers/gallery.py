@@ -16,6 +16,7 @@ from index.models import GalleryItem
 from service import gallery
 from service.deps import ResourcesDep, SessionDep, require_api_key
 from service.forms import form_body, open_form
+from service.request_rules import LABEL_MAX, SafeText
 from service.schemas import (
     GalleryAddOutcome,
     GalleryItemList,
@@ -23,7 +24,6 @@ from service.schemas import (
     GalleryItemsCreated,
     GalleryUpload,
 )
-from service.validation import LABEL_MAX, SafeText
 
 router = APIRouter(prefix="/gallery", tags=["gallery"])
 

@@ -13,11 +13,11 @@ from pydantic import ValidationError
 
 from index import versions
 from service.deps import ResourcesDep, require_api_key
-from service.evaluations import compare_named
 from service.limits import content_length
+from service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText, read_form
 from service.resources import Resources
 from service.schemas import ActivateRequest, ModelInfo, ModelList, RegisterRequest, Switch
-from service.validation import MODEL_VERSION_MAX, NAME_MAX, SafeText, read_form
+from service.version_evaluation import compare_named
 
 router = APIRouter(prefix="/models", tags=["models"])
 

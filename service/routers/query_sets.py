@@ -11,8 +11,8 @@ from fastapi.responses import Response
 
 from service import gallery
 from service.deps import ResourcesDep, SessionDep
+from service.request_rules import NAME_MAX
 from service.schemas import QuerySetInfo, QuerySetList
-from service.validation import NAME_MAX
 
 router = APIRouter(prefix="/query-sets", tags=["query-sets"])
 

@@ -30,6 +30,7 @@ from service.deps import ResourcesDep
 from service.forms import form_body, open_form
 from service.limits import check_search_budget
 from service.pipeline import Answer, ImageQuery
+from service.request_rules import InvalidRequest, WholeNumber, request_validation_error
 from service.schemas import (
     K_MAX,
     BatchSearchForm,
@@ -39,7 +40,6 @@ from service.schemas import (
     SearchHit,
     SearchResponse,
 )
-from service.validation import InvalidRequest, WholeNumber, request_validation_error
 
 router = APIRouter(prefix="/search", tags=["search"])
 
@@ -86,6 +86,14 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     422 before it is queued. ``score`` is the cosine similarity of unit embeddings: higher is
     better. ``model_version`` names the version whose model embedded the query and whose
     index ranked it (always the same one).
+    \f
+    The path (not in the API description; the module docstring has each step): the form
+    (:mod:`service.forms`) -> an :class:`~service.pipeline.ImageQuery` (or, by ``id``,
+    :func:`service.gallery.search_by_id`'s ``ItemQuery``) in the batcher's queue
+    (``resources.batcher``, :mod:`service.batching`) -> its batch through
+    :class:`~service.pipeline.SearchPipeline` (decode, embed with the served model) -> that
+    version's :class:`~index.search.Searcher` (FAISS, filters) -> a re-ranked query finished
+    on the re-ranking pool (:mod:`service.followups`, :mod:`index.search.rerank`).
     """
     start = time.perf_counter()
     async with open_form(request, ImageSearchForm) as form:
@@ -113,6 +121,8 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded; a
     request over the search budget (queries x ``k`` results, queries x re-ranking cost:
     ``service.limits``) gets 422.
+    \f
+    The path: as :func:`search_images`'s, each image one query in the same queue.
     """
     start = time.perf_counter()
     settings = resources.settings

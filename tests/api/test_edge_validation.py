@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import exc as sa_exc
 
 from service.errors import install_error_handlers
-from service.validation import JSON_MAX_DEPTH, parse_json_object
+from service.request_rules import JSON_MAX_DEPTH, parse_json_object
 from tests.api.conftest import png
 
 # Within the size limit, and far past Python's recursion limit (about 1000).

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import service.app
-import service.evaluations
 import service.gallery
 import service.resources
+import service.version_evaluation
 from imgret.metrics import retrieval_metrics
 from imgret.process import in_own_thread
 from tests.api.conftest import add_gallery, png
@@ -43,7 +43,7 @@ def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
 ) -> None:
     for module, name in [(service.app, "load_resources"),
                          (service.gallery, "add_items"),
-                         (service.evaluations, "evaluate_uploaded"),
+                         (service.version_evaluation, "evaluate_uploaded"),
                          (service.resources.versions, "load_embedder")]:
         monkeypatch.setattr(module, name, _parallel_torch_first(getattr(module, name)))
     with torch_threads(2):

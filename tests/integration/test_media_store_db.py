@@ -138,7 +138,7 @@ def test_migrate_moves_every_image_and_leaves_none_behind(sessions, db_url, embe
     image is readable from the target with its bytes, the source ends empty (unreferenced
     leftovers too), a batch half-moved by an interrupted run is finished, and a re-run moves
     nothing."""
-    from index import jobs
+    from index import commands
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url)
     files, blobs = MediaStore.in_data_dir(settings.data_dir), DatabaseMediaStore(sessions)
@@ -153,19 +153,19 @@ def test_migrate_moves_every_image_and_leaves_none_behind(sessions, db_url, embe
         blobs.put_many([(images[0], sha256_hex(images[0]))], session=session)
     wanted = {sha256_hex(data): data for data in images[:3] + images[4:]}
 
-    report = jobs.migrate_media(settings, "database", progress=False)
+    report = commands.migrate_media(settings, "database", progress=False)
     assert (report.moved, report.missing, report.leftovers) == (4, 0, 1)
     assert list(files.stored_keys()) == []
     assert set(blobs.stored_keys()) == set(wanted)
     assert blobs.read_many([MediaStore.relative_path(k) for k in wanted]) == list(wanted.values())
 
-    again = jobs.migrate_media(settings, "database", progress=False)
+    again = commands.migrate_media(settings, "database", progress=False)
     assert (again.moved, again.leftovers) == (0, 0)
-    back = jobs.migrate_media(settings, "files", progress=False)
+    back = commands.migrate_media(settings, "files", progress=False)
     assert back.moved == 4 and _blob_count(sessions) == 0
     assert {k: files.read(MediaStore.relative_path(k)) for k in files.stored_keys()} == wanted
     with pytest.raises(GalleryError, match="media backends are files, database"):
-        jobs.migrate_media(settings, "s3", progress=False)
+        commands.migrate_media(settings, "s3", progress=False)
 
 
 def test_migrate_command_says_what_it_moved(tmp_path, monkeypatch, embedder) -> None:

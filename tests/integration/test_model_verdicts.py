@@ -83,14 +83,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory, runs) -> dict[str, Path]:
 def test_trained_longer_is_better_and_the_same_model_is_no_better(
     tmp_path: Path, db_url: str, runs: dict[str, Path], folders: dict[str, Path]
 ) -> None:
-    from index import jobs
+    from index import commands
     from service.app import create_app
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url, model=runs["a"],
                         device=TEST_DEVICE, embed_duty=1.0,
                         model_roots=[runs["b"], runs["c"]])
-    jobs.ingest(settings, folders["gallery"], progress=False)
-    jobs.ingest(settings, folders["queries"], query_set="fm-test", progress=False)
+    commands.ingest(settings, folders["gallery"], progress=False)
+    commands.ingest(settings, folders["queries"], query_set="fm-test", progress=False)
     with TestClient(create_app(settings)) as client:
         jobs_ = client.app.state.resources.jobs
         a = client.get("/health").json()["model_version"]

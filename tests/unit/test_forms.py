@@ -9,13 +9,13 @@ import pytest
 from starlette.datastructures import FormData, UploadFile
 
 from service.forms import form_schema, parse_form
+from service.request_rules import InvalidRequest
 from service.schemas import (
     EvaluateRequest,
     EvaluateUpload,
     GalleryUpload,
     ImageSearchForm,
 )
-from service.validation import InvalidRequest
 
 
 def _file(name: str = "a.png") -> UploadFile:

@@ -69,7 +69,7 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
                          ids=lambda path: path.stem)
 def test_routers_only_translate_http(path: Path) -> None:
     """A router imports no other router and writes no SQL: the work is a service module's
-    (``service.gallery``, ``service.evaluations``), the SQL ``index.store``'s."""
+    (``service.gallery``, ``service.version_evaluation``), the SQL ``index.store``'s."""
     names = _imported(path)
     routers = {name for name in names if name.startswith("service.routers.")}
     sql = {name for name in names if name.split(".")[0] == "sqlalchemy" or name == "index.store"}

@@ -1,6 +1,6 @@
-"""Validation at the edge: what a text, a number or a JSON form field may hold, the errors
-that refuse a request, and reading a form body within its limits (:func:`read_form`; the
-fields are parsed by :mod:`service.forms`).
+"""What a request may hold, checked at the edge: the rules of a text, a number or a JSON form
+field, the errors that refuse a request, and reading a form body within its limits
+(:func:`read_form`; the fields are parsed by :mod:`service.forms`).
 
 Everything here runs before a value reaches the database, so that hostile-but-ordinary input
 gets a 422 with a message instead of a driver error (PostgreSQL refuses NUL in ``text`` and

@@ -13,7 +13,7 @@ from typing import Any
 
 from imgret.settings import Settings
 from index import reembed, versions
-from index.jobs import open_gallery
+from index.commands import open_gallery
 from index.media_db import open_media_store
 
 

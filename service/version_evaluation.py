@@ -1,4 +1,4 @@
-"""Evaluations and comparisons of model versions inside the service: the glue between the
+"""Evaluating and comparing model versions inside the service: the glue between the
 process's open models and indexes (:class:`~service.resources.Resources`) and
 :mod:`index.evaluation`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
 :func:`evaluate_uploaded`) and by the gate of ``POST /models/{v}/activate``, so a refused
@@ -15,8 +15,8 @@ from imgret.errors import GalleryError
 from imgret.images import DecodeLimits
 from index import evaluation, store, versions
 from index.search.rerank import Rerank
+from service.request_rules import NotFound
 from service.resources import Resources
-from service.validation import NotFound
 
 
 def embedder_or_none(resources: Resources, version: str) -> Embedder | None:

@@ -1,4 +1,5 @@
-"""Validation and test numbers: embed a split through the Embedder, score it with imgret.metrics.
+"""Scoring a split: the validation and test numbers of a run, from embedding the split
+through the Embedder and scoring it with imgret.metrics.
 
 Every number of a run (validation each epoch, the test once, the baselines) comes from
 :func:`score_split`, so they are comparable. The trained and untrained networks are embedded

@@ -1,7 +1,8 @@
-"""The index layer's jobs, one function each: what `imgret ingest`, `imgret index build`,
-`imgret evaluate` and `imgret db` run (and the demo, which calls these, not the CLI).
+"""What the gallery commands of `imgret` run, one function each: `imgret db`, `ingest`,
+`index build`, `evaluate` and `media migrate` (and the demo, which calls these, not the CLI).
+`imgret models ...` runs :mod:`index.model_commands`.
 
-Every job takes the :class:`~imgret.settings.Settings` in force and opens the gallery database
+Every function takes the :class:`~imgret.settings.Settings` in force and opens the gallery database
 through :func:`open_gallery`: schema brought to head, an engine, sessions, disposed at the end.
 """
 

@@ -1,4 +1,5 @@
-"""Pydantic validation errors as imgret errors: one line naming each bad field, no traceback.
+"""Rules shared by the configs users write: the bounds of a model spec, and pydantic's
+refusals as imgret errors (one line naming each bad field, no traceback).
 
 Configs that users write (training options, checkpoint specs) are pydantic dataclasses; what
 they refuse must reach the user as an :class:`~imgret.errors.ImgretError`, which the CLI
