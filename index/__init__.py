@@ -9,7 +9,9 @@ The database:
 - ``models``: the SQLAlchemy tables (items, embeddings per model version, model versions,
   query sets, the change log, stored checkpoints and image bytes);
 - ``store``: the repository functions, the gallery's SQL (``session`` keyword-only, never
-  commit: the caller frames the transaction);
+  commit: the caller frames the transaction), the active version among it;
+- ``version_store``: a model version's own records: lookups, checkpoint bytes, the
+  activation history, coverage, and the claims and heartbeats of re-embedding jobs;
 - ``notify``: PostgreSQL LISTEN wake-ups, so replicas follow writes at once;
 - ``serving``: the database lock that running servers share and maintenance takes alone.
 
@@ -36,8 +38,8 @@ Model versions and operations:
 
 - ``versions``: register a checkpoint, describe, compare and delete versions, switch the
   served one (gated on a paired verdict), roll back (``/models`` and ``imgret models``);
-- the re-embedding runner (a module of its own): the background job that embeds the stored
-  gallery for a new version, resumable and throttled;
+- ``reembed``: the background job that embeds the stored gallery for a new version,
+  resumable and throttled;
 - ``backup``: a consistent backup of database, media, checkpoints and indexes while
   serving, and its restore;
 - ``commands``: what ``imgret db``, ``ingest``, ``index build``, ``evaluate`` and

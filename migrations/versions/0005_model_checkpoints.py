@@ -9,7 +9,8 @@ Adds a table and a nullable column, so it runs on a live database. The bytes of 
 versions are not read here (a migration does not know the data dir): a starting server
 imports ``<data_dir>/models/<version>/model.pt`` for every version whose bytes are missing
 (``index.versions.import_checkpoint_files``). A downgrade drops the table, so the bytes then
-live only in the files a server wrote beside it (``index.versions.cache_checkpoint_files``).
+live only in the local copies a server writes beside it at registration
+(``<data_dir>/models/<version>/model.pt``).
 """
 
 from collections.abc import Sequence
