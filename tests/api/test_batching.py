@@ -470,6 +470,14 @@ class Halver:
                 for x in items]
 
 
+async def _eventually(condition, tries: int = 100) -> None:
+    """Wait up to a second for ``condition()`` (the caller asserts it afterwards)."""
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def _followup_batcher(halver: Halver, capacity: int) -> DynamicBatcher:
     return DynamicBatcher(OneStage(halver), max_size=4, max_wait_s=0.0,
                           followups=FollowUpPool(workers=1, capacity=capacity, what="halving"),
@@ -512,10 +520,7 @@ def test_a_full_follow_up_pool_refuses_the_whole_request_and_frees_only_when_wor
             first = asyncio.create_task(batcher.submit(-2))
             await asyncio.to_thread(halver.started.wait, 10)
             second = asyncio.create_task(batcher.submit(-4))  # queued behind it on the pool
-            for _ in range(100):
-                if pool.reserved == 20:
-                    break
-                await asyncio.sleep(0.01)
+            await _eventually(lambda: pool.reserved == 20)
             assert pool.reserved == 20
             with pytest.raises(PoolFull) as refused:
                 await batcher.submit_many([-6, 1])  # all or nothing
@@ -528,10 +533,7 @@ def test_a_full_follow_up_pool_refuses_the_whole_request_and_frees_only_when_wor
             assert pool.reserved == 20
             halver.release.set()
             assert await asyncio.wait_for(second, 10) == 2.0
-            for _ in range(100):
-                if pool.reserved == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await _eventually(lambda: pool.reserved == 0)
             assert pool.reserved == 0
             assert set(halver.followup_threads) == {"imgret-followup_0"}
             assert not halver.batch_threads & set(halver.followup_threads)
@@ -551,10 +553,7 @@ def test_stop_answers_queued_follow_ups_503_and_lets_the_running_one_finish() ->
             first = asyncio.create_task(batcher.submit(-2))
             await asyncio.to_thread(halver.started.wait, 10)
             second = asyncio.create_task(batcher.submit(-4))
-            for _ in range(100):
-                if batcher.followups.reserved == 20:
-                    break
-                await asyncio.sleep(0.01)
+            await _eventually(lambda: batcher.followups.reserved == 20)
             stopping = asyncio.create_task(batcher.stop())
             await asyncio.sleep(0.05)
             halver.release.set()
@@ -582,10 +581,7 @@ def test_a_cancelled_caller_of_a_queued_follow_up_frees_its_units_and_it_never_r
             first = asyncio.create_task(batcher.submit(-2))
             await asyncio.to_thread(halver.started.wait, 10)
             second = asyncio.create_task(batcher.submit(-4))
-            for _ in range(100):
-                if -4 in halver.batched:
-                    break
-                await asyncio.sleep(0.01)
+            await _eventually(lambda: -4 in halver.batched)
             await asyncio.sleep(0.05)  # its caller hands the follow-up to the pool
             assert pool.reserved == 20
             second.cancel()
@@ -594,10 +590,7 @@ def test_a_cancelled_caller_of_a_queued_follow_up_frees_its_units_and_it_never_r
             queued_freed = pool.reserved
             halver.release.set()
             assert await asyncio.wait_for(first, 10) == 1.0
-            for _ in range(100):
-                if pool.reserved == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await _eventually(lambda: pool.reserved == 0)
             return queued_freed, pool.reserved, len(halver.followup_threads)
         finally:
             halver.release.set()
