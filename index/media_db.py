@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.errors import ImgretError
 from imgret.settings import Settings
 from index import store
-from index.gc import remove_unreferenced
 from index.media import MediaBackend, MediaStore
 from index.models import MediaBlob, utcnow
 
@@ -198,9 +197,9 @@ def migrate_media(
     Processes already on the new backend may write meanwhile (tested beside one adding and
     deleting items): when this returns, the target holds the bytes of every item committed
     before, neither store holds the bytes of an item whose delete was acknowledged, and the
-    source holds nothing, unless an image already deleted (bytes left behind) when the run
-    started was uploaded again during it (a re-run moves it). Processes still on the old
-    backend are not covered, nor tested: images they add after the listing stay in the
+    source holds nothing (bytes of an image deleted before the listing and uploaded again
+    during the run move in a final pass over what the source still holds). Processes still
+    on the old backend are not covered, nor tested: images they add after the listing stay in the
     source only (run this again once they are stopped), and moved images they delete keep
     their bytes in the target until its start-up sweep.
 
@@ -216,6 +215,26 @@ def migrate_media(
     report = MediaMigration(source.backend, target.backend)
     with session_factory() as session:
         keys = sorted(store.referenced_media(session=session))
+    _move_batches(keys, source=source, target=target, session_factory=session_factory,
+                  batch_size=batch_size, on_batch=on_batch, report=report, count_missing=True)
+    # What the source still holds: bytes no row referred to at the listing, some of which a
+    # live writer may have uploaded again since (referenced now, yet never listed). The same
+    # batches move the referenced ones and remove the rest, each asked under the lock; not the
+    # start-up sweep, which would drop re-uploaded bytes the target lacks.
+    _move_batches(sorted(source.stored_keys()), source=source, target=target,
+                  session_factory=session_factory, batch_size=batch_size, on_batch=None,
+                  report=report, count_missing=False)
+    source.sweep_temporaries()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _move_batches(
+    keys: list[str], *, source: MediaBackend, target: MediaBackend,
+    session_factory: sessionmaker[Session], batch_size: int,
+    on_batch: Callable[[int], None] | None, report: MediaMigration, count_missing: bool,
+) -> None:
+    """One pass of :func:`migrate_media` over ``keys``, ``batch_size`` at a time."""
     for start in range(0, len(keys), batch_size):
         batch = keys[start : start + batch_size]
         with session_factory.begin() as session:
@@ -226,7 +245,8 @@ def migrate_media(
             found = source.read_many([MediaStore.relative_path(key) for key in live])
             present = [(data, key) for data, key in zip(found, live, strict=True)
                        if data is not None]
-            report.missing += len(live) - len(present)
+            if count_missing:
+                report.missing += len(live) - len(present)
             target.put_many(present, session=session)
             report.leftovers += source.remove(gone, session=session)
         with session_factory.begin() as session:
@@ -234,8 +254,3 @@ def migrate_media(
             report.moved += source.remove([key for _, key in present], session=session)
         if on_batch is not None:
             on_batch(len(batch))
-    # What is left in the source is bytes no row refers to (the referenced ones moved): not
-    # the start-up sweep, whose "missing" error would now describe every moved image.
-    report.leftovers += remove_unreferenced(session_factory=session_factory, media=source)[0]
-    report.seconds = time.perf_counter() - started
-    return report

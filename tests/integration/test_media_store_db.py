@@ -300,3 +300,34 @@ def test_migrate_beside_a_live_writer_of_the_new_backend(sessions, embedder, tmp
     assert target.read_many([MediaStore.relative_path(k) for k in wanted]) == list(
         wanted.values())
 
+
+
+@pytest.mark.parametrize("to", ["database", "files"])
+def test_migrate_moves_bytes_uploaded_again_after_the_listing(sessions, embedder, tmp_path,
+                                                              to) -> None:
+    """An image deleted before the run (its bytes left in the old store) and uploaded again
+    by a process on the new backend while the run moves other batches: the key was not in
+    the listing, yet afterwards the target holds its bytes and the source holds nothing."""
+    from index.media_db import migrate_media
+
+    files, blobs = MediaStore.in_data_dir(tmp_path / "data"), DatabaseMediaStore(sessions)
+    source, target = (files, blobs) if to == "database" else (blobs, files)
+    images = [image_bytes(class_image(12, i)) for i in range(6)]
+    ids = add_items([NewItem(data, "old") for data in images], session_factory=sessions,
+                    media=source, embedder=embedder).ids
+    with sessions.begin() as session:  # deleted; its bytes not purged from the old store
+        store.delete_items([ids[0]], session=session)
+    again = []
+
+    def upload_again(_n: int) -> None:
+        if not again:
+            again.extend(add_items([NewItem(images[0], "again")], session_factory=sessions,
+                                   media=target, embedder=embedder).ids)
+
+    report = migrate_media(source=source, target=target, session_factory=sessions,
+                           batch_size=2, on_batch=upload_again)
+    assert again and report.missing == 0
+    assert list(source.stored_keys()) == []
+    live = _live_shas(sessions)
+    assert sha256_hex(images[0]) in live and sorted(target.stored_keys()) == sorted(live)
+    assert target.read_many([MediaStore.relative_path(sha256_hex(images[0]))]) == [images[0]]
