@@ -7,11 +7,6 @@ RUN apt-get update && apt-get install -y --no-install-recommends build-essential
 WORKDIR /src
 COPY pyproject.toml README.md alembic.ini ./
 COPY imgret imgret
-COPY training training
-COPY index index
-COPY service service
-COPY cli cli
-COPY migrations migrations
 ARG EXTRAS=postgres
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
@@ -26,7 +21,7 @@ FROM python:${PYTHON}-slim AS runtime
 RUN useradd --create-home --uid 10001 imgret && mkdir -p /data && chown imgret /data
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /src/alembic.ini /app/alembic.ini
-COPY --from=build /src/migrations /app/migrations
+COPY --from=build /src/imgret/migrations /app/imgret/migrations
 # MALLOC_ARENA_MAX: glibc gives each thread its own heap arena, and a decode or forward pass
 # in many threads keeps each arena's peak; two arenas keep the process near its decode bound.
 ENV PATH=/opt/venv/bin:$PATH \

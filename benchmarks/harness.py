@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-_SERVE = "from cli.main import main; main()"
+_SERVE = "from imgret.cli.main import main; main()"
 BOUNDARY = "imgret-bench-boundary"
 
 

@@ -2,7 +2,7 @@
 
 Vectors: ``n`` L2-normalised 128-d float32 vectors drawn around ``n / 100`` cluster centres
 (100 images per class, like an embedded gallery), and 1,000 queries from the same clusters
-that are not in the gallery. Indexes are made by imgret's own code (``index.faiss_index``:
+that are not in the gallery. Indexes are made by imgret's own code (``imgret.index.faiss_index``:
 factory check, IDMap2 / native ids, training sample, default ``nprobe``/``efSearch``), so the
 numbers are those of the service's index, not of a hand-tuned FAISS.
 
@@ -38,15 +38,15 @@ from collections.abc import Callable
 import faiss
 import numpy as np
 
-from index.faiss_index import (
+from imgret.index.faiss_index import (
     check_factory,
     create_index,
     set_search_defaults,
     train_index,
     unwrap,
 )
-from index.search import Searcher
-from index.store import ItemInfo
+from imgret.index.search import Searcher
+from imgret.index.store import ItemInfo
 
 K = 10
 DIM = 128

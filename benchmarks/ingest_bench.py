@@ -20,10 +20,12 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
       the ingest's decoder) and embedded with the same ``Embedder`` at the same batch size,
       in-process, one batch after the other (the bare embedding throughput);
    b. **the pooled floor**: the same, in the ingest's own worker processes
-      (``index.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses and
+      (``imgret.index.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses
+      and
       embeds whole slices with one torch thread, only vectors come back): what the
       ingest's pipeline does minus every storage step;
-   c. **ingest**: ``index.commands.ingest`` of the folder into a fresh SQLite database and data
+   c. **ingest**: ``imgret.index.commands.ingest`` of the folder into a fresh SQLite database and
+   data
       dir (and into a fresh PostgreSQL database with ``--postgres``), once per media backend
       of ``--media-backend`` (``IMGRET_MEDIA_BACKEND``: ``files``, the bytes as files in
       the data dir; ``database``, the bytes as ``media_blobs`` rows in the chunk's
@@ -81,7 +83,8 @@ from imgret.settings import MEDIA_BACKENDS  # noqa: E402
 
 logger = logging.getLogger("ingest_bench")
 
-# The demo's model (cli/demo.py, training/data/sources.py's model_spec_for on Fashion-MNIST).
+# The demo's model (imgret/cli/demo.py, imgret/training/data/sources.py's model_spec_for on
+# Fashion-MNIST).
 DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28, "grayscale": True,
              "mean": (0.2860,) * 3, "std": (0.3530,) * 3}
 SPECS = {"small_cnn": DEMO_SPEC,
@@ -202,7 +205,7 @@ def main() -> None:
         rates = [rate for rate, _ in results]
         rate = statistics.median(rates)
         used = statistics.median(cpu[db, backend])
-        lines.append(f"| (c) `index.commands.ingest`, {db}, media {backend} | {rate:.0f} | "
+        lines.append(f"| (c) `imgret.index.commands.ingest`, {db}, media {backend} | {rate:.0f} | "
                      f"{_list(rates)} | {_ratio(rate, floor, bold=not pooled_is_bar)} | "
                      f"{_ratio(rate, pooled_floor, bold=pooled_is_bar)} | {used:.2f} | "
                      f"{_ratio(pooled_cpu_s, used) if pooled_cpu_s else '–'} |")
@@ -289,7 +292,7 @@ def _floor(paths: list[Path], embedder) -> float:
 
 def _media_file_cost(store_dir: Path, files: int = 256) -> float:
     """Microseconds per new media file in a fresh store under ``store_dir``."""
-    from index.media import MediaStore, sha256_hex
+    from imgret.index.media import MediaStore, sha256_hex
 
     store = MediaStore(store_dir)
     blobs = [i.to_bytes(4, "little") * 100 for i in range(files)]
@@ -306,11 +309,11 @@ def _pooled_floor(paths: list[Path], embedder) -> float | None:
     from types import SimpleNamespace
 
     try:
-        from index.ingest.workers import EmbedWorkers, default_workers
+        from imgret.index.ingest.workers import EmbedWorkers, default_workers
     except ImportError:
         return None
     from imgret.images import DEFAULT_MAX_PIXELS
-    from index.media import sha256_hex
+    from imgret.index.media import sha256_hex
 
     workers = default_workers(embedder)
     start = time.perf_counter()
@@ -344,11 +347,12 @@ def _forward(paths: list[Path], embedder) -> float:
 
 def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
                  *, ray: str | None = None, media_backend: str = "files"):
-    """``index.commands.ingest`` into a fresh database: (images/s over its wall time, report);
+    """``imgret.index.commands.ingest`` into a fresh database: (images/s over its wall time,
+    report);
     with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``); the image bytes go to
     ``media_backend`` (``IMGRET_MEDIA_BACKEND``)."""
+    from imgret.index import commands
     from imgret.settings import Settings
-    from index import commands
 
     db_url, drop = f"sqlite:///{data_dir}/gallery.db", None
     if postgres:

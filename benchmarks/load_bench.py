@@ -82,7 +82,7 @@ logger = logging.getLogger("load_bench")
 QUERY_BODIES = 64
 WARMUP_S = 3.0
 GALLERY_CHUNK = 16  # images per POST /gallery
-# The demo's model (cli/demo.py): what the untrained fallback imitates; and a realistic
+# The demo's model (imgret/cli/demo.py): what the untrained fallback imitates; and a realistic
 # one.
 UNTRAINED = {
     "tiny_cnn": {"backbone": "tiny_cnn", "dim": 64, "image_size": 28},
@@ -278,12 +278,12 @@ class FloorPipeline:
         import torch
 
         from imgret.embedder import Embedder
+        from imgret.index.db import make_engine, make_sessionmaker
+        from imgret.index.search import Searcher
         from imgret.process import frozen_long_lived
+        from imgret.service.pipeline import ImageQuery, build_search_batcher
+        from imgret.service.telemetry import ServiceMetrics
         from imgret.settings import Settings
-        from index.db import make_engine, make_sessionmaker
-        from index.search import Searcher
-        from service.pipeline import ImageQuery, build_search_batcher
-        from service.telemetry import ServiceMetrics
 
         env = self.env
         settings = Settings(data_dir=Path(env["IMGRET_DATA_DIR"]),

@@ -12,7 +12,7 @@ the default run takes about 2 minutes on 2 cores):
    rankings meaningless (throughput and latency are what is measured here);
 2. ``--items`` Fashion-MNIST train images (Debian's ``dataset-fashion-mnist``; generated
    images when it is not installed) written as an ImageFolder and ingested with A the way
-   ``imgret demo`` does (``index.commands.ingest``, SQLite in a temporary data dir);
+   ``imgret demo`` does (``imgret.index.commands.ingest``, SQLite in a temporary data dir);
 3. starts ``imgret serve`` (A) with ``IMGRET_EMBED_DUTY=--duty`` and registers B and C
    (``POST /models``);
 4. phases, each measured by ``wrk -t1 -c<connections>`` on ``POST /search`` (k=10, cycling
@@ -64,7 +64,7 @@ QUERY_BODIES = 64
 WARMUP_S = 5.0
 POLL_S = 0.25
 JOB_TIMEOUT_S = 240.0
-# The demo's model (cli/demo.py): what the untrained networks imitate.
+# The demo's model (imgret/cli/demo.py): what the untrained networks imitate.
 DEMO_SPEC = {"backbone": "small_cnn", "dim": 64, "image_size": 28}
 
 
@@ -180,8 +180,8 @@ def _models(work: Path) -> list[tuple[str, Path]]:
 
 def _ingest(folder: Path, data_dir: Path, db_url: str, model: Path) -> float:
     """Ingest the gallery with A the way ``imgret demo`` does; returns its items/s."""
+    from imgret.index import commands
     from imgret.settings import Settings
-    from index import commands
 
     settings = Settings(data_dir=data_dir, model=model, database_url=db_url, device="cpu")
     report = commands.ingest(settings, folder, progress=False)

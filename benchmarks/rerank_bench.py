@@ -13,10 +13,10 @@ Two labelled sets, each embedded by a model trained the way its users would:
   removed).
 
 Each set is evaluated four times through the Searcher (exact ``Flat`` index,
-``index.evaluation.evaluate``): plain, k-reciprocal re-ranking (paper defaults k1 = 20,
+``imgret.index.evaluation.evaluate``): plain, k-reciprocal re-ranking (paper defaults k1 = 20,
 k2 = 6, lambda = 0.3 with N = 100 candidates, and with N = 400, above the demo's R = 300)
 and average query expansion (top 5). Deltas are paired over the same queries
-(``index.evaluation.compare_versions``: bootstrap 95% interval).
+(``imgret.index.evaluation.compare_versions``: bootstrap 95% interval).
 Cost: single-query searches (k = 10, as /search serves them), median and p90 ms, beside the
 plain search of the same queries in the same run, and the peak Python/NumPy memory of one
 re-ranked query (tracemalloc) beside the (Q + G)^2 float32 matrix a full-matrix
@@ -30,7 +30,7 @@ Run: ``python benchmarks/rerank_bench.py``
 ``--grid [SIZE]`` measures only the cost of one k-reciprocal query against its parameters
 (candidates N, k1, k; and query expansion at its largest top_m) on a clustered synthetic
 128-d gallery of SIZE vectors (default 100,000), median of 3 single-query searches each,
-beside the plain search: the table the search budget of ``service.limits`` is derived from.
+beside the plain search: the table the search budget of ``imgret.service.limits`` is derived from.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import numpy as np
 from PIL import Image
 
 from imgret.embedder import Embedder
-from index.evaluation import QueryBatch, compare_versions, evaluate
-from index.faiss_index import check_factory, create_index
-from index.search import Searcher
-from index.search.rerank import KReciprocal, QueryExpansion
-from index.store import ItemInfo
+from imgret.index.evaluation import QueryBatch, compare_versions, evaluate
+from imgret.index.faiss_index import check_factory, create_index
+from imgret.index.search import Searcher
+from imgret.index.search.rerank import KReciprocal, QueryExpansion
+from imgret.index.store import ItemInfo
 
 METHODS = {
     "plain": None,
@@ -83,8 +83,8 @@ class LabelledSet:
 def demo_set(work: Path) -> LabelledSet:
     """Fashion-MNIST as the demo builds it, embedded by the demo's model config."""
     from imgret.datasets import FASHION_MNIST_CLASSES, load_fashion_mnist
-    from training.config import FASHION_MNIST, LossConfig, TrainConfig
-    from training.loop import train
+    from imgret.training.config import FASHION_MNIST, LossConfig, TrainConfig
+    from imgret.training.loop import train
 
     run = work / "demo-run"
     if not (run / "metrics.json").is_file():
@@ -182,8 +182,8 @@ def reid_set(work: Path) -> LabelledSet:
     """The generated re-ID folder, embedded by a model trained on its train identities."""
     from imgret.datasets import list_records
     from imgret.images import load_image_file
-    from training.config import LossConfig, TrainConfig
-    from training.loop import train
+    from imgret.training.config import LossConfig, TrainConfig
+    from imgret.training.loop import train
 
     root = write_reid_folder(work / "reid")
     run = work / "reid-run"
@@ -333,7 +333,7 @@ def measure_scale(sizes: list[int], dim: int = 128) -> list[str]:
 
 def measure_grid(size: int, dim: int = 128, repeats: int = 3) -> None:
     """Print the median ms of one query per re-ranking parameter set (see the docstring)."""
-    from service.pipeline import configure_threads
+    from imgret.service.pipeline import configure_threads
 
     configure_threads()  # the service's threads: BLAS on one
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ What it does (loopback only; every phase is bounded in time and in connections; 
 1. the model: an untrained tiny_cnn (the demo model's architecture, 64-d at 28 px, as
    ``load_bench.py --untrained tiny_cnn``): the work per image of the demo's model;
 2. a gallery of ``--gallery`` synthetic clustered 64-d unit vectors (200 clusters), written
-   straight into a fresh SQLite database through ``index.store.insert_items`` after a first
+   straight into a fresh SQLite database through ``imgret.index.store.insert_items`` after a first
    server start created the schema and registered the model; then the server is started
    again and builds its index (exact ``Flat``, the default) from them;
 3. three phases of ``--seconds`` each, after a 2 s warm-up: **plain** (``--clients``
@@ -164,8 +164,8 @@ def synthetic_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
 
 
 def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 5000) -> None:
-    from index import store
-    from index.db import make_engine, make_sessionmaker
+    from imgret.index import store
+    from imgret.index.db import make_engine, make_sessionmaker
 
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
@@ -185,12 +185,12 @@ def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 50
 def floor_rerank_ms(vectors: np.ndarray, queries: int = 10) -> float:
     """Median ms of one maximal re-ranked query, back to back in this process (one thread),
     on an exact index of the same vectors."""
-    from index.faiss_index import check_factory, create_index
-    from index.search import Searcher
-    from index.search.rerank import KReciprocal
-    from index.store import ItemInfo
-    from service.limits import SEARCH_CANDIDATES_MAX
-    from service.pipeline import configure_threads
+    from imgret.index.faiss_index import check_factory, create_index
+    from imgret.index.search import Searcher
+    from imgret.index.search.rerank import KReciprocal
+    from imgret.index.store import ItemInfo
+    from imgret.service.limits import SEARCH_CANDIDATES_MAX
+    from imgret.service.pipeline import configure_threads
 
     configure_threads()
     dim = vectors.shape[1]
@@ -226,12 +226,12 @@ def main() -> None:
 
     from load_bench import _untrained
 
-    from service.limits import (
+    from imgret.service.limits import (
         REQUEST_HITS_MAX,
         REQUEST_RERANK_SEARCHES_MAX,
         SEARCH_CANDIDATES_MAX,
     )
-    from service.schemas import K_MAX
+    from imgret.service.schemas import K_MAX
 
     per_request = REQUEST_RERANK_SEARCHES_MAX // (2 * SEARCH_CANDIDATES_MAX + 2)
     k = min(K_MAX, REQUEST_HITS_MAX // per_request)

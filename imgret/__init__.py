@@ -1,6 +1,15 @@
-"""imgret: the shared core that every layer builds on (``training``, ``index``, ``service``).
+"""imgret: image retrieval, from training an embedding to serving searches.
 
-No module here imports those layers, and the command line lives in ``cli``.
+The subpackages are the layers, each importing only those below it
+(``tests/unit/test_layering.py``):
+
+- ``imgret.training``: learns embeddings and compares losses fairly (the Reality Check);
+- ``imgret.index``: the gallery in SQL, its media, and the FAISS index derived from it;
+- ``imgret.service``: the FastAPI service over the index;
+- ``imgret.cli``: the ``imgret`` command, on top of all of them;
+- ``imgret.migrations``: the Alembic migrations of the gallery schema.
+
+The top-level modules are the core every layer builds on; none imports a subpackage:
 
 - ``settings``: the ``IMGRET_*`` environment variables, validated at start;
 - ``errors``: the domain exceptions (4xx in the service, one-line messages in the CLI);

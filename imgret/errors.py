@@ -1,4 +1,5 @@
-"""Domain exceptions: raised by the core, mapped to 4xx in service/errors.py and to CLI messages."""
+"""Domain exceptions: raised by the core, mapped to 4xx in imgret/service/errors.py and to
+CLI messages."""
 
 
 class ImgretError(Exception):

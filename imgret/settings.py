@@ -42,7 +42,7 @@ class Settings(BaseSettings):
         None, ge=1, description="IVF lists visited per query (default nlist/16, at least 8)"
     )
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
-    # Where image bytes live (index.media_db.open_media_store): "files" under data_dir/media
+    # Where image bytes live (imgret.index.media_db.open_media_store): "files" under data_dir/media
     # (replicas on several machines share the data dir as a volume), or "database": the
     # media_blobs table, readable by every process that reaches the database (small images).
     media_backend: MediaBackendName = Field(
@@ -95,7 +95,8 @@ class Settings(BaseSettings):
         description="search images waiting for the batcher (8 full batches); when full, "
                     "searches get 503 with Retry-After instead of queueing without bound",
     )
-    # Re-ranking pool (service.pipeline, service.limits): k-reciprocal and query-expansion work
+    # Re-ranking pool (imgret.service.pipeline, imgret.service.limits): k-reciprocal and
+    # query-expansion work
     # runs on its own threads, never on the model thread, behind a queue priced in index
     # searches (about 0.5 ms each at 100k exact vectors; a maximal request costs 808).
     rerank_workers: int = Field(
@@ -109,13 +110,13 @@ class Settings(BaseSettings):
                     "about 1.6 s of work at 100k items); when full, re-ranked searches get "
                     "503 with Retry-After",
     )
-    # Background re-embedding of a new model version (index.versions): the share of wall
+    # Background re-embedding of a new model version (imgret.index.versions): the share of wall
     # time it may compute; it also waits while searches are queued.
     embed_duty: float = Field(
         0.5, gt=0, le=1,
         description="fraction of time a background re-embedding may compute (1: no pause)",
     )
-    # Replicas (service.resources.follow_changes): on PostgreSQL a LISTEN wakes the follower
+    # Replicas (imgret.service.resources.follow_changes): on PostgreSQL a LISTEN wakes the follower
     # as soon as another process commits a gallery write or a model switch; the poll below
     # stays as the fallback (SQLite, a lost listening connection, notifications turned off).
     follow_interval_s: float = Field(
@@ -127,7 +128,7 @@ class Settings(BaseSettings):
     )
 
     # Model versions other than the served one that /evaluate (model_version, compare), an
-    # activation's comparison gate or a re-embedding opened (service.version_cache): the
+    # activation's comparison gate or a re-embedding opened (imgret.service.version_cache): the
     # least recently used are dropped past either bound, and loaded again when next needed.
     max_loaded_versions: int = Field(
         2, ge=0, description="versions besides the served one whose model and index stay "
@@ -139,7 +140,7 @@ class Settings(BaseSettings):
                     "(size x dim x 4)",
     )
 
-    # Backups (index.backup): retention after each successful backup, in its folder
+    # Backups (imgret.index.backup): retention after each successful backup, in its folder
     # (<data_dir>/backups for POST /admin/backup, the parent of DEST for `imgret backup`),
     # and the free space a backup must leave on the volume it is written to.
     backup_keep: int = Field(
@@ -155,7 +156,7 @@ class Settings(BaseSettings):
                                    "the estimated backup, or it is refused (507) unwritten",
     )
 
-    # Model checkpoints (index.versions): ``POST /models {"path": ...}`` reads only files
+    # Model checkpoints (imgret.index.versions): ``POST /models {"path": ...}`` reads only files
     # under <data_dir>/models and these folders (os.pathsep-separated, like PATH); every
     # checkpoint read or upload is capped by size before it is read (resnet50 at dim 512 is
     # ~95 MB: 256 MiB leaves room; a vit_b_16 (~345 MB) needs a larger cap).
@@ -188,7 +189,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    # Write guard (enforced by service.auth): a keyless server beyond
+    # Write guard (enforced by imgret.service.auth): a keyless server beyond
     # loopback refuses to start unless this is true; browsers may write only from these origins
     # (comma-separated, e.g. "https://ui.example.com") or from the API's own origin.
     allow_anonymous_writes: bool = Field(

@@ -4,13 +4,13 @@
   runner and its plots report it (Reality Check: mean ± 95% CI over several seeds).
 * :func:`paired_mean_ci`: Student-t interval of the mean paired difference ``a_k - b_k`` (seed
   ``k`` of one method against seed ``k`` of another); the benchmark's pairwise verdicts
-  (``training.analysis``) use it.
+  (``imgret.training.analysis``) use it.
 * :func:`bootstrap_ci`: percentile bootstrap interval of the column means of per-query values.
   Every metric report (``imgret.metrics``, hence training and ``/evaluate``) carries it as
   ``ci95``.
 * :func:`paired_bootstrap_ci`: percentile bootstrap interval of the mean difference between two
   sets of per-query values on the same queries; the model comparison of ``/evaluate``
-  (``index.evaluation.compare_versions``) reports it.
+  (``imgret.index.evaluation.compare_versions``) reports it.
 
 The bootstraps draw with NumPy's PCG64 from ``seed``: the same input and seed give the same
 interval, bit for bit.

@@ -17,16 +17,33 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("imgret", "training", "index", "service", "cli")
+# The layers: "core" is imgret's top-level modules (settings, decoding, the Embedder, metrics);
+# the others are its subpackages imgret.training, imgret.index, imgret.service, imgret.cli.
+PACKAGES = ("core", "training", "index", "service", "cli")
+SUBPACKAGES = frozenset(PACKAGES[1:]) | {"migrations"}
+
+
+def layer(module: str) -> str | None:
+    """The layer of a dotted module name (``imgret.index.store`` -> ``index``,
+    ``imgret.settings`` -> ``core``); ``None`` for anything not imgret's."""
+    parts = module.split(".")
+    if parts[0] != "imgret":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else "core"
+
+
+def package_dir(root: Path, package: str) -> Path:
+    return root / "imgret" if package == "core" else root / "imgret" / package
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of the packages: dotted name -> file."""
+    """Every module of the layers (migrations excluded): dotted name -> file."""
     found = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((root / "imgret").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if layer(name) in PACKAGES:
+            found[name] = path
     return found
 
 
@@ -53,9 +70,9 @@ def package_graph(found: dict[str, Path]) -> dict[str, set[str]]:
     """Package -> the other packages it imports."""
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in found.items():
-        package = name.split(".")[0]
-        graph[package].update(dep.split(".")[0] for dep in imported(path)
-                              if dep.split(".")[0] in PACKAGES and dep.split(".")[0] != package)
+        package = layer(name)
+        graph[package].update(layer(dep) for dep in imported(path)
+                              if layer(dep) in PACKAGES and layer(dep) != package)
     return {package: graph.get(package, set()) for package in PACKAGES}
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from imgret.service.app import create_app
 from imgret.settings import Settings
-from service.app import create_app
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from imgret.index.backup import BACKUP_FILE, _tree_bytes, estimate_backup_bytes
+from imgret.index.db import make_engine
 from imgret.settings import get_settings
-from index.backup import BACKUP_FILE, _tree_bytes, estimate_backup_bytes
-from index.db import make_engine
 from tests.api.conftest import API_KEY, add_gallery
 
 KEYED = {"X-API-Key": API_KEY}
@@ -85,7 +85,7 @@ def test_the_estimate_covers_what_a_backup_writes(make_client) -> None:
 
 
 def test_imgret_backup_applies_the_same_rules(make_local_client, tmp_path: Path) -> None:
-    from cli.main import app
+    from imgret.cli.main import app
 
     with make_local_client() as client:
         add_gallery(client, classes=2, per_class=2)

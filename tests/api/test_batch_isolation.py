@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import pytest
 
 from imgret.errors import ImageDecodeError
-from service.pipeline import ImageQuery, SearchPipeline
+from imgret.service.pipeline import ImageQuery, SearchPipeline
 from tests.api.conftest import add_gallery, png, search
 from tests.support.hostile_images import crafted_exif_jpeg, png_header_only, ratio_bomb
 

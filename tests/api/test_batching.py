@@ -19,10 +19,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.batching import BatchStages, Deferred, DynamicBatcher
-from service.errors import install_error_handlers
-from service.followups import FollowUp, FollowUpPool
-from service.unavailable import (
+from imgret.service.batching import BatchStages, Deferred, DynamicBatcher
+from imgret.service.errors import install_error_handlers
+from imgret.service.followups import FollowUp, FollowUpPool
+from imgret.service.unavailable import (
     PoolFull,
     QueueFull,
     ServiceUnavailable,

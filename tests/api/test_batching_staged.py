@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from service.batching import BatchStages, Deferred, DynamicBatcher
-from service.pipeline import ImageQuery, SearchPipeline, Serving
-from service.telemetry import ServiceMetrics
-from service.unavailable import ShuttingDown
+from imgret.service.batching import BatchStages, Deferred, DynamicBatcher
+from imgret.service.pipeline import ImageQuery, SearchPipeline, Serving
+from imgret.service.telemetry import ServiceMetrics
+from imgret.service.unavailable import ShuttingDown
 
 
 @dataclass

@@ -4,7 +4,7 @@ PostgreSQL refuses NUL in ``text`` and ``jsonb``, ``Infinity``/``NaN`` in ``json
 integers beyond a column's range; Python's ``json`` recurses per nesting level and refuses
 integers of over 4300 digits. Each case runs on SQLite and PostgreSQL (``client``), and the
 gallery must be unchanged afterwards. Database errors that still get through are mapped in one
-place (``service.errors``): checked here with a tiny app that raises each kind.
+place (``imgret.service.errors``): checked here with a tiny app that raises each kind.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import exc as sa_exc
 
-from service.errors import install_error_handlers
-from service.request_rules import JSON_MAX_DEPTH, parse_json_object
+from imgret.service.errors import install_error_handlers
+from imgret.service.request_rules import JSON_MAX_DEPTH, parse_json_object
 from tests.api.conftest import png
 
 # Within the size limit, and far past Python's recursion limit (about 1000).

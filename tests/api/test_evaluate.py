@@ -117,7 +117,7 @@ def test_named_query_set_and_worst_queries(client, tmp_path: Path) -> None:
     # `imgret evaluate` runs the same code on the same database: the same report.
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from imgret.cli.main import app
 
     settings = resources.settings
     out = tmp_path / "report.json"
@@ -147,7 +147,7 @@ def test_exclude_same_camera_applies_the_reid_rule(client, tmp_path: Path,
 
     # The reference: exact ranking with the Market-1501 camera rule.
     with resources.sessions() as session:
-        from index import store
+        from imgret.index import store
 
         version = store.get_model_version(session=session)
         items, query_emb = store.load_query_set("market-query", session=session,
@@ -167,7 +167,7 @@ def test_compare_two_model_versions_on_one_query_set(client, tmp_path: Path) -> 
     folder = write_image_folder(tmp_path / "gallery", classes=3, per_class=4)
     queries = write_image_folder(tmp_path / "q", classes=3, per_class=3, seed=5)
     resources = client.app.state.resources
-    from index.ingest import ingest_source
+    from imgret.index.ingest import ingest_source
 
     _ingest_gallery(resources, folder)
     _ingest_query_set(resources, queries, "q")
@@ -265,7 +265,7 @@ def test_empty_gallery_is_422(local_client) -> None:
 
 def _ingest_gallery(resources, folder: Path) -> None:
     """Bulk ingest into the app's database, then let its index catch up (as replicas do)."""
-    from index.ingest import ingest_source
+    from imgret.index.ingest import ingest_source
 
     ingest_source(folder, session_factory=resources.sessions, media=resources.media,
                   embedder=resources.embedder, progress=False)
@@ -273,7 +273,7 @@ def _ingest_gallery(resources, folder: Path) -> None:
 
 
 def _ingest_query_set(resources, folder: Path, name: str, embedder=None) -> None:
-    from index.ingest import ingest_source
+    from imgret.index.ingest import ingest_source
 
     ingest_source(folder, session_factory=resources.sessions, media=resources.media,
                   embedder=embedder or resources.embedder, query_set=name, progress=False)
@@ -307,7 +307,7 @@ def test_small_evaluations_rank_the_whole_gallery_so_map_is_exact(client) -> Non
 
 
 def test_request_versions_compare_or_compare_to() -> None:
-    from service.schemas import EvaluateRequest
+    from imgret.service.schemas import EvaluateRequest
 
     def versions(**body):
         return EvaluateRequest.model_validate({"query_set": "q", **body}).versions("served")

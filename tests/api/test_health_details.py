@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from service.routers.health import FOLLOWER_ERROR_HIDDEN
+from imgret.service.routers.health import FOLLOWER_ERROR_HIDDEN
 from tests.api.conftest import API_KEY
 
 SECRET_TEXT = "OperationalError: connection to server at \"db.internal\" (10.0.0.5) failed"

@@ -9,7 +9,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from service.limits import UploadLimitMiddleware
+from imgret.service.limits import UploadLimitMiddleware
 from tests.api.conftest import add_gallery, png, search
 from tests.support.images import class_image, image_bytes
 

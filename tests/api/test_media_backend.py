@@ -10,12 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
+from imgret.index.backup import create_backup, restore_backup
+from imgret.index.evaluation import EvaluationError, load_query_batch
+from imgret.index.ingest import ingest_source
+from imgret.index.models import MediaBlob, QueryEmbedding, QueryItem
+from imgret.service.app import create_app
 from imgret.settings import Settings
-from index.backup import create_backup, restore_backup
-from index.evaluation import EvaluationError, load_query_batch
-from index.ingest import ingest_source
-from index.models import MediaBlob, QueryEmbedding, QueryItem
-from service.app import create_app
 from tests.api.conftest import png
 from tests.conftest import TEST_DEVICE
 

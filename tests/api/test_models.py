@@ -174,7 +174,7 @@ def test_bad_registrations_are_refused_and_change_nothing(make_client, tmp_path:
 
 def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoint: Path
                                                      ) -> None:
-    from index import reembed
+    from imgret.index import reembed
 
     with make_client() as client:
         add_gallery(client, classes=4, per_class=5)
@@ -245,8 +245,8 @@ def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
     added meanwhile gets its vector, no item deleted meanwhile keeps one or comes back."""
     from sqlalchemy import func, select
 
-    from index import reembed
-    from index.models import Embedding, ModelVersion
+    from imgret.index import reembed
+    from imgret.index.models import Embedding, ModelVersion
 
     with make_client() as client:
         ids = list(add_gallery(client, classes=4, per_class=6))

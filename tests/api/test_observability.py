@@ -44,10 +44,10 @@ def test_metrics_count_requests_per_route_template(local_client) -> None:
 
 
 def test_one_json_log_line_per_request(local_client, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="service.access"):
+    with caplog.at_level(logging.INFO, logger="imgret.access"):
         local_client.get("/health", headers={"X-Request-ID": "abc-123"})
         local_client.get("/gallery/42")
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "service.access"]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "imgret.access"]
     assert [(line["route"], line["status"]) for line in lines] == [
         ("/health", 200), ("/gallery/{item_id}", 404)
     ]
@@ -113,7 +113,7 @@ def test_a_request_is_counted_before_its_answer_is_complete() -> None:
     500 on the way out)."""
     import asyncio
 
-    from service.telemetry import AccessLogMiddleware, ServiceMetrics
+    from imgret.service.telemetry import AccessLogMiddleware, ServiceMetrics
 
     metrics = ServiceMetrics()
 

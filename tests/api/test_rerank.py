@@ -10,9 +10,9 @@ import pytest
 
 from imgret.embedder import Embedder
 from imgret.images import decode_image
+from imgret.index import store
+from imgret.index.search.rerank import KReciprocal, QueryExpansion
 from imgret.metrics import ranking_metrics
-from index import store
-from index.search.rerank import KReciprocal, QueryExpansion
 from tests.api.conftest import add_gallery, png, search
 from tests.support.images import write_image_folder
 from tests.unit.index.test_rerank import reference_one_query
@@ -103,7 +103,7 @@ def test_evaluate_upload_ranks_with_the_reranked_search(client, tiny_checkpoint:
 
 def test_named_set_plain_against_reranked_is_paired_and_not_recorded(client,
                                                                       tmp_path: Path) -> None:
-    from index.ingest import ingest_source
+    from imgret.index.ingest import ingest_source
 
     resources = client.app.state.resources
     common = dict(session_factory=resources.sessions, media=resources.media,

@@ -3,8 +3,8 @@ work; re-ranking runs on its own bounded pool (never the model thread) and answe
 Retry-After when full; a search by ``id`` is queued like an image, under the same limit.
 
 The app, its batcher, pipeline and database are real. Where a test must hold re-ranking it
-replaces ``service.pipeline.rerank_answer`` (the pool's job) with one that waits for a signal,
-then calls the real one; where it must hold a batch it wraps the real pipeline.
+replaces ``imgret.service.pipeline.rerank_answer`` (the pool's job) with one that waits for a
+signal, then calls the real one; where it must hold a batch it wraps the real pipeline.
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ import time
 
 import pytest
 
-import service.pipeline
-from service.limits import REQUEST_HITS_MAX, REQUEST_RERANK_SEARCHES_MAX, SEARCH_CANDIDATES_MAX
+import imgret.service.pipeline
+from imgret.service.limits import (
+    REQUEST_HITS_MAX,
+    REQUEST_RERANK_SEARCHES_MAX,
+    SEARCH_CANDIDATES_MAX,
+)
 from tests.api.conftest import add_gallery, png, search
 from tests.api.test_batch_isolation import _files, _in_thread
 from tests.api.test_batcher_settings import BlockingPipeline
@@ -32,7 +36,7 @@ class HeldRerank:
     """Replaces the re-ranking pool's job: records its thread, waits for ``release``."""
 
     def __init__(self) -> None:
-        self.real = service.pipeline.rerank_answer
+        self.real = imgret.service.pipeline.rerank_answer
         self.started = threading.Event()
         self.release = threading.Event()
         self.threads: list[str] = []
@@ -110,7 +114,7 @@ def test_rerank_runs_on_its_pool_while_plain_searches_are_answered(client,
                                                                    monkeypatch) -> None:
     ids = sorted(add_gallery(client, classes=2, per_class=3))
     held = HeldRerank()
-    monkeypatch.setattr(service.pipeline, "rerank_answer", held)
+    monkeypatch.setattr(imgret.service.pipeline, "rerank_answer", held)
     try:
         reranked, reranked_out = _in_thread(lambda: search(
             client, png(0, 60), k="3", rerank="k_reciprocal", rerank_k1="2"))
@@ -139,7 +143,7 @@ def test_a_full_rerank_pool_answers_503_with_retry_after(make_local_client,
         ids = sorted(add_gallery(client, classes=2, per_class=3))
         pool = client.app.state.resources.batcher.followups
         held = HeldRerank()
-        monkeypatch.setattr(service.pipeline, "rerank_answer", held)
+        monkeypatch.setattr(imgret.service.pipeline, "rerank_answer", held)
         rerank = {"rerank": "k_reciprocal", "rerank_candidates": str(SEARCH_CANDIDATES_MAX)}
         try:
             filling, filling_out = _in_thread(lambda: client.post(

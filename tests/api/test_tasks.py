@@ -1,4 +1,5 @@
-"""service.tasks: cancel_and_wait and finished absorb the task's own ending (its cancellation,
+"""imgret.service.tasks: cancel_and_wait and finished absorb the task's own ending (its
+cancellation,
 and for finished its error too), never the caller's cancellation."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from service.tasks import cancel_and_wait, finished
+from imgret.service.tasks import cancel_and_wait, finished
 
 
 async def _slow_to_end() -> None:

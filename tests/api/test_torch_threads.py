@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import service.app
-import service.gallery
-import service.resources
-import service.version_evaluation
+import imgret.service.app
+import imgret.service.gallery
+import imgret.service.resources
+import imgret.service.version_evaluation
 from imgret.metrics import retrieval_metrics
 from imgret.process import in_own_thread
 from tests.api.conftest import add_gallery, png
@@ -41,10 +41,10 @@ def _parallel_torch_first(fn: Callable[..., Any]) -> Callable[..., Any]:
 def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
     make_local_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module, name in [(service.app, "load_resources"),
-                         (service.gallery, "add_items"),
-                         (service.version_evaluation, "evaluate_uploaded"),
-                         (service.resources.versions, "load_embedder")]:
+    for module, name in [(imgret.service.app, "load_resources"),
+                         (imgret.service.gallery, "add_items"),
+                         (imgret.service.version_evaluation, "evaluate_uploaded"),
+                         (imgret.service.resources.versions, "load_embedder")]:
         monkeypatch.setattr(module, name, _parallel_torch_first(getattr(module, name)))
     with torch_threads(2):
         # The BLAS libraries start one pool of threads per process, the first time they are

@@ -1,5 +1,5 @@
 """Models and indexes of versions other than the served one are an LRU bounded by count and
-bytes (``service.version_cache``), on SQLite and PostgreSQL: the app in-process, real
+bytes (``imgret.service.version_cache``), on SQLite and PostgreSQL: the app in-process, real
 checkpoints registered through ``POST /models``, real indexes."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from service.resources import Resources
-from service.version_cache import index_bytes, model_bytes
+from imgret.service.resources import Resources
+from imgret.service.version_cache import index_bytes, model_bytes
 from tests.api.conftest import add_gallery, png
 
 

@@ -1,7 +1,7 @@
 """Writes are closed by default and decided before the body is read.
 
 The key, the exposure rule and the ``Origin`` check run in a pure ASGI middleware
-(``service.auth.WriteGuardMiddleware``): FastAPI parses a multipart form *before* it solves a
+(``imgret.service.auth.WriteGuardMiddleware``): FastAPI parses a multipart form *before* it solves a
 route's dependencies, so the old ``require_api_key`` dependency let an unauthenticated client
 make the server read and spool a whole upload first.
 """
@@ -17,16 +17,16 @@ import pytest
 from fastapi.routing import APIRoute
 
 from imgret.errors import ImgretError
-from imgret.settings import Settings
-from service.app import create_app
-from service.auth import (
+from imgret.service.app import create_app
+from imgret.service.auth import (
     WriteGuardMiddleware,
     check_write_exposure,
     is_loopback,
     is_write,
     normalize_origin,
 )
-from service.deps import require_api_key
+from imgret.service.deps import require_api_key
+from imgret.settings import Settings
 from tests.api.conftest import API_KEY, png
 
 KEY = {"X-API-Key": API_KEY}
@@ -210,7 +210,7 @@ def test_imgret_serve_refuses_a_public_host_without_a_key_or_bad_origins(tmp_pat
            if k not in ("IMGRET_API_KEY", "IMGRET_ALLOW_ANONYMOUS_WRITES")}
     env["IMGRET_DATA_DIR"] = str(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--host",
+        [sys.executable, "-c", "from imgret.cli.main import main; main()", "serve", "--host",
          "0.0.0.0", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=120,
     )
@@ -222,7 +222,7 @@ def test_imgret_serve_refuses_a_public_host_without_a_key_or_bad_origins(tmp_pat
 
     env["IMGRET_ALLOWED_ORIGINS"] = "https://ok.example, not-an-origin"
     result = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", "1"],
+        [sys.executable, "-c", "from imgret.cli.main import main; main()", "serve", "--port", "1"],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from imgret.embedder import Embedder
-from index.media import MediaStore
+from imgret.index.media import MediaStore
 from tests.conftest import TEST_DEVICE
 
 

@@ -14,8 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from imgret.settings import Settings, get_settings
-from index.backup import (
+from imgret.index.backup import (
     BACKUP_FILE,
     BackupError,
     BackupExists,
@@ -24,8 +23,9 @@ from index.backup import (
     restore_backup,
     verify_backup,
 )
-from index.manifest import Manifest
-from service.app import create_app
+from imgret.index.manifest import Manifest
+from imgret.service.app import create_app
+from imgret.settings import Settings, get_settings
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 
@@ -186,7 +186,7 @@ def test_an_index_that_does_not_match_the_database_is_rebuilt(backup: Path,
 
 def test_cli_errors_name_the_folder_without_a_traceback(backup: Path, target: Settings,
                                                         tmp_path: Path) -> None:
-    from cli.main import app
+    from imgret.cli.main import app
 
     (backup / BACKUP_FILE).unlink()
     env = {"IMGRET_DATA_DIR": str(target.data_dir), "IMGRET_DATABASE_URL": target.db_url}
@@ -205,7 +205,7 @@ def test_cli_errors_name_the_folder_without_a_traceback(backup: Path, target: Se
 
 
 def test_restore_check_verifies_without_writing(backup: Path, target: Settings) -> None:
-    from cli.main import app
+    from imgret.cli.main import app
 
     env = {"IMGRET_DATA_DIR": str(target.data_dir), "IMGRET_DATABASE_URL": target.db_url}
     get_settings.cache_clear()

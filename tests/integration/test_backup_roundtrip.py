@@ -27,10 +27,10 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from imgret.index.backup import DATABASE_FILE, create_backup
+from imgret.index.media import MediaStore
+from imgret.service.app import create_app
 from imgret.settings import Settings, get_settings
-from index.backup import DATABASE_FILE, create_backup
-from index.media import MediaStore
-from service.app import create_app
 from tests.conftest import TEST_DEVICE, _libpq
 from tests.support.images import class_image, image_bytes
 
@@ -275,13 +275,13 @@ def _assert_same_ranking(got: list[tuple[int, float]], expected: list[tuple[int,
 
 
 def _sha(data: bytes) -> str:
-    from index.media import sha256_hex
+    from imgret.index.media import sha256_hex
 
     return sha256_hex(data)
 
 
 def _cli(args: list[str], settings: Settings) -> str:
-    from cli.main import app
+    from imgret.cli.main import app
 
     env = {"IMGRET_DATA_DIR": str(settings.data_dir),
            "IMGRET_DATABASE_URL": settings.database_url or "", "IMGRET_DEVICE": TEST_DEVICE}

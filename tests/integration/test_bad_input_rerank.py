@@ -12,7 +12,11 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_server
-from service.limits import REQUEST_HITS_MAX, REQUEST_RERANK_SEARCHES_MAX, SEARCH_CANDIDATES_MAX
+from imgret.service.limits import (
+    REQUEST_HITS_MAX,
+    REQUEST_RERANK_SEARCHES_MAX,
+    SEARCH_CANDIDATES_MAX,
+)
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 

@@ -36,8 +36,8 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_servers
-from index.db import upgrade_to_head
-from index.media import sha256_hex
+from imgret.index.db import upgrade_to_head
+from imgret.index.media import sha256_hex
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import (
     KEY_HEADERS,

@@ -41,9 +41,9 @@ import pytest
 from sqlalchemy import text
 
 from benchmarks.harness import LiveServer, running_server
-from index.db import make_engine, make_sessionmaker, upgrade_to_head
-from index.ingest import ingest_source
-from index.media import MediaStore, sha256_hex
+from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.index.ingest import ingest_source
+from imgret.index.media import MediaStore, sha256_hex
 from tests.conftest import TEST_DEVICE
 from tests.integration.test_ingest_kill import SCRIPT as SLOW_CLI
 from tests.integration.test_ingest_kill import _counts
@@ -72,7 +72,7 @@ KILL_POINTS = ((3, False), (10, False), (5, True))
 # keeps the committed write unacknowledged long enough for the kill.
 POST_COMMIT_DELAY = '''
 import time
-from index.search import Searcher
+from imgret.index.search import Searcher
 def _slowed(method):
     def slowed(self, *args, **kwargs):
         time.sleep(0.5)
@@ -343,7 +343,7 @@ def stop_before(real):
     return rename
 os.replace, os.rename = stop_before(os.replace), stop_before(os.rename)
 sys.argv = ["imgret", *sys.argv[3:]]
-from cli.main import main
+from imgret.cli.main import main
 main()
 """
 TOTAL, CHUNK = 32, 8
@@ -423,7 +423,7 @@ def test_killed_ingest_and_index_builds_then_serve(
 
 def _imgret(args: list[str], env: dict[str, str], log: Path) -> None:
     with log.open("wb") as out:
-        done = subprocess.run([sys.executable, "-c", "from cli.main import main; main()",
+        done = subprocess.run([sys.executable, "-c", "from imgret.cli.main import main; main()",
                                *args], env=env, stdout=out, stderr=subprocess.STDOUT,
                               timeout=300)
     assert done.returncode == 0, log.read_text()

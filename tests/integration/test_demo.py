@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.demo import METRICS
-from cli.main import app
+from imgret.cli.demo import METRICS
+from imgret.cli.main import app
 from imgret.datasets import FASHION_MNIST_DIR
 from imgret.settings import get_settings
 from tests.conftest import require

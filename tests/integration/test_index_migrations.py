@@ -10,8 +10,14 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from index.db import current_revision, downgrade, make_engine, migrations_dir, upgrade_to_head
-from index.models import Base
+from imgret.index.db import (
+    current_revision,
+    downgrade,
+    make_engine,
+    migrations_dir,
+    upgrade_to_head,
+)
+from imgret.index.models import Base
 
 TABLES = {"model_versions", "model_activations", "gallery_items", "embeddings",
           "gallery_changes", "query_sets", "query_items", "query_embeddings"}
@@ -36,8 +42,8 @@ def test_upgrade_matches_the_models_and_downgrade_removes_everything(db_url):
         engine.dispose()
 
 
-def test_migrations_are_found_from_the_package_and_from_a_checkout():
-    assert migrations_dir() == REPO / "migrations"
+def test_migrations_are_found_in_the_package():
+    assert migrations_dir() == REPO / "imgret" / "migrations"
     assert (migrations_dir() / "versions").is_dir()
 
 
@@ -50,31 +56,25 @@ def test_alembic_command_line_uses_the_ini_at_the_repo_root(tmp_path):
     assert current_revision(url) == upgrade_to_head(url)
 
 
-def test_migrations_are_found_beside_index_when_the_package_is_not_installed(monkeypatch):
-    monkeypatch.setitem(sys.modules, "migrations", None)  # makes `import migrations` fail
-    assert migrations_dir() == REPO / "migrations"
-
-
 def test_a_fresh_clone_uses_its_own_migrations(tmp_path):
     import shutil
 
     clone = tmp_path / "clone"
-    for package in ("index", "migrations"):
-        shutil.copytree(REPO / package, clone / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "imgret", clone / "imgret",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     url = f"sqlite:///{tmp_path / 'clone.db'}"
-    script = ("import sys; from index.db import migrations_dir, upgrade_to_head; "
+    script = ("import sys; from imgret.index.db import migrations_dir, upgrade_to_head; "
               "print(migrations_dir()); upgrade_to_head(sys.argv[1])")
     out = subprocess.run([sys.executable, "-c", script, url], cwd=clone, check=True,
                          capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == str(clone / "migrations")
+    assert out.stdout.strip() == str(clone / "imgret" / "migrations")
     assert current_revision(url) is not None
 
 
 def _upgrade_in_child(args: tuple[str, float]) -> str:
     import time
 
-    from index.db import upgrade_to_head as upgrade
+    from imgret.index.db import upgrade_to_head as upgrade
 
     url, start_at = args
     time.sleep(max(0.0, start_at - time.time()))  # start together, imports done

@@ -13,10 +13,10 @@ from sqlalchemy import func, select
 from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
 from imgret.images import decode_image
-from index import store
-from index.ingest import NewItem, add_items, ingest_source
-from index.media import sha256_hex
-from index.models import Embedding, GalleryChange, GalleryItem, ModelVersion, QueryItem
+from imgret.index import store
+from imgret.index.ingest import NewItem, add_items, ingest_source
+from imgret.index.media import sha256_hex
+from imgret.index.models import Embedding, GalleryChange, GalleryItem, ModelVersion, QueryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes, write_market_folder
 
@@ -163,7 +163,7 @@ def test_a_new_model_version_embeds_the_existing_gallery(sessions, media, embedd
 
 
 def _run_cli(monkeypatch, capsys, env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    from cli import main as cli
+    from imgret.cli import main as cli
     from imgret.settings import get_settings
 
     for key, value in env.items():

@@ -11,10 +11,10 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from index.db import make_engine, make_sessionmaker, upgrade_to_head
-from index.ingest import ingest_source
-from index.media import MediaStore, sha256_hex
-from index.models import Embedding, GalleryChange, GalleryItem
+from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.index.ingest import ingest_source
+from imgret.index.media import MediaStore, sha256_hex
+from imgret.index.models import Embedding, GalleryChange, GalleryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import write_image_folder
 
@@ -33,7 +33,7 @@ def slow_embed(self, batch):
     return original(self, batch)
 Embedder.embed_tensors = slow_embed
 sys.argv = ["imgret", *sys.argv[2:]]
-from cli.main import main
+from imgret.cli.main import main
 main()
 """
 
@@ -95,7 +95,8 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
         time.sleep(0.05)
     files = [p for p in media.root.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name.startswith(".tmp-")]
-    # Files of the chunk in flight may exist without rows: harmless (see index.ingest.writer).
+    # Files of the chunk in flight may exist without rows: harmless (see
+    # imgret.index.ingest.writer).
     assert items <= len(files) <= items + CHUNK
 
     embedder = Embedder.from_checkpoint(tiny_checkpoint, device=TEST_DEVICE)

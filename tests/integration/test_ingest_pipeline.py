@@ -10,11 +10,11 @@ import pytest
 from sqlalchemy import select
 
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
-from index import store
-from index.ingest import ingest_source, pipeline, writer
-from index.ingest.workers import EmbedWorkers, _warm_up
-from index.media import sha256_hex
-from index.models import GalleryItem
+from imgret.index import store
+from imgret.index.ingest import ingest_source, pipeline, writer
+from imgret.index.ingest.workers import EmbedWorkers, _warm_up
+from imgret.index.media import sha256_hex
+from imgret.index.models import GalleryItem
 from tests.support.threads import torch_threads
 
 

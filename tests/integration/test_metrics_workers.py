@@ -119,7 +119,7 @@ def test_every_scrape_reports_all_workers(tmp_path: Path, postgres_url: str,
 # counted; it prints the merged exposition and exits.
 _WORKER = """
 import sys
-from service.telemetry import ServiceMetrics
+from imgret.service.telemetry import ServiceMetrics
 metrics = ServiceMetrics()
 assert metrics.multiprocess
 metrics.track_index_size(lambda: float(sys.argv[1]))

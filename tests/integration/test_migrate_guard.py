@@ -13,18 +13,19 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_server
-from index.db import make_engine, make_sessionmaker, upgrade_to_head
-from index.ingest import NewItem, add_items
-from index.media import MediaStore
-from index.media_db import DatabaseMediaStore
-from index.serving import GalleryInUse, hold_for_maintenance, hold_for_serving
+from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.index.ingest import NewItem, add_items
+from imgret.index.media import MediaStore
+from imgret.index.media_db import DatabaseMediaStore
+from imgret.index.serving import GalleryInUse, hold_for_maintenance, hold_for_serving
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import server_env
 from tests.support.images import class_image, image_bytes
 
 pytestmark = pytest.mark.slow
 
-_SCRIPT = "import sys; sys.argv = ['imgret', *sys.argv[1:]]; from cli.main import main; main()"
+_SCRIPT = ("import sys; sys.argv = ['imgret', *sys.argv[1:]]; "
+           "from imgret.cli.main import main; main()")
 
 
 def _migrate(env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -17,11 +17,17 @@ from sqlalchemy import func, inspect, select, text, update
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from index import reembed, store, version_store, versions
-from index.db import alembic_config, downgrade, make_engine, make_sessionmaker, upgrade_to_head
-from index.ingest import NewItem, add_items
-from index.media import MediaStore
-from index.models import (
+from imgret.index import reembed, store, version_store, versions
+from imgret.index.db import (
+    alembic_config,
+    downgrade,
+    make_engine,
+    make_sessionmaker,
+    upgrade_to_head,
+)
+from imgret.index.ingest import NewItem, add_items
+from imgret.index.media import MediaStore
+from imgret.index.models import (
     Embedding,
     ModelCheckpoint,
     ModelVersion,

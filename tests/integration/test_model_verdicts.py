@@ -24,8 +24,8 @@ GALLERY_PER_CLASS, QUERIES_PER_CLASS = 30, 20
 
 
 def _train(out: Path, *, epochs: int, time_budget_s: float | None) -> Path:
-    from training.config import FASHION_MNIST, LossConfig, TrainConfig
-    from training.loop import train
+    from imgret.training.config import FASHION_MNIST, LossConfig, TrainConfig
+    from imgret.training.loop import train
 
     config = TrainConfig(
         data=FASHION_MNIST, protocol="closed-set", loss=LossConfig(name="multi_similarity"),
@@ -83,8 +83,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory, runs) -> dict[str, Path]:
 def test_trained_longer_is_better_and_the_same_model_is_no_better(
     tmp_path: Path, db_url: str, runs: dict[str, Path], folders: dict[str, Path]
 ) -> None:
-    from index import commands
-    from service.app import create_app
+    from imgret.index import commands
+    from imgret.service.app import create_app
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url, model=runs["a"],
                         device=TEST_DEVICE, embed_duty=1.0,

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cli.main import app
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
-from index.versions import VersionInUse
+from imgret.cli.main import app
+from imgret.index.versions import VersionInUse
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_register_embed_compare_activate_rollback(env: Path, image_folder: Path)
 
 
 def test_cli_errors_are_domain_errors(env: Path) -> None:
-    """``imgret`` (cli.main.main) prints an ImgretError as one line, without a traceback."""
+    """``imgret`` (imgret.cli.main.main) prints an ImgretError as one line, without a traceback."""
     from imgret.errors import ImgretError
 
     for args in (["models", "activate", "nope"], ["models", "rollback"],
@@ -102,8 +102,8 @@ def test_evaluate_rerank_is_the_endpoints_report_and_not_recorded(
 ) -> None:
     from fastapi.testclient import TestClient
 
+    from imgret.service.app import create_app
     from imgret.settings import Settings
-    from service.app import create_app
     from tests.support.images import write_image_folder
 
     queries = write_image_folder(tmp_path / "queries", classes=4, per_class=3, seed=5)

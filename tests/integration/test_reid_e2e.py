@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from imgret.cli.main import app
 from imgret.settings import get_settings
 from tests.support.images import write_market_folder
 

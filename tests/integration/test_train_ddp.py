@@ -1,4 +1,4 @@
-"""Data-parallel training: `torchrun --nproc_per_node=2 -m cli train` on CPU (gloo)."""
+"""Data-parallel training: `torchrun --nproc_per_node=2 -m imgret.cli train` on CPU (gloo)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ def _fashion_mnist() -> None:
 
 
 def test_fashion_mnist_split_is_the_documented_one() -> None:
-    from training.config import TrainConfig
-    from training.data import make_split, open_source
-    from training.data.splits import FASHION_SPLIT
+    from imgret.training.config import TrainConfig
+    from imgret.training.data import make_split, open_source
+    from imgret.training.data.splits import FASHION_SPLIT
 
     source = open_source("fashion-mnist")
     split = make_split(source, TrainConfig(data="fashion-mnist"))
@@ -34,7 +34,7 @@ def test_fashion_mnist_split_is_the_documented_one() -> None:
 def test_train_on_fashion_mnist_reports_model_and_baselines(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from imgret.cli.main import app
 
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [

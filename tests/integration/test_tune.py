@@ -9,8 +9,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from training.config import TrainConfig
-from training.report import BenchmarkMismatch
+from imgret.training.config import TrainConfig
+from imgret.training.report import BenchmarkMismatch
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, Path, dict]:
     """2 losses x 2 trials, then 2 seeds each: about 15 s on a CPU."""
+    from imgret.training.benchmark import parse_losses
+    from imgret.training.tune import run_tuned_benchmark
     from tests.support.images import write_image_folder
-    from training.benchmark import parse_losses
-    from training.tune import run_tuned_benchmark
 
     root = tmp_path_factory.mktemp("tune")
     data = write_image_folder(root / "images", classes=8, per_class=6, size=16)
@@ -61,8 +61,8 @@ def test_every_loss_gets_the_same_trials_and_budget(tuned) -> None:
 
 
 def test_a_second_run_trains_nothing_and_requeues_an_interrupted_trial(tuned, monkeypatch):
-    import training.tune
-    from training.benchmark import parse_losses
+    import imgret.training.tune
+    from imgret.training.benchmark import parse_losses
 
     base, out, results = tuned
     interrupted = _studies(out)["triplet"].ask()  # as if a process died inside a trial
@@ -70,8 +70,8 @@ def test_a_second_run_trains_nothing_and_requeues_an_interrupted_trial(tuned, mo
     def no_training(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a finished trial was trained again")
 
-    monkeypatch.setattr(training.tune, "train", no_training)
-    again = training.tune.run_tuned_benchmark(base, parse_losses("triplet,proxy_anchor"), 2,
+    monkeypatch.setattr(imgret.training.tune, "train", no_training)
+    again = imgret.training.tune.run_tuned_benchmark(base, parse_losses("triplet,proxy_anchor"), 2,
                                               [0, 1], out, progress=False)
     assert again["tuning"]["best"] == results["tuning"]["best"]
     trials = _studies(out)["triplet"].trials
@@ -82,8 +82,8 @@ def test_a_second_run_trains_nothing_and_requeues_an_interrupted_trial(tuned, mo
 def test_a_study_of_another_base_config_is_refused(tuned) -> None:
     import dataclasses
 
-    from training.benchmark import parse_losses
-    from training.tune import run_tuned_benchmark
+    from imgret.training.benchmark import parse_losses
+    from imgret.training.tune import run_tuned_benchmark
 
     base, out, _ = tuned
     with pytest.raises(BenchmarkMismatch, match="epochs: 1 vs 2"):

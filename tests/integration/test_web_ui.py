@@ -298,7 +298,7 @@ def _ingest_query_set(env: dict[str, str], folder: Path, name: str) -> None:
                                 class_image((c + 1) % CLASSES, 700 + i, size=SIZE), BLEND[i])
             image.save(folder / f"class-{c}" / f"{i}.png")
     done = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "ingest", str(folder),
+        [sys.executable, "-c", "from imgret.cli.main import main; main()", "ingest", str(folder),
          "--query-set", name, "--no-progress"],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=300, cwd=ROOT,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.main import complete_optional_values
+from imgret.cli.main import complete_optional_values
 
 
 @pytest.mark.parametrize(("args", "expected"), [

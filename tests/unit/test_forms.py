@@ -1,4 +1,4 @@
-"""The one multipart form parser (service.forms): its rules, and the upload form of /evaluate
+"""The one multipart form parser (imgret.service.forms): its rules, and the upload form of /evaluate
 sharing the checks of its JSON body."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import io
 import pytest
 from starlette.datastructures import FormData, UploadFile
 
-from service.forms import form_schema, parse_form
-from service.request_rules import InvalidRequest
-from service.schemas import (
+from imgret.service.forms import form_schema, parse_form
+from imgret.service.request_rules import InvalidRequest
+from imgret.service.schemas import (
     EvaluateRequest,
     EvaluateUpload,
     GalleryUpload,

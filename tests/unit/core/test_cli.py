@@ -8,7 +8,7 @@ import sys
 
 def test_help_does_not_import_heavy_libraries() -> None:
     code = (
-        "import sys, cli.main\n"
+        "import sys, imgret.cli.main\n"
         "heavy = [m for m in ('torch', 'faiss', 'fastapi', 'sqlalchemy') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
@@ -18,7 +18,7 @@ def test_help_does_not_import_heavy_libraries() -> None:
 
 def test_help_lists_commands() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "--help"],
+        [sys.executable, "-c", "from imgret.cli.main import main; main()", "--help"],
         capture_output=True, text=True,
     )
     assert out.returncode == 0
@@ -29,9 +29,9 @@ def test_help_lists_commands() -> None:
 def test_train_benchmark_and_tune_share_the_base_options_read_from_train_config() -> None:
     import typer.main
 
-    from cli.main import app
-    from cli.train import BASE_OPTIONS
-    from training.config import TrainConfig
+    from imgret.cli.main import app
+    from imgret.cli.train import BASE_OPTIONS
+    from imgret.training.config import TrainConfig
 
     group = typer.main.get_command(app)
     base = {}
@@ -52,7 +52,7 @@ def test_train_benchmark_and_tune_share_the_base_options_read_from_train_config(
 
 def test_a_bad_option_is_one_line_without_traceback(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "train", "--data", "x",
+        [sys.executable, "-c", "from imgret.cli.main import main; main()", "train", "--data", "x",
          "--out", str(tmp_path / "run"), "--loss", "triplet", "--epochs", "0"],
         capture_output=True, text=True,
     )

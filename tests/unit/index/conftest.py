@@ -32,7 +32,7 @@ def fake_gpus(monkeypatch):
     ``copy(index, options, ngpu)``, a CPU stand-in for FAISS's GPU copy."""
     import faiss
 
-    from index import faiss_index
+    from imgret.index import faiss_index
 
     def install(ngpu, copy):
         monkeypatch.setattr(faiss, "get_num_gpus", lambda: ngpu)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.search.threads import limit_pthreads_blas
+from imgret.index.search.threads import limit_pthreads_blas
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 

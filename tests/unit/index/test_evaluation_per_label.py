@@ -1,4 +1,5 @@
-"""index.evaluation: the per-label breakdown (with confusions) on hand-made galleries ranked by
+"""imgret.index.evaluation: the per-label breakdown (with confusions) on hand-made galleries
+ranked by
 a real FAISS Searcher, and the verdicts and activation gate of a version comparison."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.evaluation import (
+from imgret.index.evaluation import (
     BETTER,
     MIN_EFFECT,
     NO_DIFFERENCE,
@@ -20,9 +21,9 @@ from index.evaluation import (
     gate,
     verdict,
 )
-from index.faiss_index import check_factory, create_index
-from index.search import Searcher
-from index.store import ItemInfo
+from imgret.index.faiss_index import check_factory, create_index
+from imgret.index.search import Searcher
+from imgret.index.store import ItemInfo
 
 DIM = 8
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from imgret.errors import InvalidIndexFactory
-from index.faiss_index import (
+from imgret.index.faiss_index import (
     TooFewVectors,
     check_factory,
     create_index,
@@ -93,7 +93,7 @@ def test_search_params_carry_the_selector_where_the_index_supports_one(vectors):
 def test_placement_stays_on_cpu_without_gpus(monkeypatch, caplog):
     monkeypatch.setattr(faiss, "get_num_gpus", lambda: 0)  # also on a GPU machine
     index = create_index(check_factory("Flat", 16), 16)
-    caplog.set_level("INFO", logger="index.faiss_index")
+    caplog.set_level("INFO", logger="imgret.index.faiss_index")
     gpu, device = place_index(index)
     assert (gpu, device) == (None, "cpu")
     assert "faiss.get_num_gpus() == 0" in caplog.text
@@ -118,7 +118,7 @@ def test_gpu_branch_shards_across_all_gpus(fake_gpus, vectors):
 def test_gpu_copies_share_one_capped_set_of_resources(monkeypatch, vectors):
     """Every GPU copy shares one capped set of FAISS resources per process: a set per copy
     (up to 1.5 GiB reserved each) makes FAISS abort the process after enough copies."""
-    from index import faiss_index
+    from imgret.index import faiss_index
 
     made, copies = [], []
 

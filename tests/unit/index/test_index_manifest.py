@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from imgret.errors import IndexStale
-from index.manifest import MANIFEST_FILE, Manifest, ids_checksum, index_dir
+from imgret.index.manifest import MANIFEST_FILE, Manifest, ids_checksum, index_dir
 
 
 def _manifest(**overrides) -> Manifest:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from index.media import MediaStore, sha256_hex, sniff_content_type
+from imgret.index.media import MediaStore, sha256_hex, sniff_content_type
 from tests.support.images import class_image, image_bytes
 
 

@@ -8,9 +8,9 @@ import faiss
 import numpy as np
 import pytest
 
-from index.faiss_index import check_factory, create_index, set_search_defaults
-from index.search import Hit, ReadWriteLock, Searcher, SearchFilter
-from index.store import ItemInfo
+from imgret.index.faiss_index import check_factory, create_index, set_search_defaults
+from imgret.index.search import Hit, ReadWriteLock, Searcher, SearchFilter
+from imgret.index.store import ItemInfo
 from tests.support.threads import Overlap, run_in_threads
 from tests.unit.index.vectors import clustered_vectors
 
@@ -155,7 +155,7 @@ def test_add_is_searchable_at_once_and_remove_never_returned_again(factory, vect
 def test_indexes_without_remove_ids_use_tombstones(vectors, caplog):
     searcher = make_searcher("HNSW16", vectors)
     searcher.rebuild_threshold = 0.05
-    caplog.set_level("WARNING", logger="index.search")
+    caplog.set_level("WARNING", logger="imgret.index.search")
     searcher.remove(range(1, 11))
     assert searcher.stats["tombstones"] == 10 and searcher.stats["stored"] == 600
     hits = searcher.search(vectors[:10], 5)
@@ -295,7 +295,7 @@ def test_concurrent_searches_use_the_gpu_mirror_one_at_a_time(fake_gpus, vectors
 
 
 def test_query_time_knobs_are_applied(vectors):
-    from index.faiss_index import unwrap
+    from imgret.index.faiss_index import unwrap
 
     index = trained_index("IVF8,Flat")
     index.add_with_ids(vectors, np.arange(1, len(vectors) + 1))
@@ -310,7 +310,7 @@ def test_query_time_knobs_are_applied(vectors):
 def test_an_evaluation_ranks_the_gallery_it_counted_while_items_are_added(vectors):
     """/evaluate counts R on the index's ids, then searches; an add in between (the gallery
     stays writable) must not make a ranking list more relevant items than R (a 422)."""
-    from index.evaluation import QueryBatch, evaluate
+    from imgret.index.evaluation import QueryBatch, evaluate
 
     class AddsDuringEvaluation(Searcher):
         def ids(self) -> np.ndarray:

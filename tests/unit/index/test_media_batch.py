@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from index import media as media_module
-from index.media import BATCH_MIN, MediaStore, sha256_hex
+from imgret.index import media as media_module
+from imgret.index.media import BATCH_MIN, MediaStore, sha256_hex
 
 
 def _blobs(n: int, tag: bytes = b"") -> list[tuple[bytes, str]]:

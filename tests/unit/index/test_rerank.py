@@ -1,4 +1,4 @@
-"""Re-ranking (index.search.rerank) against straightforward full-matrix references: Zhong et
+"""Re-ranking (imgret.index.search.rerank) against straightforward full-matrix references: Zhong et
 al.'s k-reciprocal re-ranking as torchreid's ``re_ranking`` computes it, and average query
 expansion by brute force."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.search import SearchFilter
-from index.search.rerank import (
+from imgret.index.search import SearchFilter
+from imgret.index.search.rerank import (
     KReciprocal,
     QueryExpansion,
     expand_query,
@@ -248,8 +248,7 @@ def test_bad_options_are_refused_with_a_message(method, params, message):
 def test_memory_is_bounded_by_candidates_not_gallery(vectors, monkeypatch):
     """The per-query problem is (N + 1)^2 whatever the gallery: the pure function is only
     ever called with N + 1 members."""
-    import index.search.rerank as module
-
+    import imgret.index.search.rerank as module
     sizes = []
     real = module.k_reciprocal_distances
 

@@ -1,4 +1,4 @@
-"""The thread rule of CPU searches (index.search.threads): exact results on every path, and
+"""The thread rule of CPU searches (imgret.index.search.threads): exact results on every path, and
 OpenMP thread counts that stay each thread's own under concurrent searches."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import faiss
 import numpy as np
 import pytest
 
-from index.faiss_index import check_factory, create_index
-from index.search import Searcher, SearchFilter
-from index.search.threads import ExactFlat, faiss_threads, uses_blas_path, yielding_to
-from index.store import ItemInfo
+from imgret.index.faiss_index import check_factory, create_index
+from imgret.index.search import Searcher, SearchFilter
+from imgret.index.search.threads import ExactFlat, faiss_threads, uses_blas_path, yielding_to
+from imgret.index.store import ItemInfo
 from tests.support.threads import omp_threads
 from tests.unit.index.vectors import clustered_vectors
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from imgret.training.config import LossConfig, TrainConfig
 from tests.conftest import TEST_DEVICE
-from training.config import LossConfig, TrainConfig
 
 
 @pytest.fixture(scope="session")

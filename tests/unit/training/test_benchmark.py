@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-import training.benchmark as benchmark
+import imgret.training.benchmark as benchmark
 from imgret.errors import UnknownName
 from imgret.stats import mean_ci
-from training.benchmark import (
+from imgret.training.benchmark import (
     BenchmarkMismatch,
     check_comparable,
     parse_losses,
     plan_cells,
     run_benchmark,
 )
-from training.config import LossConfig, TrainConfig
+from imgret.training.config import LossConfig, TrainConfig
 
 
 def test_mean_ci_is_the_student_t_interval() -> None:
@@ -106,8 +106,7 @@ def test_benchmark_end_to_end_and_resumable(
     assert "| triplet |" in markdown and "raw pixels" in markdown and "imgret benchmark" in markdown
 
     # A second call finds every cell finished and trains nothing.
-    import training.loop as loop
-
+    import imgret.training.loop as loop
     monkeypatch.setattr(loop.EmbeddingNet, "__init__", _fail)
     again = run_benchmark(base, losses, [0, 1], tmp_path)
     assert again["rows"][0]["metrics"] == results["rows"][0]["metrics"]

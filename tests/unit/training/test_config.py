@@ -8,7 +8,7 @@ import json
 import pytest
 
 from imgret.errors import ImgretError
-from training.config import LossConfig, TrainConfig, TrainConfigError, base_config
+from imgret.training.config import LossConfig, TrainConfig, TrainConfigError, base_config
 
 # The keys of the config dict in metrics.json, model.pt and benchmark.json, in their order.
 SAVED_KEYS = [

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from imgret.datasets import FASHION_MNIST_CLASSES, DatasetError
-from training.config import TrainConfig, TrainConfigError
-from training.data import (
+from imgret.training.config import TrainConfig, TrainConfigError
+from imgret.training.data import (
     MPerClassSampler,
     TrainDataset,
     make_split,
@@ -19,9 +19,9 @@ from training.data import (
     plan_batches,
     train_transform,
 )
-from training.data import model_spec_for as spec_for
-from training.data.sources import ArrayImageSource
-from training.data.splits import FASHION_SPLIT
+from imgret.training.data import model_spec_for as spec_for
+from imgret.training.data.sources import ArrayImageSource
+from imgret.training.data.splits import FASHION_SPLIT
 
 
 class _Labels:

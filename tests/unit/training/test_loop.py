@@ -10,13 +10,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import training.loop as loop
-from cli.main import app
+import imgret.training.loop as loop
 from imgret.checkpoint import load_checkpoint
+from imgret.cli.main import app
+from imgret.training.config import LossConfig, TrainConfig, TrainConfigError
+from imgret.training.loop import train
+from imgret.training.run_dir import LAST_FILE
 from tests.conftest import TEST_DEVICE
-from training.config import LossConfig, TrainConfig, TrainConfigError
-from training.loop import train
-from training.run_dir import LAST_FILE
 
 REPORTED = ("map_at_r", "r_precision", "precision_at_1")
 

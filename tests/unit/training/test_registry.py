@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from imgret.errors import UnknownName
-from training.config import TrainConfigError
-from training.registry import LOSSES, MINERS, NO_MINER, build_loss, resolve_miner
+from imgret.training.config import TrainConfigError
+from imgret.training.registry import LOSSES, MINERS, NO_MINER, build_loss, resolve_miner
 
 BATCH, DIM, CLASSES = 16, 8, 4
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from training.config import TrainConfig, TrainConfigError
-from training.data import MPerClassSampler, make_split, plan_batches
-from training.data.sources import ArrayImageSource
+from imgret.training.config import TrainConfig, TrainConfigError
+from imgret.training.data import MPerClassSampler, make_split, plan_batches
+from imgret.training.data.sources import ArrayImageSource
 
 CLASSES = (2, 3, 4, 6, 8, 20)
 PER_CLASS = (1, 2, 3, 4, 6, 10, 50)
@@ -132,14 +132,14 @@ def _train(tmp_path: Path, classes: int, per_class: int, *extra: str):
     args = ["train", "--data", str(data), "--loss", "multi_similarity", "--backbone", "tiny_cnn",
             "--dim", "8", "--image-size", "12", "--epochs", "1", "--no-progress",
             "--out", str(tmp_path / "run"), *extra]
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "imgret.cli.main", *args], capture_output=True,
                           text=True, timeout=300, check=False)
 
 
 @pytest.mark.parametrize(
     ("classes", "per_class", "extra", "said"),
     # How many classes the class-disjoint split trains on is the split's business.
-    [(8, 6, (), r"WARNING training.loop: batch 64 -> \d+: only \d+ training images\n"),
+    [(8, 6, (), r"WARNING imgret.training.loop: batch 64 -> \d+: only \d+ training images\n"),
      (2, 4, ("--protocol", "closed-set", "--batch-size", "128"),
       r"batch 128 -> 4: only 4 training images"),
      (6, 4, ("--batch-size", "2", "--m-per-class", "2"), r"batches of 2: 1 classes x 2 images")],

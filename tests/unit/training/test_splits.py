@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from imgret.datasets import FASHION_MNIST_CLASSES
+from imgret.training.config import TrainConfig
+from imgret.training.data import make_split
 from tests.unit.training.test_data import _classes, _fake_fashion, _Labels
-from training.config import TrainConfig
-from training.data import make_split
 
 SPLITS = ("train", "val", "test")
 

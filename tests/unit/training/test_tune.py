@@ -10,10 +10,10 @@ import optuna
 import pytest
 import torch
 
-from training.config import DEFAULT_LOSSES, LossConfig, TrainConfig
-from training.registry import LOSSES, LR, PARAM_LR_MULT, build_loss
-from training.report import tuning_markdown
-from training.tune import (
+from imgret.training.config import DEFAULT_LOSSES, LossConfig, TrainConfig
+from imgret.training.registry import LOSSES, LR, PARAM_LR_MULT, build_loss
+from imgret.training.report import tuning_markdown
+from imgret.training.tune import (
     BUDGETS,
     apply_params,
     default_params,
@@ -124,8 +124,8 @@ def test_tuning_markdown_names_the_budget_spaces_and_best() -> None:
 def test_tune_command_takes_a_budget_and_explicit_options_win(monkeypatch) -> None:
     from typer.testing import CliRunner
 
-    import training.tune
-    from cli.main import app
+    import imgret.training.tune
+    from imgret.cli.main import app
 
     seen: dict[str, Any] = {}
 
@@ -133,7 +133,7 @@ def test_tune_command_takes_a_budget_and_explicit_options_win(monkeypatch) -> No
         seen.update(base=base, losses=losses, trials=trials, seeds=seeds)
         raise SystemExit(0)
 
-    monkeypatch.setattr(training.tune, "run_tuned_benchmark", fake)
+    monkeypatch.setattr(imgret.training.tune, "run_tuned_benchmark", fake)
     result = CliRunner().invoke(app, ["tune", "--data", "fashion-mnist", "--out", "x",
                                       "--budget", "quick", "--epochs", "7"])
     assert result.exit_code == 0, result.output

@@ -1,0 +1,186 @@
+"""CLI commands: `imgret models list|register|embed|compare|activate|rollback|delete`, the twins of
+``/models`` and ``POST /evaluate {"compare": ...}``: each calls one function of
+``imgret.index.model_commands`` (which calls the same ``imgret.index.versions`` code as the
+service).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+models_app = typer.Typer(help="Model versions: register, re-embed, compare, switch, roll back, "
+                              "delete.",
+                         no_args_is_help=True)
+
+
+def register(app: typer.Typer, **_: typer.Typer) -> None:
+    """Add this area's commands to the CLI."""
+    app.add_typer(models_app, name="models")
+
+
+def _settings():
+    from imgret.settings import get_settings
+
+    return get_settings()
+
+
+@models_app.command("list")
+def list_command(
+    as_json: bool = typer.Option(False, "--json", help="print GET /models's JSON"),
+) -> None:
+    """Every version: active flag, coverage, index and re-embedding state, last evaluation."""
+    from imgret.index import model_commands
+
+    listing = model_commands.list_models(_settings())
+    if as_json:
+        typer.echo(json.dumps(listing, default=str, indent=2))
+        return
+    typer.echo("| version | active | coverage | index | embedding | last MAP@R |")
+    typer.echo("|---|---|---:|---|---|---:|")
+    for info in listing["models"]:
+        cov, last = info["coverage"], info["last_evaluation"] or {}
+        map_r = f"{last['map_at_r']:.4f} ({last['query_set']})" if last.get("map_at_r") else ""
+        typer.echo(f"| {info['version']} | {'yes' if info['active'] else ''} | "
+                   f"{cov['embedded']}/{cov['live']} | {info['index']['state']} | "
+                   f"{info['embedding']['state']} | {map_r} |")
+
+
+@models_app.command("register")
+def register_command(
+    run: Path = typer.Argument(..., help="run directory from `imgret train`, or its model.pt"),
+) -> None:
+    """Register a checkpoint (stored in the database so every server can load it)."""
+    from imgret.index import model_commands
+
+    info = model_commands.register(_settings(), run)
+    typer.echo(f"registered {info['version']} (dim {info['dim']}); coverage "
+               f"{info['coverage']['embedded']}/{info['coverage']['live']}")
+    if not info["coverage"]["complete"]:
+        typer.echo(f"next: imgret models embed {info['version']}")
+
+
+@models_app.command("embed")
+def embed_command(
+    version: str = typer.Argument(..., help="a registered model version"),
+    duty: float = typer.Option(1.0, "--duty", min=0.01, max=1.0,
+                               help="share of the time spent computing (servers share the "
+                                    "machine: 0.5 leaves half to them)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+) -> None:
+    """Re-embed the stored gallery and query sets for VERSION (resumable), then build its
+    index."""
+    from tqdm import tqdm
+
+    from imgret.index import model_commands
+
+    bar: Any = None
+
+    def show(done: int, total: int) -> None:
+        nonlocal bar
+        if not progress:
+            return
+        if bar is None:
+            bar = tqdm(total=total, desc=f"embedding {version}", unit="img")
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        report = model_commands.embed(_settings(), version, progress=show, duty=duty)
+    finally:
+        if bar is not None:
+            bar.close()
+    typer.echo(f"{version}: {report.gallery_embedded} gallery and {report.queries_embedded} "
+               f"query items embedded in {report.seconds:.1f} s ({report.rate:.1f}/s)"
+               + (f"; {len(report.failed)} stored images could not be decoded"
+                  if report.failed else ""))
+
+
+@models_app.command("compare")
+def compare_command(
+    a: str = typer.Argument(..., help="version A (the baseline)"),
+    b: str = typer.Argument(..., help="version B (the candidate)"),
+    query_set: str = typer.Option(..., "--query-set", help="a stored query set"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """B against A on the same queries: each metric, B − A with its paired 95% interval and
+    the verdict (better / worse / no detectable difference)."""
+    from imgret.index import model_commands
+
+    result = model_commands.compare(_settings(), a, b, query_set)
+    if as_json:
+        typer.echo(json.dumps(result, default=str, indent=2))
+        return
+    _print_comparison(result)
+
+
+def _print_comparison(result: dict[str, Any]) -> None:
+    typer.echo(f"A = {result['a']['model_version']}, B = {result['b']['model_version']}, "
+               f"query set {result['a'].get('query_set')}")
+    typer.echo("| metric | A | B | B − A | 95% CI | verdict |")
+    typer.echo("|---|---:|---:|---:|---|---|")
+    for metric, row in result["difference"].items():
+        low, high = row["ci95"]
+        verdict = result.get("verdict", {}).get(metric, "")
+        typer.echo(f"| {metric} | {row['a']:.4f} | {row['b']:.4f} | {row['difference']:+.4f} "
+                   f"| [{low:+.4f}, {high:+.4f}] | {verdict} |")
+
+
+@models_app.command("activate")
+def activate_command(
+    version: str = typer.Argument(..., help="the version to serve"),
+    require: str | None = typer.Option(
+        None, "--require", help="better | not_worse: switch only if the paired verdict "
+                                "against the active version says so"),
+    query_set: str | None = typer.Option(None, "--query-set",
+                                         help="the query set the verdict is taken on"),
+) -> None:
+    """Switch the served version (running servers follow within their follower interval)."""
+    from imgret.errors import ImgretError
+    from imgret.index import model_commands
+
+    if require not in (None, "better", "not_worse"):
+        raise typer.BadParameter("better or not_worse", param_hint="--require")
+    if require is not None and query_set is None:
+        raise typer.BadParameter("--require needs --query-set", param_hint="--query-set")
+    try:
+        result = model_commands.activate(_settings(), version, require=require,
+                                     query_set=query_set)
+    except ImgretError as exc:
+        comparison = getattr(exc, "details", {}).get("comparison")
+        if comparison:
+            _print_comparison(comparison)
+        raise
+    if result.comparison:
+        _print_comparison(result.comparison)
+    typer.echo(f"active: {result.active}" + (f" (was {result.previous})" if result.changed
+                                               else " (already active)"))
+
+
+@models_app.command("rollback")
+def rollback_command() -> None:
+    """Serve the version the active one replaced again."""
+    from imgret.index import model_commands
+
+    result = model_commands.rollback(_settings())
+    typer.echo(f"active: {result.active} (rolled back from {result.previous})")
+
+
+@models_app.command("delete")
+def delete_command(
+    version: str = typer.Argument(..., help="a version that is neither active nor the "
+                                            "rollback target"),
+) -> None:
+    """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
+    (``DELETE /models/{version}``)."""
+    from imgret.index import versions
+    from imgret.index.commands import open_gallery
+
+    settings = _settings()
+    with open_gallery(settings) as sessions:
+        versions.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
+    typer.echo(f"deleted {version}")

@@ -1,0 +1,252 @@
+"""CLI commands: train (one run), benchmark (losses x seeds on one base config) and tune
+(equal-budget tuning of every loss, then the benchmark of the best configurations).
+
+The commands take the same base-config options: one per TrainConfig field, its type, default
+and help read from the field (:func:`with_config_options`), so no option is written twice.
+torch and the rest of the training package are imported inside the commands so that
+`imgret --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_origin
+
+import typer
+
+from imgret.training.config import DEFAULT_LOSSES, LossConfig, TrainConfig, default_image_size
+
+_BASE = "Base config (shared by every loss in a benchmark)"
+# The base-config options of both commands, in the order --help lists them.
+BASE_OPTIONS = (
+    "data", "backbone", "dim", "epochs", "image_size", "batch_size", "m_per_class", "lr",
+    "weight_decay", "warmup_epochs", "protocol", "split_seed", "val_fraction", "test_fraction",
+    "backbone_weights", "max_train_images", "max_eval_images", "time_budget_s", "augmentation",
+    "device", "num_workers",
+)
+# Where an option differs from its field: a run must name its data, the input side defaults by
+# data set (resolved in _config), the trunk weights are a path, and the budget flag is shorter.
+_OPTION_CHANGES: dict[str, dict[str, Any]] = {
+    "data": {"default": inspect.Parameter.empty},
+    "image_size": {"type": int | None, "default": None,
+                   "help": "input side in px; default 32 for fashion-mnist, else 224"},
+    "backbone_weights": {"type": Path | None},
+    "time_budget_s": {"flag": "--time-budget"},
+}
+# The default of a command parameter that is the option of the TrainConfig field of its name.
+FROM_CONFIG: Any = object()
+
+OutOpt = Annotated[Path, typer.Option("--out", help="run (or benchmark) directory")]
+ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars")]
+LossesOpt = Annotated[str, typer.Option(
+    "--losses", help="comma-separated loss[:miner], e.g. triplet,triplet:hard,arcface")]
+
+
+def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
+    """The Typer option of TrainConfig field ``name``: flag, type, default and help."""
+    field = TrainConfig.__pydantic_fields__[name]
+    changes = _OPTION_CHANGES.get(name, {})
+    kind = changes.get("type", field.annotation)
+    if get_origin(kind) is Literal:  # shown and parsed as text; TrainConfig names the choices
+        kind = str
+    option = typer.Option(
+        changes.get("flag", "--" + name.replace("_", "-")),
+        help=changes.get("help", field.description), rich_help_panel=panel,
+    )
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[kind, option],
+        default=changes.get("default", field.default),
+    )
+
+
+def with_config_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command its TrainConfig options: its ``**base`` becomes the :data:`BASE_OPTIONS`
+    (in the base-config panel), and a parameter whose default is :data:`FROM_CONFIG` becomes
+    the option of the field of that name."""
+    parameters = []
+    for parameter in inspect.signature(command, eval_str=True).parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            parameters += [config_option(name, _BASE) for name in BASE_OPTIONS]
+        elif parameter.default is FROM_CONFIG:
+            parameters.append(config_option(parameter.name))
+        else:
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    return command
+
+
+def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -> None:
+    """Add this area's commands to the CLI."""
+    app.command("train")(train_command)
+    app.command("benchmark")(benchmark_command)
+    app.command("tune")(tune_command)
+
+
+@with_config_options
+def train_command(
+    out: OutOpt,
+    loss: Annotated[str, typer.Option(
+        "--loss", help="contrastive, triplet, multi_similarity, proxy_anchor, proxy_nca, "
+        "normalized_softmax, cross_entropy, cosface, arcface, ntxent, supcon, circle")],
+    miner: Annotated[str | None, typer.Option(
+        "--miner", help="none, semihard, hard, all, multi_similarity, batch_hard; default: "
+        "the loss's own (triplet: semihard, multi_similarity: multi_similarity)")] = None,
+    loss_option: Annotated[list[str] | None, typer.Option(
+        "--loss-option", help="KEY=VALUE override of a loss default, repeatable")] = None,
+    seed: int = FROM_CONFIG,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="continue the run in --out from its last.pt (same options)")] = False,
+    progress: ProgressOpt = True,
+    **base: Any,
+) -> None:
+    """Train an embedding with a metric-learning loss; validate every epoch, test once.
+
+    Writes OUT/model.pt (best by validation MAP@R), metrics.json, split.json, curves.png and
+    last.pt (for --resume). Prints test MAP@R of the model, the untrained network and raw
+    pixels, each with its 95% interval and the split it comes from.
+    """
+    # The options are checked before torch and the training stack are imported (seconds).
+    loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
+    config = _config(base, seed=seed, loss=loss_block)
+
+    from imgret.training.loop import train
+
+    result = train(config, out, resume=resume, progress=progress)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun, rank 0 reports the run
+    echo_run(result)
+
+
+def echo_run(result: Any) -> None:
+    """Print a finished run (a ``imgret.training.loop.RunResult``): where, split, val and test."""
+    from imgret.training.data import describe_split
+    from imgret.training.scoring import format_metric
+
+    typer.echo(f"run: {result.out} (model version {result.model_version})")
+    typer.echo(f"split: {describe_split(result.split)}")
+    typer.echo(f"best epoch {result.best_epoch}: validation MAP@R {format_metric(result.val)}")
+    typer.echo(f"test MAP@R (95% CI)   trained:     {format_metric(result.test)}")
+    for name, label in (("untrained", "untrained:  "), ("raw_pixels", "raw pixels: ")):
+        typer.echo(f"                      {label} {format_metric(result.baselines[name])}")
+    typer.echo(f"test R-Precision {format_metric(result.test, 'r_precision')}, "
+               f"P@1 {format_metric(result.test, 'precision_at_1')}")
+
+
+@with_config_options
+def benchmark_command(
+    out: OutOpt,
+    losses: LossesOpt = ",".join(DEFAULT_LOSSES),
+    seeds: Annotated[int, typer.Option("--seeds", help="seeds 0..N-1 per loss", min=1)] = 3,
+    progress: ProgressOpt = True,
+    **base: Any,
+) -> None:
+    """Compare losses fairly: one base config, several seeds, mean ± 95% CI on the test split.
+
+    Resumable (finished runs are kept); refuses an OUT holding a different base config.
+    Writes OUT/results.md, results.json, bars.png, curves.png and OUT/runs/<loss>/seed<k>/.
+    """
+    from imgret.training.benchmark import parse_losses, run_benchmark
+
+    blocks = parse_losses(losses)
+    config = _config(base, seed=0, loss=blocks[0])
+    command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_benchmark(config, blocks, list(range(seeds)), out, command=command,
+                            progress=progress)
+    echo_results(results, out)
+
+
+@with_config_options
+def tune_command(
+    ctx: typer.Context,
+    out: OutOpt,
+    losses: LossesOpt = ",".join(DEFAULT_LOSSES),
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="quick (2 CPU cores, about 30 min) or full (a GPU): preset base "
+        "options, trials and seeds; options given explicitly override it")] = None,
+    trials: Annotated[int | None, typer.Option(
+        "--trials", help="finished trials per loss, the same for every loss (default: the "
+        "budget's, else 10)", min=1)] = None,
+    seeds: Annotated[int | None, typer.Option(
+        "--seeds", help="retraining seeds 0..N-1 per loss (default: the budget's, else 5)",
+        min=1)] = None,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="seeds the TPE sampler and the trials' training")] = 0,
+    progress: ProgressOpt = True,
+    **base: Any,
+) -> None:
+    """Tune every loss with the same budget on validation MAP@R (Optuna TPE, seeded), then
+    retrain each best configuration with several seeds and test it once per seed.
+
+    Every loss gets the same number of trials, each trial the base config's epochs (or
+    time budget); no pruning. Resumable: finished trials and runs are kept (studies in
+    OUT/tune/study.db, trial runs in OUT/tune/, retrained cells in OUT/runs/). Writes
+    OUT/results.md and results.json with the search spaces and the trial budget.
+    """
+    from imgret.training.benchmark import parse_losses
+    from imgret.training.tune import BUDGETS, run_tuned_benchmark
+
+    preset = None
+    if budget is not None:
+        if budget not in BUDGETS:
+            raise typer.BadParameter(f"choose from {', '.join(BUDGETS)}", param_hint="--budget")
+        preset = BUDGETS[budget]
+        for name, value in preset.options.items():  # an option given on the command line wins
+            if ctx.get_parameter_source(name).name == "DEFAULT":  # (Typer vendors click)
+                base[name] = value
+    blocks = parse_losses(losses)
+    config = _config(base, seed=0, loss=blocks[0])
+    command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_tuned_benchmark(
+        config, blocks, trials or (preset.trials if preset else 10),
+        list(range(seeds or (preset.seeds if preset else 5))), out, seed=seed,
+        command=command, progress=progress,
+    )
+    tuning = results["tuning"]
+    typer.echo(f"tuned {len(tuning['best'])} losses with {tuning['trials']} trials each "
+               f"({tuning['per_trial']['epochs']} epochs per trial); best on validation:")
+    for name, best in tuning["best"].items():
+        typer.echo(f"  {name:<22} MAP@R {best['val_map_at_r']:.3f} (trial {best['trial']})")
+    echo_results(results, out)
+
+
+def echo_results(results: dict[str, Any], out: Path) -> None:
+    """Print a benchmark's table: test MAP@R, R-Precision and P@1, mean ± 95% CI."""
+    split = results["split"]
+    typer.echo(f"test split: {split['protocol']} {split['digest']} of {split['source']}")
+    typer.echo(f"{'method':<24} {'MAP@R':>15} {'R-Precision':>15} {'P@1':>15}")
+    for row in results["rows"]:
+        stats = [row["metrics"][m] for m in ("map_at_r", "r_precision", "precision_at_1")]
+        cells = [f"{s['mean']:.3f} ± {(s['ci'][1] - s['ci'][0]) / 2:.3f}" for s in stats]
+        typer.echo(f"{row['name']:<24} " + " ".join(f"{c:>15}" for c in cells))
+    typer.echo(f"report: {Path(out) / 'results.md'}")
+
+
+def _config(options: dict[str, Any], **per_run: Any) -> TrainConfig:
+    """The TrainConfig of the base-config options and the per-run fields (loss, seed)."""
+    weights = options["backbone_weights"]
+    return TrainConfig(**{
+        **options,
+        "image_size": options["image_size"] or default_image_size(options["data"]),
+        "backbone_weights": str(weights) if weights else None,
+    }, **per_run)
+
+
+def _parse_options(items: list[str] | None, loss: str) -> dict[str, Any]:
+    from imgret.training.registry import resolve_options
+
+    options = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(
+                f"expected KEY=VALUE, got {item!r}", param_hint="--loss-option"
+            )
+        options[key.strip()] = value.strip()
+    # Unknown loss / option or a bad value is refused now; values are cast to the defaults' types.
+    resolved = resolve_options(loss, options)
+    return {key: resolved[key] for key in options}

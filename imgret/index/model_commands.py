@@ -1,0 +1,114 @@
+"""The `imgret models ...` commands, one function each: open the gallery of the settings in
+force and call :mod:`imgret.index.versions` (the same functions ``/models`` calls in the service).
+
+A switch made here is committed to the database; running servers follow it within their
+follower interval (they poll the active version with the change log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from imgret.index import reembed, versions
+from imgret.index.commands import open_gallery
+from imgret.index.media_db import open_media_store
+from imgret.settings import Settings
+
+
+def list_models(settings: Settings) -> dict[str, Any]:
+    """`imgret models list`: what ``GET /models`` shows."""
+    with open_gallery(settings) as sessions:
+        return {
+            "active": versions.active_version(session_factory=sessions),
+            "models": versions.describe(session_factory=sessions, data_dir=settings.data_dir),
+            "history": versions.history(session_factory=sessions),
+        }
+
+
+def register(settings: Settings, run: str | Path) -> dict[str, Any]:
+    """`imgret models register RUN`: what ``POST /models {"path": RUN}`` does."""
+    with open_gallery(settings) as sessions:
+        return versions.register_checkpoint(run, session_factory=sessions,
+                                            data_dir=settings.data_dir)
+
+
+def embed(settings: Settings, version: str, *,
+          progress: Callable[[int, int], None] | None = None,
+          duty: float = 1.0) -> reembed.EmbedReport:
+    """`imgret models embed VERSION`: the re-embedding job of ``POST /models/{v}/embed``, in
+    this process (claimed like the service's, so the two never run the same job at once),
+    then the version's index built and saved.
+
+    Args:
+        duty: share of the time it computes (1: flat out; a server on the same machine may
+            want less).
+    """
+    from imgret.index.search import Searcher
+
+    with open_gallery(settings) as sessions:
+        embedder = versions.load_embedder(version, session_factory=sessions,
+                                          data_dir=settings.data_dir, device=settings.device)
+        report = reembed.run_embed_job(
+            version, session_factory=sessions, media=open_media_store(settings, sessions),
+            embedder=embedder, throttle=reembed.Throttle(duty=duty),
+            max_pixels=settings.max_image_pixels, progress=progress,
+        )
+        Searcher.from_settings(sessions, settings, version).save()
+        return report
+
+
+def compare(settings: Settings, a: str, b: str, query_set: str, *,
+            k: list[int] | None = None) -> dict[str, Any]:
+    """`imgret models compare A B --query-set NAME`: ``POST /evaluate {"compare": [a, b]}``."""
+    with open_gallery(settings) as sessions:
+        return _compare(settings, sessions, a, b, query_set, k)
+
+
+def activate(settings: Settings, version: str, *, require: str | None = None,
+             query_set: str | None = None, reason: str = "activate") -> versions.Activation:
+    """`imgret models activate VERSION [--require better --query-set NAME]`."""
+    from imgret.index.search import Searcher
+
+    with open_gallery(settings) as sessions:
+        return versions.activate(
+            version, session_factory=sessions, data_dir=settings.data_dir,
+            media=open_media_store(settings, sessions),
+            embedder=versions.load_embedder(version, session_factory=sessions,
+                                            data_dir=settings.data_dir,
+                                            device=settings.device),
+            require=require, query_set=query_set,
+            compare=lambda a, b, name: _compare(settings, sessions, a, b, name, None),
+            prepare_index=lambda v: Searcher.from_settings(sessions, settings, v).save(),
+            reason=reason, max_pixels=settings.max_image_pixels,
+        )
+
+
+def rollback(settings: Settings) -> versions.Activation:
+    """`imgret models rollback`: ``POST /models/rollback``."""
+    with open_gallery(settings) as sessions:
+        previous = versions.previous_version(session_factory=sessions)
+    return activate(settings, previous, reason="rollback")
+
+
+def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
+             k: list[int] | None) -> dict[str, Any]:
+    from imgret.errors import GalleryError
+    from imgret.index.search import Searcher
+
+    media = open_media_store(settings, sessions)
+    results = []
+    for version in (a, b):
+        try:
+            embedder = versions.load_embedder(version, session_factory=sessions,
+                                              data_dir=settings.data_dir,
+                                              device=settings.device)
+        except GalleryError:
+            embedder = None  # stored query vectors may still exist
+        results.append(versions.evaluate_recorded(
+            Searcher.from_settings(sessions, settings, version), query_set,
+            session_factory=sessions, embedder=embedder, media=media,
+            max_pixels=settings.max_image_pixels, k=k,
+        ))
+    return versions.comparison_report(*results)

@@ -1,0 +1,294 @@
+"""SQL schema of the gallery (the source of truth): items, embeddings, model versions,
+query sets and the change log that replicas poll.
+
+Design decisions:
+
+- ``gallery_items.id`` is the FAISS id. Ids are never reused (SQLite ``AUTOINCREMENT``, a
+  PostgreSQL sequence), because a replica that missed a delete must not confuse an old vector
+  with a new item.
+- Deletes are soft (``deleted_at``), so the change log keeps pointing at real rows. The
+  content hash is unique among *live* items only (a partial unique index), so an image that
+  was deleted can be added again as a new item.
+- Embeddings are keyed by ``(model_version_id, item_id)``: the primary key doubles as the
+  index that the index build streams through, in id order, for one model version.
+- ``model_versions.is_active`` is true for at most one row (a partial unique index); every
+  switch is recorded in ``model_activations`` (rollback walks it back).
+- ``gallery_changes.seq`` increases with commit order: writers take a lock first
+  (:func:`imgret.index.store.lock_gallery_writes`), so a replica polling ``seq > last_seen`` can
+  never skip a row that commits late.
+- Query-set items carry their own embeddings per model version, so two model versions can be
+  compared on one query set without the serving model being either of them.
+- A version's checkpoint bytes live in ``model_checkpoints`` (one row per version, dropped
+  with it), so every process on the database loads every version without a shared volume.
+  ``model_versions.content_digest`` is the full SHA-256 of config + weights: the identity
+  of a version (its name carries only 12 digits of it).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# SQLite only auto-increments an ``INTEGER PRIMARY KEY``; PostgreSQL gets 64-bit ids.
+IdType = BigInteger().with_variant(Integer(), "sqlite")
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+VectorType = LargeBinary().with_variant(BYTEA(), "postgresql")
+
+CHANGE_ADD = "add"
+CHANGE_DELETE = "delete"
+
+# Explicit constraint names: Alembic needs them to drop or alter constraints, and SQLite's
+# batch mode (table copy) needs them to recreate the table faithfully.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now in UTC (the default of every timestamp column)."""
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base; ``Base.metadata`` is Alembic's target metadata."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class ModelVersion(Base):
+    """A checkpoint whose embeddings are stored; at most one is active (served)."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (
+        Index(
+            "uq_model_versions_one_active",
+            "is_active",
+            unique=True,
+            sqlite_where=text("is_active"),
+            postgresql_where=text("is_active"),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[str] = mapped_column(String(128), unique=True)
+    dim: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    is_active: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # SHA-256 of the stored checkpoint's bytes (``model_checkpoints``); NULL: not stored (a
+    # version registered from an in-memory model, or before migration 0002).
+    checkpoint_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The full SHA-256 of config + weights (``imgret.checkpoint.content_digest``): a version
+    # name is never bound to other weights. NULL: registered before migration 0005 (bound at
+    # the first registration or start-up import of its checkpoint).
+    content_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    activated_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The background re-embedding job (imgret.index.versions): its state and heartbeat, shared by
+    # every process (a "running" job whose heartbeat is old was interrupted).
+    embed_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    embed_heartbeat_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
+    embed_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Every live gallery item up to this id had a vector of this version when it was last
+    # complete (a finished re-embedding, or the moment it stopped being the active one): an
+    # activation embeds the items above it itself, and refuses if any below it lack one.
+    covered_through: Mapped[int | None] = mapped_column(IdType, nullable=True)
+    # A summary of the last evaluation of a named query set with this version.
+    last_evaluation: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+
+
+class ModelActivation(Base):
+    """One switch of the served version (activate or rollback), in order: the history that
+    ``POST /models/rollback`` walks back."""
+
+    __tablename__ = "model_activations"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE")
+    )
+    previous_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="SET NULL"), nullable=True
+    )
+    reason: Mapped[str] = mapped_column(String(16))
+    # The paired verdict that allowed a gated switch (None: not gated).
+    gate: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class StoredImage:
+    """The columns every stored image has, gallery item or query-set item (a mixin)."""
+
+    sha256: Mapped[str] = mapped_column(String(64))
+    media_path: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(64))
+    camera: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # ``metadata`` is reserved on declarative classes; the column keeps the natural name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JsonType, default=dict)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class GalleryItem(StoredImage, Base):
+    """One searchable image: its FAISS id, content hash, stored file, label and camera."""
+
+    __tablename__ = "gallery_items"
+    __table_args__ = (
+        Index(
+            "uq_gallery_items_live_sha256",
+            "sha256",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    label: Mapped[str] = mapped_column(String(255), index=True)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    embeddings: Mapped[list[Embedding]] = relationship(
+        back_populates="item", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class StoredVector:
+    """The columns every stored vector has, of a gallery item or a query item (a mixin): the
+    model version that produced it (first column of the primary key), its dimension, its
+    float32 bytes (unit norm) and when it was stored."""
+
+    # sort_order keeps the pre-mixin column order (mixin columns would otherwise come last).
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True, sort_order=-1
+    )
+    dim: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Embedding(StoredVector, Base):
+    """The vector of one gallery item under one model version."""
+
+    __tablename__ = "embeddings"
+
+    item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+
+    item: Mapped[GalleryItem] = relationship(back_populates="embeddings")
+
+
+class GalleryChange(Base):
+    """One gallery write (an item added, or deleted), in commit order; replicas poll it."""
+
+    __tablename__ = "gallery_changes"
+    __table_args__ = (
+        CheckConstraint(f"op IN ('{CHANGE_ADD}', '{CHANGE_DELETE}')", name="op"),
+        {"sqlite_autoincrement": True},
+    )
+
+    seq: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("gallery_items.id", ondelete="CASCADE"), index=True
+    )
+    op: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class QuerySet(Base):
+    """A named, labelled set of query images (for ``/evaluate`` and ``imgret evaluate``)."""
+
+    __tablename__ = "query_sets"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    items: Mapped[list[QueryItem]] = relationship(
+        back_populates="query_set",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="QueryItem.id",
+    )
+
+
+class QueryItem(StoredImage, Base):
+    """One query image of a query set; not a gallery item, never searchable."""
+
+    __tablename__ = "query_items"
+    __table_args__ = (
+        Index("uq_query_items_set_sha256", "query_set_id", "sha256", unique=True),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    query_set_id: Mapped[int] = mapped_column(
+        ForeignKey("query_sets.id", ondelete="CASCADE"), index=True
+    )
+    label: Mapped[str] = mapped_column(String(255))
+
+    query_set: Mapped[QuerySet] = relationship(back_populates="items")
+
+
+class QueryEmbedding(StoredVector, Base):
+    """The vector of one query item under one model version."""
+
+    __tablename__ = "query_embeddings"
+
+    query_item_id: Mapped[int] = mapped_column(
+        IdType, ForeignKey("query_items.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+
+
+class MediaBlob(Base):
+    """Image bytes kept in the database itself (``IMGRET_MEDIA_BACKEND=database``): every
+    replica reads them without a shared volume (galleries of small images: faces, re-ID
+    crops). Keyed by content hash, like the files of the default store."""
+
+    __tablename__ = "media_blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ModelCheckpoint(Base):
+    """The checkpoint file of a model version (``model.pt`` bytes, as ``torch.save`` wrote
+    them), so every process on the database can load the version it is told to serve."""
+
+    __tablename__ = "model_checkpoints"
+
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

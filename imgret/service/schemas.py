@@ -1,0 +1,700 @@
+"""Pydantic models of the HTTP API: what the routers accept (JSON bodies, and multipart forms
+read by :mod:`imgret.service.forms`) and what they return.
+
+Models raise ``ValueError`` from their validators, as pydantic expects; the routes and
+:mod:`imgret.service.forms` turn the resulting ``ValidationError`` into a 422.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import UploadFile
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from imgret.index.evaluation import MIN_EFFECT
+from imgret.index.search import SearchFilter
+from imgret.index.search.rerank import (
+    ALPHA_MAX,
+    CANDIDATES_MAX,
+    K1_MAX,
+    TOP_M_MAX,
+    Rerank,
+    rerank_options,
+)
+from imgret.service.limits import SEARCH_CANDIDATES_MAX
+from imgret.service.request_rules import (
+    LABEL_MAX,
+    MODEL_VERSION_MAX,
+    NAME_MAX,
+    Camera,
+    JsonObject,
+    Label,
+    SafeText,
+    WholeNumber,
+    text_problem,
+    validation_message,
+)
+
+K_MAX = 1000
+WORST_MAX = 100
+ID_MAX = 2**63 - 1
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+class HealthStatus(BaseModel):
+    """Liveness and what is being served."""
+
+    status: Literal["ok", "degraded"] = Field(
+        description="degraded: the index has not caught up with the database for a while"
+    )
+    model_version: str
+    index_size: int = Field(description="vectors in the served index")
+    device: str = Field(examples=["cpu", "cuda"])
+    change_seq: int = Field(description="the last gallery change applied to this index")
+    follower_lag_s: float = Field(description="seconds since the index last caught up")
+    follower_error: str | None = Field(
+        None, description="why the last catch-up failed: the database's message with the "
+                          "right X-API-Key (or, without a key, from this machine), else a "
+                          "generic one",
+    )
+
+
+class SearchHit(BaseModel):
+    """One neighbour: a gallery item and its similarity to the query (higher is better)."""
+
+    id: int
+    score: float = Field(description="inner product of unit vectors (cosine similarity)")
+    label: str
+    camera: int | None = None
+    uri: str = Field(description="where to fetch the stored image", examples=["/gallery/7/image"])
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SearchResponse(BaseModel):
+    """The neighbours of one query, best first."""
+
+    results: list[SearchHit]
+    took_ms: float
+    model_version: str
+
+
+class SearchBatchResponse(BaseModel):
+    """The neighbours of each query, in request order, each list best first."""
+
+    results: list[list[SearchHit]]
+    took_ms: float
+    model_version: str
+
+
+class GalleryItemPublic(BaseModel):
+    """A gallery item as the API shows it."""
+
+    id: int
+    label: str
+    camera: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    content_type: str
+    sha256: str
+    uri: str = Field(description="where to fetch the stored image")
+    created_at: datetime
+
+
+class GalleryItemList(BaseModel):
+    """One page of gallery items and the number of items matching the filter."""
+
+    data: list[GalleryItemPublic]
+    count: int = Field(description="items matching the filter, over all pages")
+    offset: int
+    limit: int
+
+
+class GalleryAddOutcome(BaseModel):
+    """What happened to one uploaded image.
+
+    ``created``: a new item with the label, camera and metadata sent. ``existing``: the same
+    bytes were already a live item; nothing was changed, and ``label``/``camera``/``metadata``
+    are what is stored (the values sent were not applied). ``duplicate``: the same bytes
+    appeared earlier in this request; ``id`` is that image's item.
+    """
+
+    id: int
+    status: Literal["created", "existing", "duplicate"]
+    label: str
+    camera: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class GalleryItemsCreated(BaseModel):
+    """The ids of the uploaded items, in upload order, and what happened to each.
+
+    An image whose bytes were already in the gallery is not stored twice: its existing id
+    is returned, its ``created`` entry is false and ``items[i].status`` says why.
+    """
+
+    ids: list[int]
+    created: list[bool]
+    items: list[GalleryAddOutcome]
+
+
+RERANK_FIELDS = ("rerank", "rerank_k1", "rerank_k2", "rerank_lambda", "rerank_candidates",
+                 "rerank_top_m", "rerank_alpha")
+
+
+_RERANK_PARAMS = {
+    None: (),
+    "k_reciprocal": ("rerank_k1", "rerank_k2", "rerank_lambda", "rerank_candidates"),
+    "query_expansion": ("rerank_top_m", "rerank_alpha"),
+}
+
+
+class RerankRequest(BaseModel):
+    """Re-ranking of the results (``imgret.index.search.rerank``): the same fields in ``/search``'s
+    form, ``/evaluate``'s JSON and form, and ``imgret evaluate``'s options. Parameters left
+    out take the method's defaults; a parameter of the other method, or one without
+    ``rerank``, is refused (422)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rerank: Literal["k_reciprocal", "query_expansion"] | None = Field(
+        None, description="k_reciprocal: Zhong et al. 2017 over the top rerank_candidates; "
+                          "query_expansion: search again with the query averaged with its "
+                          "top rerank_top_m. Default: no re-ranking")
+    rerank_k1: WholeNumber | None = Field(None, ge=1, le=K1_MAX,
+                                  description="k_reciprocal: k1 (default 20)")
+    rerank_k2: WholeNumber | None = Field(None, ge=1, le=K1_MAX + 1,
+                                  description="k_reciprocal: k2, 1 = no local expansion "
+                                              "(default 6)")
+    rerank_lambda: float | None = Field(None, ge=0.0, le=1.0,
+                                        description="k_reciprocal: weight of the original "
+                                                    "distance (default 0.3)")
+    rerank_candidates: WholeNumber | None = Field(
+        None, ge=1, le=CANDIDATES_MAX,
+        description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
+                    "below rank N keep their order")
+    rerank_top_m: WholeNumber | None = Field(None, ge=1, le=TOP_M_MAX,
+                                     description="query_expansion: neighbours averaged "
+                                                 "(default 5)")
+    rerank_alpha: float | None = Field(None, ge=0.0, le=ALPHA_MAX,
+                                       description="query_expansion: weight exponent, 0 = "
+                                                   "plain average (default 0)")
+
+    @model_validator(mode="after")
+    def _check_rerank(self) -> RerankRequest:
+        given = [name for name in RERANK_FIELDS[1:] if getattr(self, name) is not None]
+        if self.rerank is None and given:
+            raise ValueError(f"{', '.join(given)}: re-ranking parameters need rerank="
+                             "k_reciprocal or rerank=query_expansion")
+        wrong = [name for name in given if name not in _RERANK_PARAMS[self.rerank]]
+        if wrong:
+            other = next(m for m in _RERANK_PARAMS if m not in (None, self.rerank))
+            raise ValueError(f"{', '.join(wrong)}: a parameter of rerank={other}, not of "
+                             f"rerank={self.rerank}")
+        self.rerank_option()
+        return self
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any]) -> Rerank | None:
+        """The re-ranking that ``rerank`` / ``rerank_*`` values name, checked by this model:
+        the one parser of ``/search``'s form, ``/evaluate``'s form and ``imgret evaluate``'s
+        options (``/evaluate``'s JSON validates the model itself).
+
+        Args:
+            values: field name -> value as sent (text or typed); ``None`` or blank text is
+                "not sent".
+
+        Raises:
+            ValueError: one line, ``field: reason; ...`` (the routers answer it with 422).
+        """
+        sent = {name: value.strip() if isinstance(value, str) else value
+                for name, value in values.items()}
+        try:
+            request = cls.model_validate(
+                {name: value for name, value in sent.items() if value not in (None, "")}
+            )
+        except ValidationError as exc:
+            raise ValueError(validation_message(exc)) from None
+        return request.rerank_option()
+
+    def rerank_option(self) -> Rerank | None:
+        """The ``imgret.index.search.rerank`` options these fields name (``None``: plain search).
+
+        Raises:
+            ValueError: a parameter of the other method, or one without ``rerank``.
+        """
+        return rerank_options(
+            self.rerank, k1=self.rerank_k1, k2=self.rerank_k2,
+            lambda_value=self.rerank_lambda, candidates=self.rerank_candidates,
+            top_m=self.rerank_top_m, alpha=self.rerank_alpha,
+        )
+
+
+class SearchRerankRequest(RerankRequest):
+    """``/search``'s and ``/search/batch``'s re-ranking: :class:`RerankRequest` within the
+    search budget (at most ``SEARCH_CANDIDATES_MAX`` candidates: see ``imgret.service.limits`` for
+    the measurement). An evaluation is a job of its own and keeps the wider bounds."""
+
+    rerank_candidates: WholeNumber | None = Field(
+        None, ge=1, le=SEARCH_CANDIDATES_MAX,
+        description="k_reciprocal: N, candidates re-ranked per query (default 100); items "
+                    "below rank N keep their order")
+
+
+class SearchForm(SearchRerankRequest):
+    """The options of ``/search`` and ``/search/batch`` (multipart): how many neighbours,
+    filters on them, and re-ranking (:class:`SearchRerankRequest`)."""
+
+    k: WholeNumber | None = Field(None, ge=1, le=K_MAX, description="neighbours (default 10); "
+                                                              "may also be sent as ?k=")
+    label: SafeText | None = Field(None, max_length=LABEL_MAX,
+                                   description="only items with this label")
+    camera: Camera | None = Field(None, description="only items from this camera")
+    metadata: JsonObject | None = Field(None, description='JSON object; only items whose '
+                                                          'metadata has these values, e.g. '
+                                                          '{"color": "red"}')
+
+    def filters(self) -> SearchFilter | None:
+        """The filter these fields name (``None``: every item)."""
+        if self.label is None and self.camera is None and not self.metadata:
+            return None
+        return SearchFilter(label=self.label, camera=self.camera, metadata=self.metadata)
+
+
+class ImageSearchForm(SearchForm):
+    """``POST /search``'s form: one query image, or the ``id`` of a gallery item."""
+
+    image: UploadFile | None = Field(None, description="the query image (or send `id` instead)")
+    id: WholeNumber | None = Field(None, ge=1, le=ID_MAX,
+                                   description="search with this gallery item's stored "
+                                               "embedding instead of an image (the item "
+                                               "itself is left out of the results)")
+
+    @model_validator(mode="after")
+    def _image_or_id(self) -> ImageSearchForm:
+        if (self.image is None) == (self.id is None):
+            raise ValueError("send exactly one of `image` (a file) or `id` (a gallery item)")
+        return self
+
+
+class BatchSearchForm(SearchForm):
+    """``POST /search/batch``'s form: several query images."""
+
+    images: list[UploadFile] = Field(description="query images (at most "
+                                                 "IMGRET_SEARCH_BATCH_MAX_FILES, default 32)")
+
+
+def _storable_file_name(upload: UploadFile) -> UploadFile:
+    # The client's file name is kept as a note (``source``): it must be storable text.
+    problem = text_problem(upload.filename) if upload.filename else None
+    if problem is not None:
+        raise ValueError(f"file name {problem}")
+    return upload
+
+
+def _count_problem(name: str, values: list[Any] | None, n: int) -> str | None:
+    if values is None or len(values) == n:
+        return None
+    return f"{len(values)} {name} for {n} images: send one {name[:-1]} per image, in order"
+
+
+class GalleryUpload(BaseModel):
+    """``POST /gallery``'s form: images, each with its label (and camera, metadata)."""
+
+    images: list[Annotated[UploadFile, AfterValidator(_storable_file_name)]] = Field(
+        description="image files, one per item")
+    labels: list[Label] = Field(description="one label per image, in order")
+    cameras: list[Camera] | None = Field(None, description="one camera id per image (re-ID "
+                                                           "data)")
+    metadata: list[JsonObject] | None = Field(
+        None, description="JSON objects: one per image, or one for all images")
+
+    @model_validator(mode="after")
+    def _one_per_image(self) -> GalleryUpload:
+        n = len(self.images)
+        problem = _count_problem("labels", self.labels, n) or _count_problem(
+            "cameras", self.cameras, n)
+        if problem is None and self.metadata and len(self.metadata) not in (1, n):
+            problem = (f"{len(self.metadata)} metadata fields for {n} images: send one per "
+                       "image or one for all")
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def metadata_per_image(self) -> list[dict[str, Any] | None]:
+        """One metadata object (or ``None``) per image, in order."""
+        if not self.metadata:
+            return [None] * len(self.images)
+        return self.metadata * len(self.images) if len(self.metadata) == 1 else self.metadata
+
+
+class EvaluateOptions(RerankRequest):
+    """The options of ``POST /evaluate``, the same in its JSON body (:class:`EvaluateRequest`)
+    and in its multipart form (:class:`EvaluateUpload`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    k: list[int] | None = Field(
+        default=None, min_length=1, max_length=20,
+        description="cut-offs; default 1, 5, 10 (those not over the gallery size)",
+    )
+    exclude_same_camera: bool = Field(
+        False, description="re-ID protocol: drop same-label same-camera gallery items"
+    )
+    model_version: SafeText | None = Field(
+        None, max_length=MODEL_VERSION_MAX,
+        description="a stored model version (default: the served one)",
+    )
+    compare: list[Annotated[SafeText, Field(min_length=1, max_length=MODEL_VERSION_MAX)]] | None = (
+        Field(
+            None, min_length=2, max_length=2,
+            description="[A, B]: two different stored versions; report both, B − A with "
+                        "paired 95% intervals and a verdict per metric (not with "
+                        "model_version or compare_to)",
+        )
+    )
+    worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
+
+    @field_validator("k")
+    @classmethod
+    def _check_k(cls, value: list[int] | None) -> list[int] | None:
+        return None if value is None else check_ks(value)
+
+    @model_validator(mode="after")
+    def _check_compare(self) -> EvaluateOptions:
+        if self.compare is not None:
+            # The fields of this model that name a version besides ``compare``.
+            others = [name for name in ("model_version", "compare_to")
+                      if name in type(self).model_fields]
+            if any(getattr(self, name) is not None for name in others):
+                raise ValueError("compare names both versions: send it without "
+                                 f"{' and '.join(others)}")
+            if self.compare[0] == self.compare[1]:
+                raise ValueError(f"compare needs two different versions, got "
+                                 f"{self.compare[0]!r} twice")
+        return self
+
+
+class EvaluateRequest(EvaluateOptions):
+    """``POST /evaluate`` as JSON: evaluate a named query set stored by ``imgret ingest``."""
+
+    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
+    compare_to: SafeText | None = Field(
+        None, max_length=MODEL_VERSION_MAX,
+        description="a second model version B: compare [model_version or the served one, B]",
+    )
+    rerank_compare: bool = Field(
+        False, description="with rerank: evaluate plain (A) and re-ranked (B) search on the "
+                           "same queries; both reports, B − A with paired 95% intervals "
+                           "(not with compare or compare_to)")
+
+    @model_validator(mode="after")
+    def _check_rerank_compare(self) -> EvaluateRequest:
+        if self.rerank_compare:
+            if self.rerank is None:
+                raise ValueError("rerank_compare needs rerank (the re-ranking to compare "
+                                 "with the plain search)")
+            if self.compare is not None or self.compare_to is not None:
+                raise ValueError("rerank_compare compares one version's plain and re-ranked "
+                                 "search: send it without compare and compare_to")
+        return self
+
+    def versions(self, served: str) -> tuple[str, str | None]:
+        """``(A, B)``: the version to evaluate and the one to compare it with (``None``: no
+        comparison). ``compare: [A, B]``, or ``compare_to: B`` against ``model_version`` (by
+        default ``served``)."""
+        if self.compare is not None:
+            return self.compare[0], self.compare[1]
+        return self.model_version or served, self.compare_to
+
+
+class EvaluateUpload(EvaluateOptions):
+    """``POST /evaluate`` as a multipart form: query images with their labels (and cameras),
+    embedded by the model of each version evaluated; the options and their checks are
+    :class:`EvaluateOptions`'."""
+
+    images: list[UploadFile] = Field(description="the query images, one file per query")
+    labels: list[Label] = Field(description="one label per image, in order")
+    cameras: list[Camera] | None = Field(None, description="one camera id per image")
+    k: list[int] | None = Field(
+        default=None, min_length=1, max_length=20,
+        description="cut-offs, repeated or as one comma-separated value; default 1, 5, 10",
+    )
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _split_k(cls, value: Any) -> Any:
+        """``k=1,5`` and ``k=1&k=5`` alike; blank parts are not cut-offs."""
+        if not isinstance(value, list):
+            return value
+        parts = [part.strip() for v in value for part in str(v).split(",") if part.strip()]
+        for part in parts:
+            if not _INTEGER.fullmatch(part):
+                raise ValueError(f"{part[:40]!r} is not an integer")
+            if len(part) > 9:  # before int(): a 5000-digit "integer" is refused by int()
+                raise ValueError(f"k must be between 1 and {K_MAX}, got {part[:20]}...")
+        return [int(part) for part in parts] or None
+
+    @field_validator("compare", mode="before")
+    @classmethod
+    def _two_versions(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) != 2:
+            raise ValueError("send two different model versions")
+        return value
+
+    @model_validator(mode="after")
+    def _one_per_image(self) -> EvaluateUpload:
+        n = len(self.images)
+        problem = _count_problem("labels", self.labels, n) or _count_problem(
+            "cameras", self.cameras, n)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def version_names(self) -> list[str]:
+        """The versions to evaluate: the two of ``compare``, ``model_version``, or none (the
+        served one)."""
+        if self.compare is not None:
+            return list(self.compare)
+        return [self.model_version] if self.model_version is not None else []
+
+
+def check_ks(values: list[int]) -> list[int]:
+    """Sorted unique cut-offs, each in 1..1000.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    bad = [v for v in values if not 1 <= v <= K_MAX]
+    if bad:
+        raise ValueError(f"k must be between 1 and {K_MAX}, got {bad}")
+    return sorted(set(values))
+
+
+class Neighbour(BaseModel):
+    """A neighbour of a query in an evaluation report."""
+
+    id: int
+    label: str
+    score: float
+    relevant: bool
+
+
+class WorstQuery(BaseModel):
+    """A query that did badly, with its top neighbours (to see what the model confuses)."""
+
+    index: int = Field(description="position of the query in the query set")
+    label: str
+    camera: int | None = None
+    query_id: int | None = Field(None, description="query item id (named query sets)")
+    average_precision_at_r: float
+    first_relevant_rank: int | None = Field(description="1-based; null when none was ranked")
+    neighbours: list[Neighbour]
+
+
+class Confusion(BaseModel):
+    """A wrong label retrieved in the top R of a label's queries."""
+
+    label: str
+    count: int = Field(description="hits with this label in the top R of the label's queries")
+
+
+class LabelMetrics(BaseModel):
+    """The queries of one label (R = 0 ones skipped) and what they retrieve instead."""
+
+    label: str
+    count: int = Field(description="evaluated queries with this label")
+    map_at_r: float = Field(description="mean AP@R of those queries")
+    precision_at_1: float = Field(description="fraction whose first hit has the label")
+    confusions: list[Confusion] = Field(
+        description="wrong-label hits in their top R (R = num_relevant, capped at the depth) "
+                    "by hit label, most frequent first, at most 5"
+    )
+
+
+class EvaluationReport(BaseModel):
+    """Retrieval metrics of a labelled query set, ranked through the serving index.
+
+    Metric definitions are ``imgret.metrics.ranking_metrics``'s; ``ci95`` holds each metric's
+    seeded bootstrap interval over queries (``[low, high]``, per k for the ``*_at_k`` ones).
+    """
+
+    protocol: str = Field(description="how relevance and rankings were defined")
+    model_version: str
+    index_factory: str
+    query_set: str | None = Field(description="the named query set; null for an upload")
+    gallery_size: int
+    depth: int = Field(description="ranking depth: max(max R, max k), at most the gallery")
+    rerank: dict[str, Any] | None = Field(
+        None, description="the re-ranking of the rankings (method and parameters); null: "
+                          "plain search")
+    num_queries: int
+    num_skipped: int = Field(description="queries with no relevant gallery item (R = 0)")
+    num_truncated: int = Field(
+        description="queries with relevant items below the depth (their mAP is a lower bound)"
+    )
+    k: list[int]
+    map_at_r: float
+    r_precision: float
+    precision_at_1: float
+    mean_average_precision: float
+    mrr: float
+    recall_at_k: dict[int, float]
+    map_at_k: dict[int, float]
+    ndcg_at_k: dict[int, float]
+    recall_fraction_at_k: dict[int, float]
+    ci95: dict[str, Any] | None
+    per_label: list[LabelMetrics] = Field(
+        default_factory=list, description="one entry per query label, lowest map_at_r first"
+    )
+    worst: list[WorstQuery] | None = None
+
+
+Verdict = Literal["better", "worse", "no detectable difference"]
+
+
+class PairedDifference(BaseModel):
+    """One metric of two model versions on the same queries."""
+
+    a: float
+    b: float
+    difference: float = Field(description="b - a")
+    ci95: list[float] = Field(description="paired bootstrap 95% interval of the difference")
+    num_paired: int
+    min_effect: float = Field(MIN_EFFECT, description="the smallest |b - a| that a verdict "
+                                                      "calls better or worse")
+    verdict: Verdict = Field(description="B relative to A: better (interval above 0 and "
+                                         "b - a >= min_effect), worse (interval below 0 and "
+                                         "a - b >= min_effect), or no detectable difference")
+
+
+class ModelComparison(BaseModel):
+    """Two model versions on the same queries, and B − A with paired bootstrap intervals.
+
+    "B is better" is claimed for a metric only when its whole interval lies above zero and
+    the difference is at least its ``min_effect`` (verdict "better"); "worse" when the
+    interval lies below zero and A leads by at least that.
+    """
+
+    a: EvaluationReport
+    b: EvaluationReport
+    difference: dict[str, PairedDifference]
+    verdict: dict[str, Verdict] = Field(description="per metric, B relative to A")
+    b_better: list[str]
+    a_better: list[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verdict_beside_difference(cls, data: Any) -> Any:
+        """Accept ``compare_versions``'s flat metric table as ``difference`` (its top-level
+        ``verdict`` entry is not a metric) and derive ``verdict`` when not given."""
+        if not isinstance(data, dict) or not isinstance(data.get("difference"), dict):
+            return data
+        data = dict(data)
+        difference = {m: v for m, v in data["difference"].items()
+                      if not (isinstance(v, dict) and "ci95" not in v)}
+        data["difference"] = difference
+        if "verdict" not in data:
+            data["verdict"] = {m: v["verdict"] for m, v in difference.items()
+                               if isinstance(v, dict) and "verdict" in v}
+        return data
+
+
+# --------------------------------------------------------------------------- model versions
+
+
+class Coverage(BaseModel):
+    embedded: int = Field(description="live gallery items with a vector of this version")
+    live: int = Field(description="live gallery items")
+    fraction: float
+    complete: bool
+
+
+class IndexState(BaseModel):
+    state: Literal["built", "missing"]
+    size: int | None = None
+    factory: str | None = None
+
+
+class EmbeddingJob(BaseModel):
+    state: Literal["idle", "running", "done", "failed", "interrupted"]
+    error: str | None = None
+    updated_at: datetime | None = None
+
+
+class QueryCoverage(BaseModel):
+    embedded: int
+    total: int
+
+
+class ModelInfo(BaseModel):
+    """One model version: what it is, how much of the gallery it covers, whether it serves."""
+
+    version: str
+    dim: int
+    config: dict[str, Any]
+    created_at: datetime
+    active: bool
+    activated_at: datetime | None = None
+    coverage: Coverage
+    query_items: QueryCoverage
+    index: IndexState
+    embedding: EmbeddingJob
+    checkpoint_stored: bool
+    last_evaluation: dict[str, Any] | None = None
+
+
+class ModelList(BaseModel):
+    active: str | None
+    models: list[ModelInfo]
+    history: list[dict[str, Any]] = Field(description="the last switches, newest first")
+
+
+class RegisterRequest(BaseModel):
+    """``POST /models`` as JSON: a checkpoint the server can read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: SafeText = Field(min_length=1, max_length=4096,
+                           description="a run directory from `imgret train`, or its model.pt")
+
+
+class ActivateRequest(BaseModel):
+    """Optional gate of a switch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    require: Literal["better", "not_worse"] | None = Field(
+        None, description="refuse (409) unless the paired verdict against the active version "
+                          "on query_set says so")
+    query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
+
+
+class Switch(BaseModel):
+    """The served version after a switch."""
+
+    active: str
+    previous: str | None
+    changed: bool = Field(description="false: the version was already active")
+    stragglers_embedded: int = Field(
+        0, description="items added since the re-embedding, embedded during the switch")
+    comparison: dict[str, Any] | None = None
+
+
+class QuerySetInfo(BaseModel):
+    name: str
+    size: int
+
+
+class QuerySetList(BaseModel):
+    query_sets: list[QuerySetInfo]

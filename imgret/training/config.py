@@ -1,0 +1,196 @@
+"""TrainConfig: every hyper-parameter of a training run, frozen, validated, saved inside model.pt.
+
+The config is split the powerful-benchmarker way: a :class:`LossConfig` block (loss name,
+miner, loss options) and everything else (the *base*: data, split, backbone, embedding size,
+optimiser, learning rate, augmentation, batch composition, budget). A benchmark shares one
+base between all losses and varies only the loss block and the seed, so an unfair comparison
+cannot be written by accident (:func:`base_config` / :func:`config_diff`).
+
+Both are pydantic dataclasses: the field constraints check every value when a config is built
+(``dataclasses.replace`` included) and a bad one raises :class:`TrainConfigError`. A field's
+description is the help of its ``imgret train`` / ``imgret benchmark`` option: the CLI builds
+those options from these fields (``imgret/cli/train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
+
+from imgret.config_rules import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, raising
+from imgret.errors import ImgretError
+
+FASHION_MNIST = "fashion-mnist"
+# Fields that may differ between the runs of one benchmark.
+PER_RUN_FIELDS = ("loss", "seed")
+# The loss block's fields that equal-budget tuning sets per loss (unset: the base's values).
+TUNING_FIELDS = ("lr", "param_lr_mult", "miner_options")
+# The losses `imgret benchmark` and `imgret tune` compare by default: ten of the Reality
+# Check's families (pairs, triplets with FaceNet's semi-hard mining, proxies, classifiers,
+# supervised contrastive); names of imgret.training.registry.LOSSES.
+DEFAULT_LOSSES = ("contrastive", "triplet", "multi_similarity", "proxy_anchor", "proxy_nca",
+                  "normalized_softmax", "cross_entropy", "cosface", "arcface", "supcon")
+# (validation, test) shares when --val-fraction / --test-fraction are not given. Class-disjoint
+# follows the Reality Check: half of the classes for test, 2 of the other 5 for validation
+# (Fashion-MNIST's fixed split has these proportions); closed-set holds out a quarter of each
+# class's images for each.
+SPLIT_FRACTIONS = {"class-disjoint": (0.2, 0.5), "closed-set": (0.25, 0.25)}
+
+
+class TrainConfigError(ImgretError, ValueError):
+    """A training option that is out of range or inconsistent with the data."""
+
+
+@raising(TrainConfigError)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class LossConfig:
+    """The loss block: the only part a benchmark varies between losses.
+
+    Equal-budget tuning (``imgret.training.tune``) gives each loss its own learning rate, proxy
+    learning-rate multiplier and miner settings; they live here, in the loss block, so that the
+    shared base config stays identical for every loss (and :func:`base_config` still proves it).
+
+    Attributes:
+        name: a key of ``imgret.training.registry.LOSSES``.
+        miner: a key of ``imgret.training.registry.MINERS``; ``None`` = the loss's default.
+        options: overrides of the loss's documented defaults (e.g. ``{"margin": 0.1}``).
+        lr: the network's learning rate for this loss; ``None`` = the base ``lr``.
+        param_lr_mult: learning rate of the loss's own parameters relative to the network's;
+            ``None`` = the registry's.
+        miner_options: overrides of the miner's defaults (e.g. ``{"epsilon": 0.05}``).
+    """
+
+    name: str = "multi_similarity"
+    miner: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    lr: float | None = Field(None, gt=0)
+    param_lr_mult: float | None = Field(None, gt=0)
+    miner_options: dict[str, Any] = Field(default_factory=dict)
+
+
+@raising(TrainConfigError)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class TrainConfig:
+    """One training run; each field's description is its command-line help.
+
+    Beyond the help:
+        data: ``fashion-mnist`` reads Debian's raw idx files.
+        split_seed: the same value gives the same split, whatever the training ``seed``.
+        val_fraction, test_fraction: shares of classes (class-disjoint) or of each class's
+            images (closed-set); together less than 1; ``None`` = the protocol's default
+            (:attr:`split_fractions`).
+        image_size: ``imgret train`` defaults it by data set (:func:`default_image_size`).
+        epochs: one epoch = as many samples as the training split holds.
+        time_budget_s: the run stops after the step that exceeds it, validates, and tests.
+        batch_size, m_per_class: MPerClassSampler batches of ``batch_size / m_per_class``
+            classes x ``m_per_class`` images (``m_per_class`` divides ``batch_size``).
+        lr, weight_decay, warmup_epochs: AdamW, linear warm-up then cosine decay to 0.
+        augmentation: ``standard`` = random resized crop + flip (+ colour jitter for colour
+            data).
+        device: ``cuda`` trains under bf16 autocast.
+        loss: the loss block.
+    """
+
+    data: str = Field(
+        FASHION_MNIST, description="fashion-mnist[:FOLDER], an ImageFolder / Market-1501 "
+        "folder, or a CSV manifest (path,label[,camera])")
+    protocol: Literal["class-disjoint", "closed-set"] = Field(
+        "class-disjoint", description="class-disjoint (train/val/test classes disjoint; "
+        "Reality Check) or closed-set (same classes, held-out images; product search)")
+    split_seed: int = Field(
+        0, description="seeds the class shuffle / hold-out (not the training)")
+    val_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of classes (or images) for validation; default "
+        "0.2 of the classes (class-disjoint) or 0.25 of each class's images (closed-set)")
+    test_fraction: float | None = Field(
+        None, gt=0, lt=1, description="share of classes (or images) for test; default 0.5 of "
+        "the classes (class-disjoint) or 0.25 of each class's images (closed-set)")
+    backbone: str = Field(
+        "resnet18",
+        description="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16")
+    dim: int = Field(128, gt=0, le=MAX_DIM, description="embedding size")
+    image_size: int = Field(
+        224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE, description="input side in px"
+    )
+    backbone_weights: str | None = Field(
+        None, description="local torchvision state dict for the trunk (nothing is "
+        "downloaded); default: random init")
+    epochs: int = Field(10, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0,
+        description="training wall-clock budget in seconds (validation excluded)")
+    max_train_images: int | None = Field(
+        None, ge=2, description="seeded stratified subset of the training split")
+    max_eval_images: int | None = Field(
+        None, ge=4, description="seeded stratified subset of validation and test (each)")
+    batch_size: int = Field(64, ge=2)
+    m_per_class: int | None = Field(
+        None, ge=2,  # a class needs a positive pair in the batch
+        description="images per class in a batch (default: smallest divisor of the batch "
+        "size >= 4 that the classes allow)")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the network")
+    weight_decay: float = Field(1e-4, ge=0)
+    warmup_epochs: float = Field(0.5, ge=0, description="linear warm-up, then cosine")
+    augmentation: Literal["standard", "none"] = Field(
+        "standard", description="standard or none")
+    seed: int = Field(0, description="init, sampling, augmentation")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto, cpu or cuda")
+    num_workers: int = Field(0, ge=0, description="DataLoader workers")
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if sum(self.split_fractions) >= 1:
+            raise ValueError("val_fraction + test_fraction must be less than 1")
+        if self.m_per_class is not None and self.batch_size % self.m_per_class:
+            raise ValueError("m_per_class must divide batch_size")
+        return self
+
+    @property
+    def split_fractions(self) -> tuple[float, float]:
+        """``(val, test)`` shares: the options, else the protocol's :data:`SPLIT_FRACTIONS`."""
+        val, test = SPLIT_FRACTIONS[self.protocol]
+        return (val if self.val_fraction is None else self.val_fraction,
+                test if self.test_fraction is None else self.test_fraction)
+
+    @property
+    def network_lr(self) -> float:
+        """The network's learning rate: the loss block's (tuned) one, else the base ``lr``."""
+        return self.loss.lr if self.loss.lr is not None else self.lr
+
+    def short(self) -> str:
+        """A one-line summary for logs: loss, backbone, data, protocol, seed."""
+        miner = f"/{self.loss.miner}" if self.loss.miner else ""
+        return (
+            f"{self.loss.name}{miner} {self.backbone}-d{self.dim}@{self.image_size}px "
+            f"data={self.data} protocol={self.protocol} seed={self.seed}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (nested loss block), in field order. The loss block's tuning
+        fields are saved only when set, so an untuned run saves the keys it always did (and a
+        run saved before tuning existed still resumes)."""
+        data = dataclasses.asdict(self)
+        data["loss"] = {k: v for k, v in data["loss"].items()
+                        if k not in TUNING_FIELDS or v not in (None, {})}
+        return data
+
+
+def default_image_size(data: str) -> int:
+    """The input side when ``--image-size`` is not given: Fashion-MNIST's 28 px images are
+    upsampled a little to 32 (cheap on a CPU); photos use the usual 224."""
+    return 32 if data == FASHION_MNIST or data.startswith(FASHION_MNIST + ":") else 224
+
+
+def base_config(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
+    """The shared part of a config: everything but the loss block and the seed."""
+    data = config.to_dict() if isinstance(config, TrainConfig) else dict(config)
+    return {k: v for k, v in data.items() if k not in PER_RUN_FIELDS}
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ between two config dicts: ``{key: (a_value, b_value)}``."""
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}

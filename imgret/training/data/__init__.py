@@ -1,0 +1,32 @@
+"""Training data: image sources, their train / val / test splits, the training dataset and
+the m-per-class sampler.
+
+- :mod:`~imgret.training.data.sources`: what ``--data`` names, as labelled images by index;
+- :mod:`~imgret.training.data.splits`: the class-disjoint / closed-set splits (seeded, documented);
+- :mod:`~imgret.training.data.datasets`: the training split as a torch ``Dataset``, its
+augmentation;
+- :mod:`~imgret.training.data.sampler`: batches of m images per class, from the sampler's own
+  seeded generator.
+
+Bad data is reported, not crashed on: each module says how.
+"""
+
+from imgret.training.data.datasets import TrainDataset, train_transform
+from imgret.training.data.sampler import MPerClassSampler, plan_batches
+from imgret.training.data.sources import ImageSource, iter_images, model_spec_for, open_source
+from imgret.training.data.splits import DataSplit, describe_split, make_split, stratified_subset
+
+__all__ = [
+    "DataSplit",
+    "ImageSource",
+    "MPerClassSampler",
+    "TrainDataset",
+    "describe_split",
+    "iter_images",
+    "make_split",
+    "model_spec_for",
+    "open_source",
+    "plan_batches",
+    "stratified_subset",
+    "train_transform",
+]

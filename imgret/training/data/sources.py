@@ -1,0 +1,157 @@
+"""Image sources: what ``--data`` names, as labelled images addressed by index.
+
+Sources are read through ``imgret.datasets`` (ImageFolder, CSV manifest, Market-1501,
+Fashion-MNIST idx files) and decoded through ``imgret.images.load_image_file`` (the only
+decode path). A missing or empty source, or an unreadable idx file, is a
+:class:`imgret.datasets.DatasetError` naming the path (raised by the adapters); a CSV row
+pointing nowhere is skipped with a warning (by the adapter); a file that fails to decode is
+skipped with a warning naming it (by :func:`iter_images` for evaluation; the training
+dataset substitutes another image of the same class).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from PIL import Image
+
+from imgret.checkpoint import ModelSpec
+from imgret.datasets import FASHION_MNIST_CLASSES, list_records, load_fashion_mnist
+from imgret.errors import ImageDecodeError
+from imgret.images import load_image_file
+from imgret.training.config import FASHION_MNIST, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+# Fashion-MNIST pixel statistics (train file), replicated to the 3 input channels.
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+
+
+class ImageSource(Protocol):
+    """Labelled images addressed by index.
+
+    Attributes:
+        name: what ``--data`` named (for messages and split.json).
+        labels: ``(n,)`` object array of class names (str).
+        cameras: ``(n,)`` int64 camera ids (re-ID data) or ``None``.
+        grayscale: the images are greyscale (Fashion-MNIST).
+    """
+
+    name: str
+    labels: np.ndarray
+    cameras: np.ndarray | None
+    grayscale: bool
+
+    def image(self, index: int) -> Image.Image:
+        """The decoded RGB image; raises ``ImageDecodeError`` naming the file."""
+        ...
+
+    def describe(self, index: int) -> str:
+        """A stable name of one item (its path, or ``fashion-mnist[i]``)."""
+        ...
+
+
+class FileImageSource:
+    """Image files listed by ``imgret.datasets.list_records``."""
+
+    grayscale = False
+
+    def __init__(self, name: str, records: Sequence[Any]):
+        self.name = name
+        self.paths = [Path(r.path) for r in records]
+        self.labels = np.array([str(r.label) for r in records], dtype=object)
+        cams = [r.camera for r in records]
+        self.cameras = (
+            np.array(cams, dtype=np.int64) if cams and all(c is not None for c in cams) else None
+        )
+        root = Path(name)
+        self._root = root if root.is_dir() else root.parent
+
+    def image(self, index: int) -> Image.Image:
+        return load_image_file(self.paths[index])
+
+    def describe(self, index: int) -> str:
+        path = self.paths[index]
+        with contextlib.suppress(ValueError):
+            return str(path.relative_to(self._root))
+        return str(path)
+
+
+class ArrayImageSource:
+    """Greyscale uint8 images in memory (Fashion-MNIST).
+
+    Attributes:
+        pixels: ``(n, H, W)`` uint8.
+        official_test: ``(n,)`` bool, the image comes from the data set's own test file.
+    """
+
+    cameras = None
+    grayscale = True
+
+    def __init__(
+        self, name: str, pixels: np.ndarray, labels: np.ndarray, official_test: np.ndarray
+    ):
+        self.name = name
+        self.pixels = pixels
+        self.labels = labels
+        self.official_test = official_test
+
+    def image(self, index: int) -> Image.Image:
+        # RGB like every decoded file, so the Embedder sees one kind of input.
+        return Image.fromarray(self.pixels[index]).convert("RGB")
+
+    def describe(self, index: int) -> str:
+        return f"{self.name}[{index}]"
+
+
+def open_source(data: str) -> ImageSource:
+    """Open ``--data``: ``fashion-mnist[:FOLDER]``, a folder, or a CSV manifest.
+
+    Raises:
+        DatasetError: missing or unreadable source (the message names the path).
+    """
+    if data == FASHION_MNIST or data.startswith(FASHION_MNIST + ":"):
+        root = data.split(":", 1)[1] if ":" in data else None
+        train_x, train_y = load_fashion_mnist(root, "train")
+        test_x, test_y = load_fashion_mnist(root, "test")
+        names = np.array(FASHION_MNIST_CLASSES, dtype=object)
+        return ArrayImageSource(
+            data,
+            np.concatenate([train_x, test_x]),
+            names[np.concatenate([train_y, test_y])],
+            np.concatenate([np.zeros(len(train_y), bool), np.ones(len(test_y), bool)]),
+        )
+    return FileImageSource(data, list_records(data))
+
+
+def model_spec_for(config: TrainConfig, source: ImageSource) -> ModelSpec:
+    """The ModelSpec of a run: greyscale sources get their own normalisation statistics."""
+    if source.grayscale:
+        return ModelSpec(
+            backbone=config.backbone, dim=config.dim, image_size=config.image_size,
+            mean=(FASHION_MEAN,) * 3, std=(FASHION_STD,) * 3, grayscale=True,
+        )
+    return ModelSpec(backbone=config.backbone, dim=config.dim, image_size=config.image_size)
+
+
+def iter_images(
+    source: ImageSource, indices: np.ndarray, chunk: int = 256
+) -> Iterator[tuple[np.ndarray, list[Image.Image]]]:
+    """Decode source items in chunks for evaluation: yields ``(kept indices, images)``; bad
+    files are skipped with a warning naming them (the caller keeps the labels of the kept
+    indices only)."""
+    for start in range(0, len(indices), chunk):
+        kept, images = [], []
+        for index in indices[start : start + chunk]:
+            try:
+                images.append(source.image(int(index)))
+            except ImageDecodeError as exc:
+                logger.warning("skipping undecodable evaluation image: %s", exc)
+                continue
+            kept.append(int(index))
+        yield np.array(kept, dtype=np.int64), images

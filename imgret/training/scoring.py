@@ -1,0 +1,205 @@
+"""Scoring a split: the validation and test numbers of a run, from embedding the split
+through the Embedder and scoring it with imgret.metrics.
+
+Every number of a run (validation each epoch, the test once, the baselines) comes from
+:func:`score_split`, so they are comparable. The trained and untrained networks are embedded
+by ``imgret.embedder.Embedder`` (the one embedding path); the raw-pixel baseline is the one
+"embedding" that is not a network: L2-normalised flattened pixels.
+
+Which images are queries and which the gallery depends on the protocol:
+
+- class-disjoint: the split is both (every image is a query against all others of the split,
+  ``query_in_gallery=True``), as in the Reality Check;
+- closed-set: the split's images are queries against the *training* images (a stratified
+  subset of at most ``max_eval_images``), as a product-search service would be used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from imgret.checkpoint import EmbeddingNet
+from imgret.embedder import Embedder
+from imgret.metrics import retrieval_metrics
+from imgret.training.config import TrainConfig
+from imgret.training.data import DataSplit, ImageSource, iter_images, stratified_subset
+
+logger = logging.getLogger(__name__)
+
+# The raw-pixel baseline's side length: large images are shrunk so the vectors stay small.
+PIXEL_SIDE_MAX = 64
+
+
+@dataclass
+class EmbeddedSet:
+    """Vectors of one split.
+
+    Attributes:
+        embeddings: ``(n, d)`` float32, unit rows.
+        labels: ``(n,)`` class names.
+        cameras: ``(n,)`` int64 camera ids, or ``None``.
+    """
+
+    embeddings: np.ndarray
+    labels: np.ndarray
+    cameras: np.ndarray | None
+
+
+class Evaluator:
+    """The query / gallery sets of a run's protocol, built once, and the models scored on them.
+
+    Args:
+        config: the run's config (protocol, caps, seeds, image size).
+        source: the images.
+        split: the run's split.
+        device: where the exact search of the metrics runs (``cpu`` or ``cuda``: where the
+            model trains).
+    """
+
+    def __init__(self, config: TrainConfig, source: ImageSource, split: DataSplit, device: str):
+        self.config, self.source, self.split, self.device = config, source, split, device
+        self.gallery_indices: np.ndarray | None = None
+        if config.protocol == "closed-set":
+            # Queries are held-out images, the gallery the training images (capped, seeded).
+            train_idx = split.indices["train"]
+            cap = config.max_eval_images
+            if cap is not None and len(train_idx) > cap:
+                rng = np.random.default_rng([config.split_seed, 1])
+                train_idx = stratified_subset(train_idx, source.labels, cap, rng)
+            self.gallery_indices = train_idx
+
+    def validate(self, model: EmbeddingNet, *, epoch: int) -> dict[str, Any]:
+        """Validation metrics of the network at an epoch."""
+        return self._score(
+            lambda idx: embed_split(model, self.source, idx, tag=f"epoch-{epoch}"), "val"
+        )
+
+    def test(self, model: EmbeddingNet) -> dict[str, Any]:
+        """Test metrics of a network."""
+        return self._score(lambda idx: embed_split(model, self.source, idx, tag="test"), "test")
+
+    def test_pixels(self) -> dict[str, Any]:
+        """Test metrics of the raw-pixel baseline."""
+        def embed(idx: np.ndarray) -> EmbeddedSet:
+            return pixel_split(self.source, idx, side=self.config.image_size)
+
+        return self._score(embed, "test")
+
+    def _score(self, embed: Callable[[np.ndarray], EmbeddedSet], split: str) -> dict[str, Any]:
+        queries = embed(self.split.indices[split])
+        gallery = embed(self.gallery_indices) if self.gallery_indices is not None else None
+        return score_split(queries, gallery, device=self.device)
+
+
+def embed_split(
+    model: EmbeddingNet, source: ImageSource, indices: np.ndarray, *, batch_size: int = 256,
+    tag: str = "validation",
+) -> EmbeddedSet:
+    """Embed source items with ``Embedder.from_model`` (eval mode restored afterwards).
+
+    Args:
+        model: the network (on its training device).
+        source: the images.
+        indices: ``(k,)`` int64 source indices.
+        tag: names the model in the Embedder (skips hashing the weights at every epoch).
+    """
+    embedder = Embedder.from_model(model, model_version=tag, batch_size=batch_size)
+    parts, kept = [], []
+    for chunk_indices, images in iter_images(source, indices):
+        if images:
+            parts.append(embedder.embed(images))
+            kept.append(chunk_indices)
+    return _embedded(source, parts, kept, model.spec.dim)
+
+
+def pixel_split(source: ImageSource, indices: np.ndarray, *, side: int) -> EmbeddedSet:
+    """The raw-pixel baseline: each image resized to ``side`` (at most 64) px, flattened,
+    L2-normalised (greyscale sources keep one channel)."""
+    side = min(side, PIXEL_SIDE_MAX)
+    parts, kept = [], []
+    for chunk_indices, images in iter_images(source, indices):
+        if not images:
+            continue
+        parts.append(pixel_embeddings(images, side=side, grayscale=source.grayscale))
+        kept.append(chunk_indices)
+    return _embedded(source, parts, kept, side * side * (1 if source.grayscale else 3))
+
+
+def pixel_embeddings(images: Sequence[Image.Image], *, side: int, grayscale: bool) -> np.ndarray:
+    """Raw pixels as embeddings: ``(n, side*side[*3])`` float32, L2-normalised rows."""
+    mode = "L" if grayscale else "RGB"
+    rows = np.stack([
+        np.asarray(im.convert(mode).resize((side, side)), dtype=np.float32).reshape(-1)
+        for im in images
+    ])
+    rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+    return rows
+
+
+def _embedded(
+    source: ImageSource, parts: list[np.ndarray], kept: list[np.ndarray], dim: int
+) -> EmbeddedSet:
+    index = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    embeddings = np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
+    cameras = source.cameras[index] if source.cameras is not None else None
+    return EmbeddedSet(embeddings.astype(np.float32, copy=False), source.labels[index], cameras)
+
+
+def score_split(
+    queries: EmbeddedSet, gallery: EmbeddedSet | None = None, *,
+    k: tuple[int, ...] = (1, 5, 10), device: str = "cpu",
+) -> dict[str, Any]:
+    """Retrieval metrics of one split by ``imgret.metrics.retrieval_metrics``.
+
+    Args:
+        queries: the query vectors.
+        gallery: the gallery; ``None`` = the queries themselves (``query_in_gallery``).
+        k: cut-offs of the ``*_at_k`` metrics (those beyond the gallery size are left out).
+        device: where the exact search runs (``cpu`` or ``cuda``).
+
+    Returns:
+        The metrics dict (``map_at_r``, ``r_precision``, ``precision_at_1``, ..., ``ci95``),
+        made JSON-ready (NumPy scalars to floats, keys to strings).
+    """
+    same = gallery is None
+    gallery = queries if gallery is None else gallery
+    cameras = queries.cameras is not None and gallery.cameras is not None
+    # A tiny split (tests, a small validation set) has fewer items than the largest k.
+    limit = len(gallery.labels) - int(same)
+    ks = tuple(x for x in k if x <= limit) or (1,)
+    metrics = retrieval_metrics(
+        queries.embeddings, queries.labels.astype(str), gallery.embeddings,
+        gallery.labels.astype(str), k=ks, query_in_gallery=same, device=device,
+        query_cameras=queries.cameras if cameras else None,
+        gallery_cameras=gallery.cameras if cameras else None,
+    )
+    return to_jsonable(metrics)
+
+
+def to_jsonable(value: Any) -> Any:
+    """NumPy scalars/arrays and tuples to plain Python, dict keys to str (for JSON and
+    for ``torch.load(weights_only=True)``)."""
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return to_jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def format_metric(metrics: dict[str, Any], name: str = "map_at_r") -> str:
+    """``0.512 [0.498, 0.527]``: a metric with its 95% interval when there is one."""
+    value = metrics.get(name)
+    if value is None:
+        return "n/a"
+    ci = (metrics.get("ci95") or {}).get(name)
+    return f"{value:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else f"{value:.4f}"
