@@ -1,5 +1,5 @@
 """Multipart forms: the one parser of every route that takes uploads (``POST /gallery``,
-``/search``, ``/search/batch``, ``/evaluate``).
+``/search``, ``/search/batch``, ``/evaluate``, ``/models``).
 
 A form is described by a pydantic model of :mod:`imgret.service.schemas`. A field typed
 ``UploadFile`` (or a list of them) takes file parts, a list field takes repeated text parts
@@ -20,10 +20,11 @@ parameters keep FastAPI's list of field errors.
 Why the routes read their bodies themselves instead of declaring one FastAPI parameter per
 field: FastAPI's per-field form handling and dependency solving cost the event loop more
 per ``/search`` request than the rest of its handling (cProfile under load); and
-``/evaluate`` takes JSON or a form on one path, which declared parameters cannot express.
-FastAPI then cannot see the fields, so :func:`form_body` documents the multipart body in the
-OpenAPI schema from the same model (``imgret.service.app`` adjusts every multipart body to what a
-client really sends).
+``/evaluate`` and ``/models`` take JSON or a form on one path, which declared parameters
+cannot express. FastAPI then cannot see the fields, so :func:`form_body` (or
+:func:`form_schema`, beside a JSON body) documents the multipart body in the OpenAPI schema
+from the same model (``imgret.service.app`` adjusts every multipart body to what a client
+really sends).
 """
 
 from __future__ import annotations

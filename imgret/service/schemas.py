@@ -669,6 +669,27 @@ class RegisterRequest(BaseModel):
                            description="a run directory from `imgret train`, or its model.pt")
 
 
+class RegisterUpload(BaseModel):
+    """``POST /models`` as a multipart form: an uploaded checkpoint, or the path of one.
+
+    ``path`` is any text here: the route checks it as it checks the JSON ``path``, and a
+    path outside the model roots gets the one message every refused path gets.
+    """
+
+    checkpoint: UploadFile | None = Field(
+        None, description="a checkpoint file (`model.pt` of `imgret train`), at most "
+                          "IMGRET_MAX_CHECKPOINT_BYTES; or send `path`")
+    path: str | None = Field(
+        None, description="a run directory from `imgret train`, or its model.pt, under "
+                          "<data_dir>/models or IMGRET_MODEL_ROOTS; or send `checkpoint`")
+
+    @model_validator(mode="after")
+    def _checkpoint_or_path(self) -> RegisterUpload:
+        if (self.checkpoint is None) == (self.path is None):
+            raise ValueError("send one of `checkpoint` (a file) or `path`")
+        return self
+
+
 class ActivateRequest(BaseModel):
     """Optional gate of a switch."""
 

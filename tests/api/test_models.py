@@ -12,6 +12,7 @@ import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
+from imgret.service.schemas import RegisterUpload
 from tests.api.conftest import add_gallery, png, search
 
 
@@ -170,6 +171,45 @@ def test_bad_registrations_are_refused_and_change_nothing(make_client, tmp_path:
             "checkpoint": ("model.pt", (other_checkpoint / "model.pt").read_bytes())})
         assert uploaded.status_code == 201, uploaded.text
         assert len(client.get("/models").json()["models"]) == len(before["models"]) + 1
+
+
+def test_the_upload_form_is_read_by_the_form_rules_and_documented_from_its_model(
+        make_client, other_checkpoint: Path) -> None:
+    checkpoint = ("model.pt", (other_checkpoint / "model.pt").read_bytes())
+    with make_client() as client:
+        before = client.get("/models").json()
+        refusals = {
+            # A misspelt field is refused, as on /gallery and /search, not dropped.
+            "unknown form fields ['checkpiont']": {"files": {"checkpiont": checkpoint}},
+            "unknown form fields ['name']": {"files": {"checkpoint": checkpoint},
+                                             "data": {"name": "v2"}},
+            # A part without a file name is a text field.
+            "checkpoint: send a file, not a text field": {
+                "files": {"checkpoint": (None, "model.pt")}},
+            "path: send a text field, not a file": {"files": {"path": checkpoint}},
+            "path was sent more than once": {
+                "files": [("path", (None, str(other_checkpoint)))] * 2},
+            "send one of `checkpoint` (a file) or `path`": {
+                "files": {"checkpoint": checkpoint}, "data": {"path": str(other_checkpoint)}},
+        }
+        for message, kwargs in refusals.items():
+            response = client.post("/models", **kwargs)
+            assert response.status_code == 422, (message, response.text)
+            assert message in response.json()["detail"], (message, response.text)
+        assert client.get("/models").json() == before
+
+        body = client.get("/openapi.json").json()["paths"]["/models"]["post"]["requestBody"]
+        form = body["content"]["multipart/form-data"]["schema"]
+        assert set(form["properties"]) == set(RegisterUpload.model_fields)
+        assert form["additionalProperties"] is False and "required" not in form
+        for name, field in RegisterUpload.model_fields.items():
+            assert form["properties"][name]["description"] == field.description
+        assert form["properties"]["checkpoint"]["format"] == "binary"
+        assert form["properties"]["path"]["type"] == "string"
+        assert body["content"]["application/json"]["schema"]["required"] == ["path"]
+        # A path sent as a form field registers like a JSON one.
+        registered = client.post("/models", files={"path": (None, str(other_checkpoint))})
+        assert registered.status_code == 201, registered.text
 
 
 def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoint: Path

@@ -13,10 +13,18 @@ from pydantic import ValidationError
 
 from imgret.index import versions
 from imgret.service.deps import ResourcesDep, require_api_key
+from imgret.service.forms import form_schema, open_form
 from imgret.service.limits import content_length
-from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText, read_form
+from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText
 from imgret.service.resources import Resources
-from imgret.service.schemas import ActivateRequest, ModelInfo, ModelList, RegisterRequest, Switch
+from imgret.service.schemas import (
+    ActivateRequest,
+    ModelInfo,
+    ModelList,
+    RegisterRequest,
+    RegisterUpload,
+    Switch,
+)
 from imgret.service.version_evaluation import compare_named
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -60,12 +68,8 @@ def read_model(version: VersionPath, resources: ResourcesDep) -> ModelInfo:
 
 @router.post(
     "", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_api_key)],
-    openapi_extra={"requestBody": {"content": {
-        "multipart/form-data": {"schema": {
-            "type": "object",
-            "properties": {"checkpoint": {"type": "string", "format": "binary"},
-                           "path": {"type": "string"}},
-        }},
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": form_schema(RegisterUpload)},
         "application/json": {"schema": {
             "type": "object", "required": ["path"], "additionalProperties": False,
             "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 4096}},
@@ -108,22 +112,18 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
             path = _json_path(await request.body())
             info = await anyio.to_thread.run_sync(by_path, path)
         elif content_type == "multipart/form-data":
-            async with read_form(request, max_files=1, max_fields=4) as form:
-                unknown = set(form.keys()) - {"checkpoint", "path"}
-                upload, path = form.get("checkpoint"), form.get("path")
-                if unknown or (upload is None) == (path is None):
-                    raise HTTPException(422, "send one of `checkpoint` (a file) or `path`")
-                if path is not None:
-                    if not isinstance(path, str):
-                        raise HTTPException(422, "`path` must be a form field, not a file")
-                    info = await anyio.to_thread.run_sync(by_path, path)
+            async with open_form(request, RegisterUpload, max_files=1, max_fields=4) as form:
+                if form.path is not None:
+                    info = await anyio.to_thread.run_sync(by_path, form.path)
                 else:
-                    if isinstance(upload, str):
-                        raise HTTPException(422, "`checkpoint` must be a file")
+                    upload = form.checkpoint
+                    assert upload is not None  # the form holds exactly one of them
                     if upload.size is not None and upload.size > cap:
                         raise versions.CheckpointTooLarge(
                             f"the checkpoint is {upload.size} bytes, over "
                             f"IMGRET_MAX_CHECKPOINT_BYTES ({cap})")
+                    # The upload is spooled to a temporary file; one byte over the cap is
+                    # enough to refuse it, so no more than that is read into memory.
                     data = await upload.read(cap + 1)
                     info = await anyio.to_thread.run_sync(
                         lambda: versions.register_upload(data, **kwargs))
