@@ -9,7 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from imgret.index.backup import BACKUP_FILE, _tree_bytes, estimate_backup_bytes
+from imgret.index.backup import BACKUP_FILE, estimate_backup_bytes
+from imgret.index.backup.files import tree_bytes
 from imgret.index.db import make_engine
 from imgret.settings import get_settings
 from tests.api.conftest import API_KEY, add_gallery
@@ -48,7 +49,7 @@ def test_the_oldest_backups_go_past_the_bytes_but_never_the_new_one(make_client)
         add_gallery(client, classes=2, per_class=2, headers=KEYED)
         assert _backup(client, "b1").status_code == 201
         folder = client.app.state.settings.data_dir / "backups"
-    one = _tree_bytes(folder / "b1")
+    one = tree_bytes(folder / "b1")
     with make_client(api_key=API_KEY, backup_max_bytes=one + one // 2) as client:
         assert _backup(client, "b2").status_code == 201  # two would be ~2x: b1 goes
     assert _names(folder) == {"b2"}

@@ -18,11 +18,11 @@ from imgret.index.backup import (
     BACKUP_FILE,
     BackupError,
     BackupExists,
-    _files_checksum,
     create_backup,
     restore_backup,
     verify_backup,
 )
+from imgret.index.backup.layout import files_checksum
 from imgret.index.manifest import Manifest
 from imgret.service.app import create_app
 from imgret.settings import Settings, get_settings
@@ -73,7 +73,7 @@ def _resign(src: Path) -> None:
     document = json.loads((src / BACKUP_FILE).read_text())
     for rel, entry in document["files"].items():
         entry["sha256"], entry["size"] = file_sha256(src / rel), (src / rel).stat().st_size
-    document["files_sha256"] = _files_checksum(document["files"])
+    document["files_sha256"] = files_checksum(document["files"])
     (src / BACKUP_FILE).write_text(json.dumps(document))
 
 
@@ -115,7 +115,7 @@ def test_a_snapshot_image_missing_from_the_backup_is_refused(backup: Path,
     rel = next(r for r in document["files"] if r.startswith("media/"))
     (backup / rel).unlink()
     del document["files"][rel]
-    document["files_sha256"] = _files_checksum(document["files"])
+    document["files_sha256"] = files_checksum(document["files"])
     (backup / BACKUP_FILE).write_text(json.dumps(document))
     _refused(target, backup, "snapshot refers to")
 
