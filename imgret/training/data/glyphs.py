@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import time
+import zipfile
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -196,7 +197,7 @@ class GlyphSet:
         }
         if full:
             out["renderer"] = _renderer()
-            out["distortions"] = dict(DISTORTIONS)
+            out["distortions"] = {name: list(bounds) for name, bounds in DISTORTIONS.items()}
             out["fonts"] = self.fonts
             out["images_of_a_class"] = [
                 {"n": j, "face": self.faces[j % len(self.faces)].key,
@@ -217,11 +218,12 @@ DISTORTIONS: dict[str, tuple[float, float]] = {
     "log_aspect": (-0.1, 0.1),
     "shift_x_px": (-2.0, 2.0),
     "shift_y_px": (-2.0, 2.0),
-    # 0 = eroded (grey min filter 3 x 3), 1 = as drawn, 2 = dilated (max filter 3 x 3).
-    "stroke_weight": (0.4, 1.9),
+    # 0 = eroded (grey min filter 3 x 3), 1 = as drawn, 2 = dilated (max filter 3 x 3);
+    # above 0.5, so that the thin faces (ming, kiloji) keep every stroke.
+    "stroke_weight": (0.6, 1.9),
     "elastic_px": (0.0, 1.2),
     "blur_sigma_px": (0.0, 0.7),
-    "ink": (0.7, 1.0),
+    "ink": (0.75, 1.0),
     "noise_std": (0.0, 0.06),
 }
 _DISTORTION_BOUNDS = (np.array([low for low, _ in DISTORTIONS.values()]),
@@ -343,6 +345,11 @@ _CLASSES_PER_BATCH = 64
 
 def covered_codepoints(faces: Sequence[Face]) -> list[int]:
     """The sorted CJK Unified Ideographs that every face's cmap maps."""
+    return list(_covered(tuple(faces)))
+
+
+@functools.cache
+def _covered(faces: tuple[Face, ...]) -> tuple[int, ...]:
     from fontTools.ttLib import TTFont
 
     common: set[int] | None = None
@@ -353,7 +360,7 @@ def covered_codepoints(faces: Sequence[Face]) -> list[int]:
             cmap = font["cmap"].getBestCmap() or {}
         covered = {cp for cp in cmap if CJK_UNIFIED[0] <= cp <= CJK_UNIFIED[1]}
         common = covered if common is None else common & covered
-    return sorted(common or ())
+    return tuple(sorted(common or ()))
 
 
 def _draw_distortions(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -372,7 +379,8 @@ def distort(levels: np.ndarray, which: np.ndarray,
     anisotropic scale about the centre, shift) plus a smooth displacement field (the coarse
     one spread by a Gaussian kernel: elastic warp) say where each output pixel samples the
     2 x 2 box-filtered working image (bilinear, ink 0 outside): supersampled by 2, so strokes
-    stay anti-aliased. Then a Gaussian blur (5 taps), ink level and Gaussian noise.
+    stay anti-aliased. Then a Gaussian blur (5 taps), the brightest pixel scaled to the ink
+    level, and Gaussian noise.
 
     Only elementwise numpy operations and ``math`` on scalars: no BLAS, whose summation order
     varies with the CPU.
@@ -410,7 +418,11 @@ def distort(levels: np.ndarray, which: np.ndarray,
     y = y + (side - 1) / 2.0 - 0.5 + field[:, 1] * amplitude
     image = _bilinear(_box2(image), x, y)
     image = _blur(image, p["blur_sigma_px"])
-    image = image * p["ink"][:, None, None] + noise * (p["noise_std"] * 255.0)[:, None, None]
+    # The brightest pixel becomes the ink level: a thin face, eroded and blurred, stays
+    # visible (it would otherwise fade to a few grey levels).
+    peak = np.maximum(image.max(axis=(1, 2)), 1.0)
+    image = image * (p["ink"] * 255.0 / peak)[:, None, None] + noise * (
+        p["noise_std"] * 255.0)[:, None, None]
     return np.clip(np.rint(image), 0, 255).astype(np.uint8)
 
 
@@ -516,7 +528,7 @@ def _read_cache(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
         with np.load(path) as data:
             pixels, codepoints = data["pixels"], data["codepoints"]
             expected = str(data["content_hash"])
-    except (OSError, ValueError, KeyError, zlib.error) as exc:
+    except (OSError, ValueError, KeyError, zlib.error, zipfile.BadZipFile) as exc:
         logger.warning("%s: unreadable glyph cache (%s); rendering again", path, exc)
         return None
     if _content_hash(pixels, codepoints) != expected:
