@@ -410,9 +410,11 @@ def distort(levels: np.ndarray, which: np.ndarray,
         p["rotation_deg"], p["shear"], p["scale"], p["log_aspect"], strict=True)])
     x = inverse[:, 0, 0, None, None] * qx + inverse[:, 0, 1, None, None] * qy
     y = inverse[:, 1, 0, None, None] * qx + inverse[:, 1, 1, None, None] * qy
-    smooth = _field_smoothing()  # (32, 4)
-    spread = (smooth[None, None, :, :, None] * coarse[:, :, None, :, :]).sum(axis=3)
-    field = (spread[:, :, :, None, :] * smooth[None, None, None, :, :]).sum(axis=4)
+    smooth = _field_smoothing()  # (32, 4): field = smooth @ coarse @ smooth.T, summed in order
+    spread = sum(smooth[None, None, :, k, None] * coarse[:, :, None, k, :]
+                 for k in range(ELASTIC_GRID))  # (n, 2, 32, 4)
+    field = sum(spread[:, :, :, k, None] * smooth[None, None, None, :, k]
+                for k in range(ELASTIC_GRID))  # (n, 2, 32, 32)
     amplitude = (p["elastic_px"] * SUPERSAMPLE)[:, None, None]
     x = x + (side - 1) / 2.0 - 0.5 + field[:, 0] * amplitude
     y = y + (side - 1) / 2.0 - 0.5 + field[:, 1] * amplitude

@@ -56,7 +56,8 @@ class ImageSource(Protocol):
         ...
 
     def describe(self, index: int) -> str:
-        """A stable name of one item (its path, or ``fashion-mnist[i]``)."""
+        """A stable name of one item (its path, ``fashion-mnist[i]``, or ``U+6C38/ipaexg/2``:
+        a glyph's character, face and distortion)."""
         ...
 
 
