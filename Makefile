@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEBS := dataset-fashion-mnist chromium chromium-driver
+# The glyph set's fonts (imgret/training/data/glyphs.py FACES): about 44 MB of .debs.
+GLYPH_FONTS := fonts-ipaexfont-gothic fonts-ipaexfont-mincho fonts-arphic-ukai \
+  fonts-arphic-uming fonts-motoya-l-maruberi fonts-seto fonts-kiloji fonts-wqy-microhei
+DEBS := dataset-fashion-mnist chromium chromium-driver $(GLYPH_FONTS)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup system-deps postgres demo test lint bench clean

@@ -8,6 +8,7 @@ nothing below imports
 - ``main``: the Typer app, its command groups, and one-line errors (the console script);
 - ``__main__``: ``python -m imgret.cli`` (and ``torchrun -m imgret.cli train ...``);
 - ``train``: ``train``, ``benchmark`` and ``tune``, their options read from ``TrainConfig``;
+- ``data``: ``data glyphs``, the generated glyph set written as an ImageFolder;
 - ``gallery``: ``db upgrade|downgrade``, ``ingest``, ``index build``, ``media migrate``;
 - ``models``: ``models list|register|embed|compare|activate|rollback|delete``;
 - ``serve``: ``serve``, the API under uvicorn;

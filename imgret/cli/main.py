@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from imgret.cli import backup, demo, evaluate, gallery, models, serve, train
+from imgret.cli import backup, data, demo, evaluate, gallery, models, serve, train
 from imgret.errors import ImgretError
 
 app = typer.Typer(
@@ -27,7 +27,7 @@ index_app = typer.Typer(help="The FAISS index derived from the gallery.", no_arg
 app.add_typer(db_app, name="db")
 app.add_typer(index_app, name="index")
 
-for module in (train, gallery, models, serve, evaluate, demo, backup):
+for module in (train, data, gallery, models, serve, evaluate, demo, backup):
     module.register(app, db_app=db_app, index_app=index_app)
 
 

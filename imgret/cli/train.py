@@ -34,7 +34,7 @@ BASE_OPTIONS = (
 _OPTION_CHANGES: dict[str, dict[str, Any]] = {
     "data": {"default": inspect.Parameter.empty},
     "image_size": {"type": int | None, "default": None,
-                   "help": "input side in px; default 32 for fashion-mnist, else 224"},
+                   "help": "input side in px; default 32 for fashion-mnist and glyphs, else 224"},
     "backbone_weights": {"type": Path | None},
     "time_budget_s": {"flag": "--time-budget"},
 }

@@ -17,13 +17,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from imgret.config_rules import MAX_DIM, MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, raising
+from imgret.datasets import DatasetError
 from imgret.errors import ImgretError
 
 FASHION_MNIST = "fashion-mnist"
+# CJK characters rendered from Debian's fonts (imgret.training.data.glyphs).
+GLYPHS = "glyphs"
 # Fields that may differ between the runs of one benchmark.
 PER_RUN_FIELDS = ("loss", "seed")
 # The loss block's fields that equal-budget tuning sets per loss (unset: the base's values).
@@ -42,6 +45,64 @@ SPLIT_FRACTIONS = {"class-disjoint": (0.2, 0.5), "closed-set": (0.25, 0.25)}
 
 class TrainConfigError(ImgretError, ValueError):
     """A training option that is out of range or inconsistent with the data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GlyphOptions:
+    """The options of ``--data glyphs[:classes=N,per_class=N,seed=N]``.
+
+    Attributes:
+        classes: characters (one class each), evenly spaced over those every face covers.
+        per_class: images per character: every face the same number of times, so a multiple
+            of the number of faces (checked by the renderer, which knows the faces).
+        seed: seeds the distortions (not the split, not the training).
+
+    Raises:
+        DatasetError: a value out of range (one line naming it).
+    """
+
+    classes: int = 1000
+    per_class: int = 24
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("classes", 2, None), ("per_class", 1, 4096),
+                                ("seed", 0, 2**32 - 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+                    high is not None and value > high):
+                bound = f">= {low}" if high is None else f"in {low}..{high}"
+                raise DatasetError(f"{GLYPHS}: {name} must be an integer {bound} (got {value!r})")
+
+    def spec(self) -> str:
+        """The ``--data`` text that gives these options."""
+        return f"{GLYPHS}:classes={self.classes},per_class={self.per_class},seed={self.seed}"
+
+
+def parse_glyphs(data: str) -> GlyphOptions | None:
+    """The glyph options ``--data`` names, or ``None`` when it names another source.
+
+    ``glyphs`` alone takes the defaults; ``glyphs:classes=2000,per_class=24`` overrides some.
+
+    Raises:
+        DatasetError: an unknown key, a repeated key, a value that is not an integer or is
+            out of range.
+    """
+    if data != GLYPHS and not data.startswith(GLYPHS + ":"):
+        return None
+    keys = [f.name for f in dataclasses.fields(GlyphOptions)]
+    values: dict[str, int] = {}
+    for item in data[len(GLYPHS) + 1:].split(",") if data != GLYPHS else []:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in keys or key in values:
+            problem = ("repeated" if key in values else "unknown") if sep else "expected KEY=VALUE"
+            raise DatasetError(f"{data!r}: {problem}: {item!r}; write glyphs:KEY=VALUE,... "
+                               f"with KEY among {', '.join(keys)}")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise DatasetError(f"{GLYPHS}: {key} must be an integer (got {value!r})") from None
+    return GlyphOptions(**values)
 
 
 @raising(TrainConfigError)
@@ -77,7 +138,8 @@ class TrainConfig:
     """One training run; each field's description is its command-line help.
 
     Beyond the help:
-        data: ``fashion-mnist`` reads Debian's raw idx files.
+        data: ``fashion-mnist`` reads Debian's raw idx files; ``glyphs`` renders CJK
+            characters from Debian's fonts (:func:`parse_glyphs` reads its options).
         split_seed: the same value gives the same split, whatever the training ``seed``.
         val_fraction, test_fraction: shares of classes (class-disjoint) or of each class's
             images (closed-set); together less than 1; ``None`` = the protocol's default
@@ -95,8 +157,8 @@ class TrainConfig:
     """
 
     data: str = Field(
-        FASHION_MNIST, description="fashion-mnist[:FOLDER], an ImageFolder / Market-1501 "
-        "folder, or a CSV manifest (path,label[,camera])")
+        FASHION_MNIST, description="fashion-mnist[:FOLDER], glyphs[:classes=N,per_class=N,"
+        "seed=N], an ImageFolder / Market-1501 folder, or a CSV manifest (path,label[,camera])")
     protocol: Literal["class-disjoint", "closed-set"] = Field(
         "class-disjoint", description="class-disjoint (train/val/test classes disjoint; "
         "Reality Check) or closed-set (same classes, held-out images; product search)")
@@ -141,6 +203,12 @@ class TrainConfig:
     num_workers: int = Field(0, ge=0, description="DataLoader workers")
     loss: LossConfig = Field(default_factory=LossConfig)
 
+    @field_validator("data")
+    @classmethod
+    def _known_glyph_options(cls, value: str) -> str:
+        parse_glyphs(value)  # refused now, before torch and the fonts load
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if sum(self.split_fractions) >= 1:
@@ -181,8 +249,10 @@ class TrainConfig:
 
 def default_image_size(data: str) -> int:
     """The input side when ``--image-size`` is not given: Fashion-MNIST's 28 px images are
-    upsampled a little to 32 (cheap on a CPU); photos use the usual 224."""
-    return 32 if data == FASHION_MNIST or data.startswith(FASHION_MNIST + ":") else 224
+    upsampled a little to 32 (cheap on a CPU), the glyphs are rendered at 32; photos use the
+    usual 224."""
+    small = (FASHION_MNIST, GLYPHS)
+    return 32 if data in small or data.startswith(tuple(name + ":" for name in small)) else 224
 
 
 def base_config(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Image sources: what ``--data`` names, as labelled images addressed by index.
 
 Sources are read through ``imgret.datasets`` (ImageFolder, CSV manifest, Market-1501,
-Fashion-MNIST idx files) and decoded through ``imgret.images.load_image_file`` (the only
+Fashion-MNIST idx files) or rendered (the glyph set, :mod:`imgret.training.data.glyphs`) and
+decoded through ``imgret.images.load_image_file`` (the only
 decode path). A missing or empty source, or an unreadable idx file, is a
 :class:`imgret.datasets.DatasetError` naming the path (raised by the adapters); a CSV row
 pointing nowhere is skipped with a warning (by the adapter); a file that fails to decode is
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +25,7 @@ from imgret.checkpoint import ModelSpec
 from imgret.datasets import FASHION_MNIST_CLASSES, list_records, load_fashion_mnist
 from imgret.errors import ImageDecodeError
 from imgret.images import load_image_file
-from imgret.training.config import FASHION_MNIST, TrainConfig
+from imgret.training.config import FASHION_MNIST, TrainConfig, parse_glyphs
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,24 @@ class ImageSource(Protocol):
         name: what ``--data`` named (for messages and split.json).
         labels: ``(n,)`` object array of class names (str).
         cameras: ``(n,)`` int64 camera ids (re-ID data) or ``None``.
-        grayscale: the images are greyscale (Fashion-MNIST).
+        grayscale: the images are greyscale (Fashion-MNIST, the glyphs).
+        description: what a generated data set is (parameters, content hash), recorded in
+            every run's split; ``(full=False)`` is the compact form. ``None`` for files.
     """
 
     name: str
     labels: np.ndarray
     cameras: np.ndarray | None
     grayscale: bool
+    description: Callable[..., dict[str, Any]] | None
 
     def image(self, index: int) -> Image.Image:
         """The decoded RGB image; raises ``ImageDecodeError`` naming the file."""
         ...
 
     def describe(self, index: int) -> str:
-        """A stable name of one item (its path, or ``fashion-mnist[i]``)."""
+        """A stable name of one item (its path, ``fashion-mnist[i]``, or ``U+6C38/ipaexg/2``:
+        a glyph's character, face and distortion)."""
         ...
 
 
@@ -60,6 +65,7 @@ class FileImageSource:
     """Image files listed by ``imgret.datasets.list_records``."""
 
     grayscale = False
+    description = None
 
     def __init__(self, name: str, records: Sequence[Any]):
         self.name = name
@@ -83,38 +89,61 @@ class FileImageSource:
 
 
 class ArrayImageSource:
-    """Greyscale uint8 images in memory (Fashion-MNIST).
+    """Greyscale uint8 images in memory (Fashion-MNIST, the glyphs).
 
     Attributes:
         pixels: ``(n, H, W)`` uint8.
         official_test: ``(n,)`` bool, the image comes from the data set's own test file.
+        stats: pixel mean and standard deviation in [0, 1] (the model's normalisation).
     """
 
     cameras = None
     grayscale = True
 
     def __init__(
-        self, name: str, pixels: np.ndarray, labels: np.ndarray, official_test: np.ndarray
+        self, name: str, pixels: np.ndarray, labels: np.ndarray, official_test: np.ndarray,
+        *, stats: tuple[float, float] = (FASHION_MEAN, FASHION_STD),
+        item_name: Callable[[int], str] | None = None,
+        description: Callable[..., dict[str, Any]] | None = None,
     ):
         self.name = name
         self.pixels = pixels
         self.labels = labels
         self.official_test = official_test
+        self.stats = stats
+        self._item_name = item_name
+        self.description = description
 
     def image(self, index: int) -> Image.Image:
         # RGB like every decoded file, so the Embedder sees one kind of input.
         return Image.fromarray(self.pixels[index]).convert("RGB")
 
     def describe(self, index: int) -> str:
+        if self._item_name is not None:
+            return self._item_name(index)
         return f"{self.name}[{index}]"
 
 
 def open_source(data: str) -> ImageSource:
-    """Open ``--data``: ``fashion-mnist[:FOLDER]``, a folder, or a CSV manifest.
+    """Open ``--data``: ``fashion-mnist[:FOLDER]``, ``glyphs[:KEY=VALUE,...]``, a folder, or
+    a CSV manifest.
 
     Raises:
-        DatasetError: missing or unreadable source (the message names the path).
+        DatasetError: missing or unreadable source (the message names the path), bad glyph
+            options or missing fonts.
     """
+    glyph_options = parse_glyphs(data)
+    if glyph_options is not None:
+        from imgret.training.data.glyphs import load_glyphs
+
+        glyphs = load_glyphs(glyph_options)
+        logger.info("%s: %d images of %d characters (%s; content %s)", data, len(glyphs.pixels),
+                    len(glyphs.codepoints), glyphs.source, glyphs.content_hash[:16])
+        return ArrayImageSource(
+            data, glyphs.pixels, glyphs.labels, np.zeros(len(glyphs.pixels), bool),
+            stats=glyphs.pixel_stats, item_name=glyphs.item_name,
+            description=glyphs.description,
+        )
     if data == FASHION_MNIST or data.startswith(FASHION_MNIST + ":"):
         root = data.split(":", 1)[1] if ":" in data else None
         train_x, train_y = load_fashion_mnist(root, "train")
@@ -130,11 +159,13 @@ def open_source(data: str) -> ImageSource:
 
 
 def model_spec_for(config: TrainConfig, source: ImageSource) -> ModelSpec:
-    """The ModelSpec of a run: greyscale sources get their own normalisation statistics."""
+    """The ModelSpec of a run: greyscale sources get their own normalisation statistics
+    (Fashion-MNIST's train file; the glyph set's own, over all its images)."""
     if source.grayscale:
+        mean, std = getattr(source, "stats", (FASHION_MEAN, FASHION_STD))
         return ModelSpec(
             backbone=config.backbone, dim=config.dim, image_size=config.image_size,
-            mean=(FASHION_MEAN,) * 3, std=(FASHION_STD,) * 3, grayscale=True,
+            mean=(mean,) * 3, std=(std,) * 3, grayscale=True,
         )
     return ModelSpec(backbone=config.backbone, dim=config.dim, image_size=config.image_size)
 

@@ -38,7 +38,9 @@ validation fraction of each class held out, seeded), test = the official test fi
 Folders: class-disjoint = a seeded shuffle of the class names cut by the val / test fractions
 (by default the same proportions: half of the classes for test, a fifth for validation; at
 least 2 classes each, the test share shrinking first when there are few classes);
-closed-set = a seeded per-class hold-out of images.
+closed-set = a seeded per-class hold-out of images. The glyph set
+(:mod:`imgret.training.data.glyphs`) is split like a folder: its thousand classes need no
+fixed split.
 """
 
 from __future__ import annotations
@@ -86,13 +88,19 @@ class DataSplit:
 
     def summary(self, source: ImageSource) -> dict[str, Any]:
         """A small JSON-ready description: protocol, rule, classes and counts per split,
-        and a digest of the exact membership (so two runs can be checked for the same split).
+        a generated source's compact description (``dataset``: content hash, counts, fonts),
+        and a digest of the exact membership (so two runs can be checked for the same split;
+        a generated source's content hash is part of it, so other pixels are another split).
         """
         out: dict[str, Any] = {
             "protocol": self.protocol, "source": source.name, "rule": self.rule,
             "dropped_classes": self.dropped_classes, "splits": {},
         }
         digest = hashlib.sha256()
+        describe_data = getattr(source, "description", None)
+        if describe_data is not None:
+            out["dataset"] = describe_data(full=False)
+            digest.update(out["dataset"]["content_hash"].encode())
         for name in SPLITS:
             idx = self.indices[name]
             classes = self.classes(name, source)
@@ -106,8 +114,12 @@ class DataSplit:
         return out
 
     def to_json(self, source: ImageSource) -> dict[str, Any]:
-        """The full split (summary + every member's name) for ``split.json``."""
+        """The full split (summary + every member's name, and a generated source's full
+        description: every class, every font) for ``split.json``."""
         out = self.summary(source)
+        describe_data = getattr(source, "description", None)
+        if describe_data is not None:
+            out["dataset"] = describe_data(full=True)
         out["members"] = {
             name: [source.describe(int(i)) for i in self.indices[name]] for name in SPLITS
         }
