@@ -29,7 +29,7 @@ def test_two_process_ddp_run_on_cpu(tmp_path: Path) -> None:
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run(
-        [*command, "--standalone", "--nproc_per_node=2", "-m", "cli", "train",
+        [*command, "--standalone", "--nproc_per_node=2", "-m", "imgret.cli", "train",
          "--data", str(data), "--out", str(out), "--loss", "proxy_anchor",
          "--backbone", "tiny_cnn", "--dim", "16", "--image-size", "32", "--epochs", "1",
          "--batch-size", "8", "--device", "cpu", "--no-progress"],
