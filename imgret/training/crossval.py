@@ -80,13 +80,15 @@ def test_run(run: Path, folds: Sequence[int | None], *, device: str = "auto") ->
         if not is_finished(path):
             raise TrainConfigError(f"{path}: no finished run to test")
     records = [read_record(path) for path in dirs]
-    checkpoints = [load_checkpoint(path) for path in dirs]
-    versions = [c.model_version for c in checkpoints]
+    # A finished run names its model's version; a diverged one only in its checkpoint.
+    versions = [r.get("model_version") or load_checkpoint(path).model_version
+                for r, path in zip(records, dirs, strict=True)]
     cached = run / RUN_TEST_FILE
     if cached.exists():
         previous = json.loads(cached.read_text())
         if previous.get("model_versions") == versions:
             return previous
+    checkpoints = [load_checkpoint(path) for path in dirs]
     config = TrainConfig(**records[0]["config"])
     source = open_source(config.data)
     split = make_split(source, config)

@@ -413,8 +413,11 @@ def tune_loss(
         return value
 
     while len(finished := _finished(study)) < trials:
+        # Seeded by the trials that count (failed ones are re-proposed, and TPE ignores
+        # them), so a resumed study proposes what an unbroken one would.
+        counted = [t for t in study.trials if t.state != optuna.trial.TrialState.FAIL]
         study.sampler = optuna.samplers.TPESampler(
-            seed=seed * 100_003 + len(study.trials), n_startup_trials=startup_trials(trials))
+            seed=seed * 100_003 + len(counted), n_startup_trials=startup_trials(trials))
         study.optimize(objective, n_trials=1)
     return finished[:trials]
 
@@ -466,10 +469,20 @@ def _flat(identity: dict[str, Any]) -> dict[str, Any]:
 
 
 def _requeue_interrupted(study: optuna.Study) -> None:
+    """Propose again the parameters of every trial an interruption ended: one left running
+    (the process was killed) or failed (Optuna marks a trial failed when an exception, Ctrl-C
+    included, leaves its objective), once per failure, in the trial's own run directory."""
+    requeued = set(study.user_attrs.get("requeued", []))
     for trial in study.trials:
+        if trial.number in requeued or trial.state not in (
+                optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL):
+            continue
+        logger.info("%s trial %d was interrupted: proposing its parameters again",
+                    study.study_name, trial.number)
         if trial.state == optuna.trial.TrialState.RUNNING:
-            logger.info("%s trial %d was interrupted: proposing its parameters again",
-                        study.study_name, trial.number)
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={
-                "run": trial.user_attrs.get("run", f"trial{trial.number}")})
+        study.enqueue_trial(trial.params, user_attrs={
+            "run": trial.user_attrs.get("run", f"trial{trial.number}")})
+        requeued.add(trial.number)
+    if requeued:
+        study.set_user_attr("requeued", sorted(requeued))
