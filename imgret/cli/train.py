@@ -102,6 +102,7 @@ def train_command(
     loss_option: Annotated[list[str] | None, typer.Option(
         "--loss-option", help="KEY=VALUE override of a loss default, repeatable")] = None,
     seed: int = FROM_CONFIG,
+    fold: int | None = FROM_CONFIG,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue the run in --out from its last.pt (same options)")] = False,
     progress: ProgressOpt = True,
@@ -115,7 +116,7 @@ def train_command(
     """
     # The options are checked before torch and the training stack are imported (seconds).
     loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
-    config = _config(base, seed=seed, loss=loss_block)
+    config = _config(base, seed=seed, loss=loss_block, fold=fold)
 
     from imgret.training.loop import train
 

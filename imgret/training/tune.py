@@ -105,12 +105,12 @@ BUDGETS: dict[str, Budget] = {
     "reality-check": Budget(
         options={"backbone": "small_cnn", "image_size": 32, "dim": 128, "epochs": 20,
                  "patience": 3, "batch_size": 32, "m_per_class": 4, "cv_folds": 4,
-                 "max_train_images": None, "max_eval_images": 2000, "augmentation": "none",
+                 "max_train_images": 3200, "max_eval_images": 2000, "augmentation": "none",
                  "warmup_epochs": 0.0, "num_workers": 0},
         trials=20, seeds=10,
-        note="2 CPU cores, days on a many-class set: 4-fold cross-validation, small_cnn at "
-        "32 px, 128-d, batches of 8 classes x 4, early stopping (patience 3, at most 20 "
-        "epochs), 20 trials per loss, 10 runs",
+        note="2 CPU cores, days: 4-fold cross-validation, small_cnn at 32 px, 128-d, "
+        "batches of 8 classes x 4, epochs of at most 3,200 training images (100 batches), "
+        "early stopping (patience 3, at most 20 epochs), 20 trials per loss, 10 runs",
     ),
     "reality-check-full": Budget(
         options={"backbone": "small_cnn", "image_size": 32, "dim": 128, "epochs": 50,
