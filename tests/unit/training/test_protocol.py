@@ -308,6 +308,9 @@ def test_cv_benchmark_with_controls_reports_both_evaluations(
     assert set(oracle["splits"]["train"]["classes"]) == set(
         folds[0]["split"]["splits"]["test"]["classes"])
     assert "baselines_on_its_test" in rows["oracle"]
+    paired = {p["a"] for p in results["verdicts"]["map_at_r"]["pairs"]} | {
+        p["b"] for p in results["verdicts"]["map_at_r"]["pairs"]}
+    assert "shuffled_labels" in paired and "oracle" not in paired  # other test images
     markdown = (tmp_path / "results.md").read_text()
     assert "2-fold cross-validation" in markdown and f"MAP@R ({2 * base.dim}-d)" in markdown
     assert "shuffled_labels (control, multi_similarity)" in markdown
