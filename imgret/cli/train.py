@@ -27,7 +27,7 @@ BASE_OPTIONS = (
     "data", "backbone", "dim", "epochs", "image_size", "batch_size", "m_per_class", "lr",
     "weight_decay", "warmup_epochs", "protocol", "split_seed", "val_fraction", "test_fraction",
     "backbone_weights", "max_train_images", "max_eval_images", "time_budget_s", "augmentation",
-    "device", "num_workers",
+    "device", "num_workers", "cv_folds", "patience",
 )
 # Where an option differs from its field: a run must name its data, the input side defaults by
 # data set (resolved in _config), the trunk weights are a path, and the budget flag is shorter.
@@ -45,6 +45,9 @@ OutOpt = Annotated[Path, typer.Option("--out", help="run (or benchmark) director
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars")]
 LossesOpt = Annotated[str, typer.Option(
     "--losses", help="comma-separated loss[:miner], e.g. triplet,triplet:hard,arcface")]
+ControlsOpt = Annotated[str, typer.Option(
+    "--controls", help="comma-separated control rows trained with the first loss: "
+    "shuffled_labels (labels permuted), oracle (trained on the test classes)")]
 
 
 def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
@@ -99,6 +102,7 @@ def train_command(
     loss_option: Annotated[list[str] | None, typer.Option(
         "--loss-option", help="KEY=VALUE override of a loss default, repeatable")] = None,
     seed: int = FROM_CONFIG,
+    fold: int | None = FROM_CONFIG,
     resume: Annotated[bool, typer.Option(
         "--resume", help="continue the run in --out from its last.pt (same options)")] = False,
     progress: ProgressOpt = True,
@@ -112,7 +116,7 @@ def train_command(
     """
     # The options are checked before torch and the training stack are imported (seconds).
     loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
-    config = _config(base, seed=seed, loss=loss_block)
+    config = _config(base, seed=seed, loss=loss_block, fold=fold)
 
     from imgret.training.loop import train
 
@@ -142,6 +146,7 @@ def benchmark_command(
     out: OutOpt,
     losses: LossesOpt = ",".join(DEFAULT_LOSSES),
     seeds: Annotated[int, typer.Option("--seeds", help="seeds 0..N-1 per loss", min=1)] = 3,
+    controls: ControlsOpt = "",
     progress: ProgressOpt = True,
     **base: Any,
 ) -> None:
@@ -156,7 +161,7 @@ def benchmark_command(
     config = _config(base, seed=0, loss=blocks[0])
     command = "imgret " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     results = run_benchmark(config, blocks, list(range(seeds)), out, command=command,
-                            progress=progress)
+                            progress=progress, controls=_names(controls))
     echo_results(results, out)
 
 
@@ -166,8 +171,9 @@ def tune_command(
     out: OutOpt,
     losses: LossesOpt = ",".join(DEFAULT_LOSSES),
     budget: Annotated[str | None, typer.Option(
-        "--budget", help="quick (2 CPU cores, about 30 min) or full (a GPU): preset base "
-        "options, trials and seeds; options given explicitly override it")] = None,
+        "--budget", help="quick (2 CPU cores, about 30 min), full (a GPU), reality-check "
+        "(4-fold cross-validation on a CPU) or reality-check-full: preset base options, "
+        "trials and seeds; options given explicitly override it")] = None,
     trials: Annotated[int | None, typer.Option(
         "--trials", help="finished trials per loss, the same for every loss (default: the "
         "budget's, else 10)", min=1)] = None,
@@ -176,6 +182,14 @@ def tune_command(
         min=1)] = None,
     seed: Annotated[int, typer.Option(
         "--seed", help="seeds the TPE sampler and the trials' training")] = 0,
+    tune_lr: Annotated[bool | None, typer.Option(
+        "--tune-lr/--no-tune-lr", help="tune the network's learning rate per loss (default: "
+        "only without --cv-folds; with them it is the ablation, written to OUT/lr-ablation/)",
+    )] = None,
+    controls: ControlsOpt = "",
+    trial_tests: Annotated[bool | None, typer.Option(
+        "--trial-tests/--no-trial-tests", help="after tuning, test every trial's models for "
+        "the validation / test Spearman correlation (default: with --cv-folds)")] = None,
     progress: ProgressOpt = True,
     **base: Any,
 ) -> None:
@@ -204,13 +218,21 @@ def tune_command(
     results = run_tuned_benchmark(
         config, blocks, trials or (preset.trials if preset else 10),
         list(range(seeds or (preset.seeds if preset else 5))), out, seed=seed,
-        command=command, progress=progress,
+        command=command, progress=progress, tune_lr=tune_lr, controls=_names(controls),
+        trial_tests=trial_tests,
     )
     tuning = results["tuning"]
     typer.echo(f"tuned {len(tuning['best'])} losses with {tuning['trials']} trials each "
                f"({tuning['per_trial']['epochs']} epochs per trial); best on validation:")
     for name, best in tuning["best"].items():
         typer.echo(f"  {name:<22} MAP@R {best['val_map_at_r']:.3f} (trial {best['trial']})")
+    if tuning.get("correlation"):
+        every = tuning["correlation"]["all"]["test"]
+        if every["rho"] is not None:
+            typer.echo(f"validation vs test MAP@R over {every['n']} trials: Spearman rho "
+                       f"{every['rho']:.3f} (p = {every['p']:.2g})")
+    if tuning.get("lr_ablation"):
+        out = Path(out) / "lr-ablation"
     echo_results(results, out)
 
 
@@ -218,12 +240,23 @@ def echo_results(results: dict[str, Any], out: Path) -> None:
     """Print a benchmark's table: test MAP@R, R-Precision and P@1, mean ± 95% CI."""
     split = results["split"]
     typer.echo(f"test split: {split['protocol']} {split['digest']} of {split['source']}")
-    typer.echo(f"{'method':<24} {'MAP@R':>15} {'R-Precision':>15} {'P@1':>15}")
+    cv = "cross_validation" in results
+    typer.echo(f"{'method':<24} {'MAP@R':>15} {'R-Precision':>15} {'P@1':>15}"
+               + (f" {'MAP@R alone':>15}" if cv else ""))
+    if cv:
+        typer.echo(f"(the {results['cross_validation']['folds']} fold models concatenated; "
+                   "alone: the mean of the fold models tested by themselves)")
     for row in results["rows"]:
         stats = [row["metrics"][m] for m in ("map_at_r", "r_precision", "precision_at_1")]
+        if cv:
+            stats.append((row.get("separate") or row["metrics"])["map_at_r"])
         cells = [f"{s['mean']:.3f} ± {(s['ci'][1] - s['ci'][0]) / 2:.3f}" for s in stats]
         typer.echo(f"{row['name']:<24} " + " ".join(f"{c:>15}" for c in cells))
     typer.echo(f"report: {Path(out) / 'results.md'}")
+
+
+def _names(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _config(options: dict[str, Any], **per_run: Any) -> TrainConfig:

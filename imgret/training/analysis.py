@@ -19,8 +19,12 @@ but its overlapping letters are harder to read in a table; the pairwise table ha
 Convergence: from each run's per-epoch validation MAP@R (``metrics.json``
 ``epochs``: epoch 0 = the untrained network), the first validated epoch whose MAP@R reaches
 90% (95%) of that run's *final* validation MAP@R, and the training seconds (validation time
-excluded) spent by then; mean ± 95% t-interval over seeds. Validation happens at epoch ends,
-so the time is the first epoch end past the threshold (an upper bound, no interpolation).
+excluded) spent by then; mean ± 95% t-interval over seeds. The final value is the run's best
+validated epoch, the one its checkpoint keeps (with early stopping, the last epochs are the
+patience spent after it, below the best). Validation happens at epoch ends, so the time is
+the first epoch end past the threshold (an upper bound, no interpolation). A cross-validated
+run has one such time per fold (each fold validates on its own classes); the run's time is
+the mean over its folds, and the interval is over runs.
 """
 
 from __future__ import annotations
@@ -120,9 +124,10 @@ def time_to_fraction(epochs: Sequence[Mapping[str, Any]], fraction: float,
             ``val``), in order.
 
     Returns:
-        ``{"epoch", "seconds", "final"}``. The last epoch always qualifies.
+        ``{"epoch", "seconds", "final"}`` where ``final`` is the best validated value (the
+        kept checkpoint's). The best epoch always qualifies.
     """
-    final = float(epochs[-1]["val"][metric])
+    final = max(float(r["val"][metric]) for r in epochs)
     target = fraction * final
     row = next(r for r in epochs if float(r["val"][metric]) >= target)
     return {"epoch": int(row["epoch"]), "seconds": float(row["train_time_s"]), "final": final}
@@ -148,7 +153,37 @@ def convergence(curves: Mapping[str, Sequence[Sequence[Mapping[str, Any]]]],
                 unit: _stat([r[field] for r in reached])
                 for unit, field in (("epochs", "epoch"), ("seconds", "seconds"))
             }
-        entry["final"] = _stat([float(run[-1]["val"][CONVERGENCE_METRIC]) for run in runs])
+        entry["final"] = _stat([time_to_fraction(run, 1.0)["final"] for run in runs])
+        out[name] = entry
+    return out
+
+
+def convergence_over_folds(
+    runs: Mapping[str, Sequence[Sequence[Sequence[Mapping[str, Any]]]]],
+    fractions: Sequence[float] = CONVERGENCE_FRACTIONS,
+) -> dict[str, Any]:
+    """:func:`convergence` of cross-validated runs: a run's time to each share (and its
+    final value) is the mean over its fold runs; stats are over runs.
+
+    Args:
+        runs: loss name -> one list per run of its fold runs' ``epochs`` lists (a run
+            without folds: a list of one).
+
+    Returns:
+        As :func:`convergence`, one value per run.
+    """
+    out: dict[str, Any] = {}
+    for name, per_run in runs.items():
+        entry: dict[str, Any] = {}
+        for fraction in fractions:
+            reached = [[time_to_fraction(fold, fraction) for fold in run] for run in per_run]
+            entry[fraction_key(fraction)] = {
+                unit: _stat([sum(r[field] for r in run) / len(run) for run in reached])
+                for unit, field in (("epochs", "epoch"), ("seconds", "seconds"))
+            }
+        entry["final"] = _stat([
+            sum(time_to_fraction(fold, 1.0)["final"] for fold in run) / len(run)
+            for run in per_run])
         out[name] = entry
     return out
 

@@ -8,6 +8,14 @@ runner is resumable: a finished cell is not run again, an interrupted one contin
 ``last.pt``. The results (``results.md``, ``results.json``, ``bars.png``, ``curves.png``) are
 aggregated and written by :mod:`imgret.training.report`.
 
+Cross-validation (``cv_folds`` = k > 0, the Reality Check's protocol): a cell is one fold
+run, ``out/runs/<loss>/seed<k>/fold<j>/``; a *run* is the k fold runs of one (loss, seed).
+Each fold model is tested alone (its ``metrics.json``), and when a run's last fold is done its
+k models are tested concatenated (:func:`imgret.training.crossval.test_run`, ``test.json`` in
+the run directory). Controls (``controls``: :data:`imgret.training.config.CONTROLS`) run
+beside the losses under the same base config, with the first loss's block: shuffled labels
+(k folds, like a loss) and the oracle (one model per seed, trained on the test classes).
+
 Comparing runs whose base configs differ is refused (:class:`BenchmarkMismatch`): in an
 existing benchmark directory, and among the cells found there. Tuned hyper-parameters
 (``imgret.training.tune``: learning rate, loss options, proxy rate, miner settings) travel in each
@@ -25,8 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imgret.training.config import LossConfig, TrainConfig, base_config, config_diff
+from imgret.training.config import CONTROLS, LossConfig, TrainConfig, base_config, config_diff
+from imgret.training.crossval import fold_dir, fold_ids, is_finished, test_run
 from imgret.training.loop import train
+from imgret.training.progress import Progress
 from imgret.training.registry import LOSSES, loss_spec, resolve_miner
 from imgret.training.report import (
     BenchmarkMismatch,
@@ -40,17 +50,25 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILE = "benchmark.json"
 # check_comparable is re-exported for tests/unit/training/test_benchmark.py.
-__all__ = ["BenchmarkMismatch", "Cell", "check_comparable", "parse_losses", "plan_cells",
-           "run_benchmark"]
+__all__ = ["BenchmarkMismatch", "Cell", "check_comparable", "cell_name", "parse_losses",
+           "plan_cells", "run_benchmark"]
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One (loss, seed) run of a benchmark."""
+    """One (loss, seed[, fold]) training run of a benchmark.
+
+    Attributes:
+        name: the row it belongs to (the loss, or the control).
+        config: the base with the loss block, seed, fold and control set.
+        out: its run directory.
+        run: the directory of the (loss, seed) run it is part of (``out`` without folds).
+    """
 
     name: str
     config: TrainConfig
     out: Path
+    run: Path | None = None
 
 
 def parse_losses(text: str | Sequence[str]) -> list[LossConfig]:
@@ -80,21 +98,37 @@ def cell_name(loss: LossConfig) -> str:
 
 
 def plan_cells(
-    base: TrainConfig, losses: Sequence[LossConfig], seeds: Sequence[int], out: Path
+    base: TrainConfig, losses: Sequence[LossConfig], seeds: Sequence[int], out: Path,
+    controls: Sequence[str] = (), control_loss: LossConfig | None = None,
 ) -> list[Cell]:
-    """Every (loss, seed) config: the base with only ``loss`` and ``seed`` replaced."""
-    return [
-        Cell(cell_name(loss), dataclasses.replace(base, loss=loss, seed=seed),
-             out / "runs" / cell_name(loss) / f"seed{seed}")
-        for loss in losses for seed in seeds
-    ]
+    """Every (loss, seed[, fold]) config: the base with only ``loss`` and ``seed`` (and the
+    fold, under cross-validation) replaced; then the controls' cells, trained with
+    ``control_loss`` (default: the first loss)."""
+    rows = [(cell_name(loss), loss, None) for loss in losses]
+    for control in controls:
+        if control not in CONTROLS:
+            raise BenchmarkMismatch(f"unknown control {control!r}; choose from "
+                                    f"{', '.join(CONTROLS)}")
+        rows.append((control, control_loss or losses[0], control))
+    cells = []
+    for name, loss, control in rows:
+        for seed in seeds:
+            run_dir = out / "runs" / name / f"seed{seed}"
+            config = dataclasses.replace(base, loss=loss, seed=seed, control=control)
+            for fold in fold_ids(config):
+                cells.append(Cell(name, dataclasses.replace(config, fold=fold),
+                                  fold_dir(run_dir, fold), run_dir))
+    return cells
 
 
 def run_benchmark(
     base: TrainConfig, losses: Sequence[LossConfig], seeds: Sequence[int], out: str | Path,
     *, command: str = "", progress: bool = True, tuning: dict[str, Any] | None = None,
+    controls: Sequence[str] = (), control_loss: LossConfig | None = None,
+    tracker: Progress | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) every cell, then aggregate and write the report.
+    """Run (or resume) every cell, test each cross-validated run's fold models concatenated,
+    then aggregate and write the report.
 
     Args:
         base: the shared config (its ``loss`` and ``seed`` are ignored).
@@ -104,6 +138,9 @@ def run_benchmark(
         command: the command line, recorded in the report for reproduction.
         tuning: how the loss blocks were tuned (``imgret.training.tune``), kept in the results
             under ``"tuning"``.
+        controls: control rows to run beside the losses (:data:`CONTROLS`).
+        control_loss: the loss block the controls train with (default: the first loss).
+        tracker: the progress of a larger job this benchmark ends (its ``"final"`` pieces).
 
     Returns:
         The aggregated results (also written to ``results.json``).
@@ -123,17 +160,26 @@ def run_benchmark(
                 f"{out}: holds a benchmark with a different base config; the runs would not be "
                 f"comparable ({describe_diff(diff)}). Use another --out or the same options."
             )
-    cells = plan_cells(base, losses, seeds, out)
+    cells = plan_cells(base, losses, seeds, out, controls, control_loss)
     manifest = {
         "base": shared, "command": command, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "losses": {cell_name(loss): dataclasses.asdict(loss) for loss in losses},
+        "controls": list(controls),
         "cells": [{"loss": c.name, "seed": c.config.seed, "dir": str(c.out.relative_to(out))}
+                  | ({"fold": c.config.fold} if c.config.fold is not None else {})
                   for c in cells],
     }
     manifest_path.write_text(json.dumps(manifest, indent=1))
+    tracker = tracker or Progress({"final": len(cells)})
     for i, cell in enumerate(cells, start=1):
-        logger.info("benchmark cell %d/%d: %s seed %d", i, len(cells), cell.name, cell.config.seed)
-        train(cell.config, cell.out, resume=True, progress=progress)
+        fold = ("" if cell.config.fold is None
+                else f", fold {cell.config.fold + 1}/{cell.config.cv_folds}")
+        label = f"benchmark cell {i}/{len(cells)}: {cell.name} seed {cell.config.seed}{fold}"
+        with tracker.piece("final", label, fresh=not is_finished(cell.out)):
+            train(cell.config, cell.out, resume=True, progress=progress)
+        if base.cv_folds and cell.config.fold == base.cv_folds - 1:
+            # The run's last fold is done: test its fold models concatenated.
+            test_run(cell.run, fold_ids(cell.config), device=base.device)
     results = aggregate(out, cells)
     results["command"] = command
     if tuning is not None:

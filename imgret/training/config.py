@@ -28,7 +28,16 @@ FASHION_MNIST = "fashion-mnist"
 # CJK characters rendered from Debian's fonts (imgret.training.data.glyphs).
 GLYPHS = "glyphs"
 # Fields that may differ between the runs of one benchmark.
-PER_RUN_FIELDS = ("loss", "seed")
+PER_RUN_FIELDS = ("loss", "seed", "fold", "control")
+# Fields saved only when they differ from these defaults, so a run made before they existed
+# saves (and resumes with) the keys it always did.
+OPTIONAL_FIELDS: dict[str, Any] = {"cv_folds": 0, "fold": None, "patience": None,
+                                   "control": None}
+# The controls a benchmark can run beside the losses (under the same base config):
+# shuffled_labels = training labels permuted (nothing to learn: must land near the untrained
+# network); oracle = trained on the test classes themselves (a held-out share of their images
+# is the test): the ceiling.
+CONTROLS = ("shuffled_labels", "oracle")
 # The loss block's fields that equal-budget tuning sets per loss (unset: the base's values).
 TUNING_FIELDS = ("lr", "param_lr_mult", "miner_options")
 # The losses `imgret benchmark` and `imgret tune` compare by default: ten of the Reality
@@ -153,6 +162,13 @@ class TrainConfig:
         augmentation: ``standard`` = random resized crop + flip (+ colour jitter for colour
             data).
         device: ``cuda`` trains under bf16 autocast.
+        cv_folds: ``k`` > 0 = the Reality Check's cross-validation: test = a seeded half of
+            the classes, the other half cut into ``k`` class-disjoint folds; a run trains on
+            ``k - 1`` folds and validates on fold ``fold`` (:mod:`imgret.training.data.splits`).
+        fold: which fold validates (set per run by the benchmark and tuning; not an option).
+        patience: early stopping on validation MAP@R; the best epoch's checkpoint is kept.
+        control: a control run of the benchmark (:data:`CONTROLS`), set per run; not an
+            option.
         loss: the loss block.
     """
 
@@ -201,6 +217,17 @@ class TrainConfig:
     seed: int = Field(0, description="init, sampling, augmentation")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto, cpu or cuda")
     num_workers: int = Field(0, ge=0, description="DataLoader workers")
+    cv_folds: int = Field(
+        0, ge=0, description="class-disjoint cross-validation folds of the non-test half of "
+        "the classes (0 = one validation split; 4 = the Reality Check)")
+    patience: int | None = Field(
+        None, ge=1, description="stop after this many epochs without a better validation "
+        "MAP@R (default: train every epoch)")
+    fold: int | None = Field(
+        None, ge=0, description="the fold a cross-validated run validates on (set per run)")
+    control: Literal["shuffled_labels", "oracle"] | None = Field(
+        None, description="a control run of the benchmark (set per run): shuffled_labels or "
+        "oracle")
     loss: LossConfig = Field(default_factory=LossConfig)
 
     @field_validator("data")
@@ -215,6 +242,15 @@ class TrainConfig:
             raise ValueError("val_fraction + test_fraction must be less than 1")
         if self.m_per_class is not None and self.batch_size % self.m_per_class:
             raise ValueError("m_per_class must divide batch_size")
+        if self.cv_folds == 1:
+            raise ValueError("cv_folds must be 0 (one validation split) or at least 2")
+        if self.cv_folds and self.protocol != "class-disjoint":
+            raise ValueError("cv_folds needs the class-disjoint protocol")
+        if self.cv_folds and self.val_fraction is not None:
+            raise ValueError("with cv_folds the validation classes are one fold; drop "
+                             "val_fraction")
+        if self.fold is not None and not self.fold < self.cv_folds:
+            raise ValueError(f"fold {self.fold} needs cv_folds > {self.fold}")
         return self
 
     @property
@@ -232,16 +268,21 @@ class TrainConfig:
     def short(self) -> str:
         """A one-line summary for logs: loss, backbone, data, protocol, seed."""
         miner = f"/{self.loss.miner}" if self.loss.miner else ""
+        fold = f" fold={self.fold}/{self.cv_folds}" if self.fold is not None else ""
+        control = f" control={self.control}" if self.control else ""
         return (
             f"{self.loss.name}{miner} {self.backbone}-d{self.dim}@{self.image_size}px "
-            f"data={self.data} protocol={self.protocol} seed={self.seed}"
+            f"data={self.data} protocol={self.protocol} seed={self.seed}{fold}{control}"
         )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (nested loss block), in field order. The loss block's tuning
         fields are saved only when set, so an untuned run saves the keys it always did (and a
-        run saved before tuning existed still resumes)."""
+        run saved before tuning existed still resumes); so are :data:`OPTIONAL_FIELDS`."""
         data = dataclasses.asdict(self)
+        for key, default in OPTIONAL_FIELDS.items():
+            if data[key] == default:
+                del data[key]
         data["loss"] = {k: v for k, v in data["loss"].items()
                         if k not in TUNING_FIELDS or v not in (None, {})}
         return data

@@ -137,6 +137,12 @@ def train(
         for epoch in range(run.next_epoch, data.config.epochs + 1):
             if run.budget_hit or over_budget(data.config, dist, run.train_time):
                 break
+            if dist.any(dist.is_main and out_of_patience(run.record, data.config.patience)):
+                if dist.is_main:
+                    logger.info("early stop after epoch %d: no better validation MAP@R "
+                                "since epoch %d (patience %d)", run.record["epochs"][-1]["epoch"],
+                                run.record["best"]["epoch"], data.config.patience)
+                break
             train_loss, steps = train_one_epoch(epoch, net, data, parts, run, dist, progress)
             if dist.is_main:  # rank 0 validates and saves; the others wait
                 validate_and_checkpoint(epoch, train_loss, steps, data, parts, run, out, started)
@@ -249,6 +255,9 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
     spec = model_spec_for(config, source)
     train_set = TrainDataset(source, split.indices["train"],
                              train_transform(spec, config.augmentation))
+    if config.control == "shuffled_labels":
+        # Seeded by the split and the run, so every loss of a benchmark sees the same labels.
+        train_set.shuffle_labels(np.random.default_rng([config.split_seed, config.seed, 7]))
     requested_batch = {"batch_size": config.batch_size, "m_per_class": config.m_per_class}
     config = resolve_config(config, np.bincount(train_set.targets), dist.world_size,
                             log=dist.is_main)
@@ -349,6 +358,14 @@ def over_budget(config: TrainConfig, dist: Distributed, train_time: float) -> bo
     return config.time_budget_s is not None and dist.any(train_time >= config.time_budget_s)
 
 
+def out_of_patience(record: dict[str, Any], patience: int | None) -> bool:
+    """Early stopping: ``patience`` validated epochs have passed since the best one (read
+    from the record, so a resumed run stops where an unbroken one would)."""
+    if patience is None or not record["epochs"] or record["best"] is None:
+        return False
+    return record["epochs"][-1]["epoch"] - record["best"]["epoch"] >= patience
+
+
 def train_one_epoch(
     epoch: int, net: torch.nn.Module, data: Data, parts: Parts, run: Run, dist: Distributed,
     progress: bool,
@@ -436,6 +453,9 @@ def final_evaluation(
             "untrained": parts.evaluator.test(untrained),
         }
     record["model_version"] = best.model_version
+    # Where training ended: the last validated epoch, and whether patience ended it.
+    record["stopped_epoch"] = record["epochs"][-1]["epoch"]
+    record["early_stopped"] = out_of_patience(record, data.config.patience)
     record["status"] = "finished"
     record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
     # Re-save the best weights with the test numbers in `extra` (same weights, same version).

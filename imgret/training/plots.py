@@ -92,23 +92,23 @@ def plot_benchmark_curves(
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for name, runs in curves.items():
-        n_epochs = min(len(run) for run in runs)
-        values = np.array([[row["val"]["map_at_r"] for row in run[:n_epochs]] for run in runs])
-        stats = [mean_ci(values[:, e]) for e in range(n_epochs)]
+        # Runs of one loss can end at different epochs (early stopping): each point is the
+        # mean over the runs still training there, drawn while at least half of them are.
+        n_epochs = _alive_horizon([len(run) for run in runs])
+        stats = [mean_ci([run[e]["val"]["map_at_r"] for run in runs if len(run) > e])
+                 for e in range(n_epochs)]
         means = np.array([s[0] for s in stats])
         band = np.array([s[1] for s in stats])
         (line,) = axes[0].plot(range(n_epochs), means, "o-", ms=3, label=name)
         axes[0].fill_between(range(n_epochs), band[:, 0], band[:, 1], alpha=0.2,
                              color=line.get_color())
-        # Wall time: each seed's curve interpolated on a common grid up to the shortest run.
-        horizon = min(run[n_epochs - 1]["train_time_s"] for run in runs)
+        # Wall time: each run's curve interpolated on a common grid, the same rule.
+        ends = [run[-1]["train_time_s"] for run in runs]
+        horizon = sorted(ends, reverse=True)[(len(ends) - 1) // 2]
         grid = np.linspace(0, horizon, 50) if horizon > 0 else np.zeros(1)
-        interp = np.array([
-            np.interp(grid, [r["train_time_s"] for r in run[:n_epochs]],
-                      [r["val"]["map_at_r"] for r in run[:n_epochs]])
-            for run in runs
-        ])
-        stats_t = [mean_ci(interp[:, j]) for j in range(len(grid))]
+        stats_t = [mean_ci([
+            np.interp(t, [r["train_time_s"] for r in run], [r["val"]["map_at_r"] for r in run])
+            for run, end in zip(runs, ends, strict=True) if end >= t]) for t in grid]
         axes[1].plot(grid, [s[0] for s in stats_t], "-", color=line.get_color(), label=name)
         axes[1].fill_between(grid, [s[1][0] for s in stats_t], [s[1][1] for s in stats_t],
                              alpha=0.2, color=line.get_color())
@@ -124,6 +124,12 @@ def plot_benchmark_curves(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     _save(fig, path)
+
+
+def _alive_horizon(lengths: Sequence[int]) -> int:
+    """The number of leading points at least half of the runs have (runs of equal length:
+    all of them)."""
+    return sorted(lengths, reverse=True)[(len(lengths) - 1) // 2]
 
 
 def _mark_convergence(axes: Sequence[Any], entry: Mapping[str, Any], color: str) -> None:

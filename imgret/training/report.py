@@ -23,8 +23,14 @@ from typing import Any, Protocol
 
 from imgret.errors import ImgretError
 from imgret.stats import mean_ci
-from imgret.training.analysis import CONVERGENCE_FRACTIONS, convergence, fraction_key, verdicts
+from imgret.training.analysis import (
+    CONVERGENCE_FRACTIONS,
+    convergence_over_folds,
+    fraction_key,
+    verdicts,
+)
 from imgret.training.config import base_config, config_diff
+from imgret.training.crossval import RUN_TEST_FILE
 from imgret.training.plots import plot_benchmark_bars, plot_benchmark_curves
 from imgret.training.registry import LOSSES
 from imgret.training.run_dir import METRICS_FILE
@@ -81,15 +87,19 @@ def check_comparable(records: Sequence[tuple[str, dict[str, Any]]]) -> None:
     """
     if not records:
         return
-    ref_name, ref = records[0]
-    ref_base = base_config(ref["config"])
+    first_name, first = records[0]
+    first_base = _requested_base(first)
+    # Fold runs validate on different folds, and the oracle control tests on its own share
+    # of the test classes: splits are compared within each (fold, oracle) group.
+    refs = {_split_group(first): (first_name, first)}
     for name, record in records[1:]:
-        diff = config_diff(ref_base, base_config(record["config"]))
+        diff = config_diff(first_base, _requested_base(record))
         if diff:
             raise BenchmarkMismatch(
-                f"runs {ref_name} and {name} have different base configs, so their losses are "
-                f"not compared on equal terms: {describe_diff(diff)}"
+                f"runs {first_name} and {name} have different base configs, so their losses "
+                f"are not compared on equal terms: {describe_diff(diff)}"
             )
+        ref_name, ref = refs.setdefault(_split_group(record), (name, record))
         if record["split"]["digest"] != ref["split"]["digest"]:
             rules = (ref["split"].get("rule"), record["split"].get("rule"))
             raise BenchmarkMismatch(
@@ -101,25 +111,62 @@ def check_comparable(records: Sequence[tuple[str, dict[str, Any]]]) -> None:
             )
 
 
+def _requested_base(record: dict[str, Any]) -> dict[str, Any]:
+    """A run's base config as asked: the batch composition before it was fitted to the
+    training split (the oracle's split, on other classes, may fit it differently)."""
+    return base_config(record["config"] | record.get("requested_batch", {}))
+
+
+def _split_group(record: dict[str, Any]) -> tuple[Any, bool]:
+    config = record["config"]
+    return config.get("fold"), config.get("control") == "oracle"
+
+
 def aggregate(out: Path, cells: Sequence[RunCell]) -> dict[str, Any]:
-    """Mean ± 95% t-interval over seeds of each loss's test metrics, plus the baselines."""
+    """Mean ± 95% t-interval over seeds of each loss's test metrics, plus the baselines.
+
+    Under cross-validation (fold cells) a seed's value is its run's: ``metrics`` = the k fold
+    models concatenated (the run's ``test.json``), ``separate`` = the mean of the k fold
+    models tested alone; controls are rows of kind ``control`` (the oracle: one model per
+    seed, tested on its own share of the test classes, with its baselines on that share).
+    """
     loaded = load_cell_records(cells)
-    by_loss: dict[str, list[dict[str, Any]]] = {}
+    # name -> seed -> the fold records of that run (one record without folds), cell order.
+    by_loss: dict[str, dict[int, list[tuple[RunCell, dict[str, Any]]]]] = {}
     for cell, record in loaded:
-        by_loss.setdefault(cell.name, []).append(record)
-    first = loaded[0][1]
+        by_loss.setdefault(cell.name, {}).setdefault(record["config"]["seed"], []).append(
+            (cell, record))
+    cv = any(r["config"].get("fold") is not None for _, r in loaded)
+    shared = [r for _, r in loaded if r["config"].get("control") != "oracle"] or [loaded[0][1]]
+    first = shared[0]
     rows = []
-    for name, records in by_loss.items():
-        rows.append({
-            "name": name, "kind": "loss", "seeds": [r["config"]["seed"] for r in records],
+    for name, by_seed in by_loss.items():
+        runs = list(by_seed.values())
+        records = [r for run in runs for _, r in run]
+        control = records[0]["config"].get("control")
+        row: dict[str, Any] = {
+            "name": name, "kind": "control" if control else "loss", "seeds": list(by_seed),
             "miner": records[0]["loss"]["miner"], "options": records[0]["loss"]["options"],
-            "metrics": _over_seeds([r["test"] for r in records]),
+            "metrics": _over_seeds([_run_test(run) for run in runs]),
             "best_epoch": [r["best"]["epoch"] for r in records],
-            "train_time_s": mean_ci([r["epochs"][-1]["train_time_s"] for r in records])[0],
-        })
-    all_records = [r for _, r in loaded]
+            "train_time_s": mean_ci([sum(r["epochs"][-1]["train_time_s"] for _, r in run)
+                                     for run in runs])[0],
+        }
+        if control:
+            row["control"] = control
+            row["loss"] = records[0]["config"]["loss"]["name"]
+        if cv:
+            row["folds"] = len(runs[0])
+            row["separate"] = _over_seeds([_mean_tests([r["test"] for _, r in run])
+                                           for run in runs])
+            row["stopped_epoch"] = [r.get("stopped_epoch") for r in records]
+        if control == "oracle":
+            row["baselines_on_its_test"] = {
+                name: _over_seeds([r["baselines"][name] for r in records])
+                for name in ("untrained", "raw_pixels")}
+        rows.append(row)
     untrained = {}
-    for r in all_records:  # the untrained net depends on the seed only, not on the loss
+    for r in shared:  # the untrained net depends on the seed only, not on the loss
         untrained.setdefault(r["config"]["seed"], r["baselines"]["untrained"])
     seeds = sorted(untrained)
     rows.append({"name": "untrained network", "kind": "baseline", "seeds": seeds,
@@ -130,14 +177,50 @@ def aggregate(out: Path, cells: Sequence[RunCell]) -> dict[str, Any]:
         "metrics": {m: {"mean": pixels[m], "ci": pixels["ci95"][m], "values": [pixels[m]],
                         "ci_kind": "bootstrap over queries (deterministic)"} for m in REPORTED},
     })
-    curves = {name: [r["epochs"] for r in recs] for name, recs in by_loss.items()}
-    return {
+    # Plotted: every fold run's curve; convergence: per run, the mean over its folds.
+    curves = {name: [r["epochs"] for run in by_seed.values() for _, r in run]
+              for name, by_seed in by_loss.items()}
+    fold_curves = {name: [[r["epochs"] for _, r in run] for run in by_seed.values()]
+                   for name, by_seed in by_loss.items()}
+    same_test = [row for row in rows if row.get("control") != "oracle"]
+    results = {
         "base": base_config(first["config"]), "split": first["split"],
         "split_rule": first.get("split_rule", ""), "rows": rows,
         "test_difficulty": test_difficulty(pixels),
-        "verdicts": verdicts(rows, REPORTED), "convergence": convergence(curves),
+        # The oracle is scored on other images (its share of the test classes): it is not
+        # paired with the rows scored on the test split.
+        "verdicts": verdicts(same_test, REPORTED),
+        "convergence": convergence_over_folds(fold_curves),
         "curves": curves, "environment": _environment(first),
     }
+    if cv:
+        with_folds = [{**row, "metrics": row["separate"]} for row in same_test
+                      if "separate" in row]
+        results["verdicts_separate"] = verdicts(with_folds, REPORTED)
+        results["cross_validation"] = {
+            "folds": first["config"]["cv_folds"], "runs": len(untrained),
+            "dim": first["config"]["dim"],
+            "concatenated_dim": first["config"]["dim"] * first["config"]["cv_folds"],
+            "patience": first["config"].get("patience"),
+        }
+    return results
+
+
+def _run_test(run: Sequence[tuple[RunCell, dict[str, Any]]]) -> dict[str, Any]:
+    """A run's test metrics: its one model's, or its fold models' concatenated."""
+    if len(run) == 1 and run[0][1]["config"].get("fold") is None:
+        return run[0][1]["test"]
+    cell = run[0][0]
+    run_dir = getattr(cell, "run", None) or cell.out.parent
+    path = run_dir / RUN_TEST_FILE
+    if not path.exists():
+        raise BenchmarkMismatch(f"{run_dir}: no {RUN_TEST_FILE} (the fold models' concatenated "
+                                "test); rerun the benchmark to compute it")
+    return json.loads(path.read_text())["concatenated"]
+
+
+def _mean_tests(tests: Sequence[dict[str, Any]]) -> dict[str, float]:
+    return {m: sum(float(t[m]) for t in tests) / len(tests) for m in REPORTED}
 
 
 def test_difficulty(pixels: dict[str, Any]) -> dict[str, Any]:
@@ -189,9 +272,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     saturated = bool(difficulty and difficulty["saturated"])
     tier_of = _tier_index(results, "map_at_r")
     reach = results.get("convergence", {})
-    first = fraction_key(CONVERGENCE_FRACTIONS[0])
+    tuning = results.get("tuning") or {}
+    title = "# Metric-learning losses on one base config (Reality-Check protocol)"
+    if tuning.get("lr_ablation"):
+        title = ("# Ablation: the trunk learning rate tuned per loss (not the protocol's one "
+                 "shared rate)")
     lines = [
-        "# Metric-learning losses on one base config (Reality-Check protocol)", "",
+        title, "",
         f"Split: **{split['protocol']}**, `{split['digest']}` of `{split['source']}`: "
         f"test = {parts['test']['num_images']} images of {parts['test']['num_classes']} classes "
         f"({_classes(parts['test'])}); validation = {parts['val']['num_images']} images of "
@@ -203,34 +290,19 @@ def render_markdown(results: dict[str, Any]) -> str:
     if difficulty:
         lines += ([f"> **WARNING: saturated test split.** {difficulty['message']}.", ""]
                   if saturated else [f"Test difficulty: {difficulty['message']}.", ""])
-    lines += [
-        "Test metrics of the checkpoint selected by validation MAP@R; losses: mean ± 95% "
-        "t-interval over seeds; untrained network: over the same seeds; raw pixels: one "
-        "deterministic value with its bootstrap 95% interval over queries. Tier: MAP@R tier "
-        "of \"tied with the best\" (1 = indistinguishable from the best; see below). "
-        f"To {first}: epochs / training seconds until validation MAP@R first reached "
-        f"{first} of the run's final value.", "",
-        "| method | miner | seeds | MAP@R | R-Precision | P@1 | tier | "
-        f"to {first} (epochs / s) | best epochs | train time (s) |"
-        + (" ⚠ saturated split |" if saturated else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if saturated else ""),
-    ]
-    for row in results["rows"]:
-        cells = [_fmt(row["metrics"][m]) for m in REPORTED]
-        speed = reach.get(row["name"], {}).get(first)
-        lines.append(
-            f"| {row['name']} | {row.get('miner', '-')} | {len(row['seeds']) or '-'} | "
-            + " | ".join(cells)
-            + f" | {tier_of.get(row['name'], '-')} | "
-            + (f"{_fmt(speed['epochs'], 1)} / {_fmt(speed['seconds'], 0)}" if speed else "-")
-            + f" | {','.join(map(str, row.get('best_epoch', []))) or '-'} | "
-            + (f"{row['train_time_s']:.0f}" if "train_time_s" in row else "-") + " |"
-            + (" ⚠ |" if saturated else "")
-        )
+    if "cross_validation" in results:
+        lines += _cv_table(results, tier_of, saturated)
+    else:
+        lines += _single_split_table(results, tier_of, saturated)
+    lines += _controls_markdown(results["rows"])
     lines += _verdicts_markdown(results.get("verdicts", {}))
+    if results.get("verdicts_separate"):
+        lines += ["", "Fold models tested alone (MAP@R tiers, paired by run): " + " > ".join(
+            "{" + ", ".join(tier) + "}"
+            for tier in results["verdicts_separate"]["map_at_r"]["tiers"])]
     lines += _convergence_markdown(reach)
-    if results.get("tuning"):
-        lines += tuning_markdown(results["tuning"])
+    if tuning:
+        lines += tuning_markdown(tuning)
     lines += ["", "Shared base config (every loss; only the loss block and the seed vary):", "",
               "| key | value |", "|---|---|"]
     lines += [f"| {k} | `{v}` |" for k, v in base.items()]
@@ -248,6 +320,117 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += ["Reproduce:", "", "```", results["command"], "```", ""]
     lines += ["![test metrics](bars.png)", "", "![convergence](curves.png)", ""]
     return "\n".join(lines)
+
+
+def _single_split_table(
+    results: dict[str, Any], tier_of: dict[str, int], saturated: bool
+) -> list[str]:
+    reach = results.get("convergence", {})
+    first = fraction_key(CONVERGENCE_FRACTIONS[0])
+    lines = [
+        "Test metrics of the checkpoint selected by validation MAP@R; losses: mean ± 95% "
+        "t-interval over seeds; untrained network: over the same seeds; raw pixels: one "
+        "deterministic value with its bootstrap 95% interval over queries. Tier: MAP@R tier "
+        "of \"tied with the best\" (1 = indistinguishable from the best; see below). "
+        f"To {first}: epochs / training seconds until validation MAP@R first reached "
+        f"{first} of the run's final value.", "",
+        "| method | miner | seeds | MAP@R | R-Precision | P@1 | tier | "
+        f"to {first} (epochs / s) | best epochs | train time (s) |"
+        + (" ⚠ saturated split |" if saturated else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if saturated else ""),
+    ]
+    for row in results["rows"]:
+        cells = [_fmt(row["metrics"][m]) for m in REPORTED]
+        speed = reach.get(row["name"], {}).get(first)
+        lines.append(
+            f"| {_display_name(row)} | {row.get('miner', '-')} | {len(row['seeds']) or '-'} | "
+            + " | ".join(cells)
+            + f" | {tier_of.get(row['name'], '-')} | "
+            + (f"{_fmt(speed['epochs'], 1)} / {_fmt(speed['seconds'], 0)}" if speed else "-")
+            + f" | {','.join(map(str, row.get('best_epoch', []))) or '-'} | "
+            + (f"{row['train_time_s']:.0f}" if "train_time_s" in row else "-") + " |"
+            + (" ⚠ |" if saturated else "")
+        )
+    return lines
+
+
+def _cv_table(results: dict[str, Any], tier_of: dict[str, int], saturated: bool) -> list[str]:
+    """The cross-validated table: each run's fold models concatenated and tested alone,
+    convergence to both shares, where the folds stopped."""
+    cv = results["cross_validation"]
+    reach = results.get("convergence", {})
+    keys = [fraction_key(f) for f in CONVERGENCE_FRACTIONS]
+    k, dim, cat = cv["folds"], cv["dim"], cv["concatenated_dim"]
+    lines = [
+        f"**{k}-fold cross-validation** (class-disjoint folds of the non-test classes), "
+        f"{cv['runs']} runs of {k} fold models each; early stopping: "
+        + (f"patience {cv['patience']} epochs" if cv.get("patience") else "none")
+        + f". *Concatenated*: each run's {k} fold models' {dim}-d embeddings, each "
+        f"L2-normalised, side by side ({cat}-d), tested as one model; *alone*: each fold model "
+        f"tested by itself ({dim}-d), the mean over the run's {k} folds. Mean ± 95% "
+        "t-interval over runs (untrained network: over the same seeds; raw pixels: its "
+        "bootstrap interval over queries). Tier: MAP@R tier of the concatenated models (see "
+        "below). To 90% / 95%: epochs / training seconds until validation MAP@R first "
+        "reached that share of the fold run's best value, mean over the run's folds.", "",
+        f"| method | runs | MAP@R ({cat}-d) | R-Precision ({cat}-d) | P@1 ({cat}-d) | "
+        f"MAP@R alone ({dim}-d) | R-Precision alone | P@1 alone | tier | "
+        + " | ".join(f"to {key} (epochs / s)" for key in keys)
+        + " | stopped at epoch (mean) | train time per run (s) |"
+        + (" ⚠ saturated split |" if saturated else ""),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(keys) + "---|---|"
+        + ("---|" if saturated else ""),
+    ]
+    for row in results["rows"]:
+        alone = row.get("separate") or row["metrics"]
+        speed = reach.get(row["name"], {})
+        stopped = [e for e in row.get("stopped_epoch", []) if e is not None]
+        concatenated = row["kind"] == "baseline" or (
+            "separate" in row and row.get("control") != "oracle")
+        cells = [
+            _display_name(row), str(len(row["seeds"]) or "-"),
+            *[_fmt(row["metrics"][m]) if concatenated else "-" for m in REPORTED],
+            *[_fmt(alone[m]) for m in REPORTED], str(tier_of.get(row["name"], "-")),
+            *[f"{_fmt(speed[key]['epochs'], 1)} / {_fmt(speed[key]['seconds'], 0)}"
+              if key in speed else "-" for key in keys],
+            f"{sum(stopped) / len(stopped):.1f}" if stopped else "-",
+            f"{row['train_time_s']:.0f}" if "train_time_s" in row else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |" + (" ⚠ |" if saturated else ""))
+    return lines
+
+
+def _display_name(row: dict[str, Any]) -> str:
+    if row.get("control"):
+        return f"{row['name']} (control, {row['loss']})"
+    return row["name"]
+
+
+def _controls_markdown(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What the controls are, and the oracle's baselines on its own test images."""
+    controls = {row["control"]: row for row in rows if row.get("control")}
+    if not controls:
+        return []
+    lines = ["", "Controls (same base config, the named loss's configuration):", ""]
+    if "shuffled_labels" in controls:
+        lines.append("- `shuffled_labels`: trained with the training labels permuted over the "
+                     "images; nothing it learns transfers, so it should land near the untrained "
+                     "network (above it: the test classes leak into training, or the protocol "
+                     "rewards something other than learning).")
+    if "oracle" in controls:
+        row = controls["oracle"]
+        base = row.get("baselines_on_its_test", {})
+        extra = ""
+        if base:
+            extra = (f" On those images raw pixels score MAP@R "
+                     f"{_fmt(base['raw_pixels']['map_at_r'])} and the untrained network "
+                     f"{_fmt(base['untrained']['map_at_r'])}.")
+        lines.append("- `oracle`: one model per seed trained on the test classes themselves "
+                     "(a held-out share of each test class's images validates and tests it): the "
+                     "ceiling of a model that has seen the test classes. Its numbers come from "
+                     "its own held-out images (fewer per class than the test split), not from "
+                     "the test split the other rows use, so it has no tier and is in no paired "
+                     "comparison; compare it with its own baselines." + extra)
+    return lines
 
 
 def _classes(part: dict[str, Any]) -> str:
@@ -336,6 +519,35 @@ def tuning_markdown(tuning: dict[str, Any]) -> list[str]:
                      + (f"{score:.3f}" if score is not None else "-")
                      + f", #{best.get('trial', '-')}) | "
                      f"{tuning.get('diverged', {}).get(name, 0)} |")
+    if "lr_tuned" in tuning:
+        lines += ["", "Network learning rate: " + (
+            "tuned per loss (`lr` in the spaces above)" if tuning["lr_tuned"] else
+            f"one for every loss, the base config's `lr` ({per_trial.get('lr', 'base')}); "
+            "only loss, miner and loss-parameter settings are tuned") + "."]
+    if tuning.get("correlation"):
+        lines += correlation_markdown(tuning["correlation"])
+    return lines
+
+
+def correlation_markdown(correlation: dict[str, Any]) -> list[str]:
+    """Spearman's rho between the trials' validation and test MAP@R (all trials, per loss)."""
+    def cell(stat: dict[str, Any]) -> str:
+        if stat["rho"] is None:
+            return f"- (n = {stat['n']})"
+        return f"{stat['rho']:+.3f} (p = {stat['p']:.2g}, n = {stat['n']})"
+
+    lines = [
+        "", "### Does validation predict test?", "",
+        "Spearman's rank correlation (scipy.stats.spearmanr) between each tuning trial's "
+        "validation MAP@R (its objective) and its test MAP@R, measured only after every study "
+        "had finished and chosen its winner, so the test split played no part in the choice. "
+        "*Concatenated*: the trial's fold models tested together; *alone*: their mean tested "
+        "one by one.", "",
+        "| trials | rho (concatenated) | rho (alone) |", "|---|---|---|",
+        f"| all | {cell(correlation['all']['test'])} | {cell(correlation['all']['test_alone'])} |",
+    ]
+    for name, stats in correlation.get("per_loss", {}).items():
+        lines.append(f"| {name} | {cell(stats['test'])} | {cell(stats['test_alone'])} |")
     return lines
 
 

@@ -91,6 +91,26 @@ class Evaluator:
 
         return self._score(embed, "test")
 
+    def test_models(self, models: Sequence[EmbeddingNet]) -> dict[str, Any]:
+        """Test metrics of several networks (the fold models of a cross-validated run), each
+        alone and concatenated, from one embedding of the test split per network.
+
+        Returns:
+            ``{"separate": [metrics per model], "concatenated": metrics}``: the concatenation
+            is :func:`concatenate` of the models' embeddings (``k x d`` dimensions).
+        """
+        test_idx = self.split.indices["test"]
+        queries = [embed_split(m, self.source, test_idx, tag="test") for m in models]
+        galleries: list[EmbeddedSet | None] = [
+            embed_split(m, self.source, self.gallery_indices, tag="test")
+            if self.gallery_indices is not None else None for m in models]
+        separate = [score_split(q, g, device=self.device)
+                    for q, g in zip(queries, galleries, strict=True)]
+        gallery = (concatenate([g for g in galleries if g is not None])
+                   if self.gallery_indices is not None else None)
+        return {"separate": separate,
+                "concatenated": score_split(concatenate(queries), gallery, device=self.device)}
+
     def _score(self, embed: Callable[[np.ndarray], EmbeddedSet], split: str) -> dict[str, Any]:
         queries = embed(self.split.indices[split])
         gallery = embed(self.gallery_indices) if self.gallery_indices is not None else None
@@ -149,6 +169,25 @@ def _embedded(
     embeddings = np.concatenate(parts) if parts else np.zeros((0, dim), np.float32)
     cameras = source.cameras[index] if source.cameras is not None else None
     return EmbeddedSet(embeddings.astype(np.float32, copy=False), source.labels[index], cameras)
+
+
+def concatenate(sets: Sequence[EmbeddedSet]) -> EmbeddedSet:
+    """Several models' embeddings of the same images side by side: each row L2-normalised
+    per model, concatenated, and scaled by ``1 / sqrt(k)`` so rows stay unit vectors. The
+    inner product of two rows is then the mean of the models' cosine similarities (the
+    scaling changes no ranking): the Reality Check's "concatenated" evaluation.
+
+    Raises:
+        ValueError: the sets do not hold the same images (labels differ).
+    """
+    first = sets[0]
+    for other in sets[1:]:
+        if not np.array_equal(other.labels, first.labels):
+            raise ValueError("the embedded sets hold different images; cannot concatenate")
+    parts = [s.embeddings / np.maximum(np.linalg.norm(s.embeddings, axis=1, keepdims=True),
+                                       1e-12) for s in sets]
+    joined = np.concatenate(parts, axis=1) / np.sqrt(len(sets))
+    return EmbeddedSet(joined.astype(np.float32), first.labels, first.cameras)
 
 
 def score_split(

@@ -14,13 +14,20 @@ Bad data is reported, not crashed on: each module says how.
 from imgret.training.data.datasets import TrainDataset, train_transform
 from imgret.training.data.sampler import MPerClassSampler, plan_batches
 from imgret.training.data.sources import ImageSource, iter_images, model_spec_for, open_source
-from imgret.training.data.splits import DataSplit, describe_split, make_split, stratified_subset
+from imgret.training.data.splits import (
+    DataSplit,
+    class_folds,
+    describe_split,
+    make_split,
+    stratified_subset,
+)
 
 __all__ = [
     "DataSplit",
     "ImageSource",
     "MPerClassSampler",
     "TrainDataset",
+    "class_folds",
     "describe_split",
     "iter_images",
     "make_split",

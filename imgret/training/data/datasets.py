@@ -73,6 +73,14 @@ class TrainDataset(Dataset):
         self._by_class = {c: np.flatnonzero(self.targets == c) for c in range(len(lookup))}
         self._bad: set[int] = set()
 
+    def shuffle_labels(self, rng: np.random.Generator) -> None:
+        """Permute the labels over the items (the shuffled-labels control): every class keeps
+        its size, but an item's label no longer says what it shows, so there is nothing to
+        learn that transfers to unseen classes."""
+        self.targets = rng.permutation(self.targets)
+        self._by_class = {c: np.flatnonzero(self.targets == c)
+                          for c in range(len(self.class_names))}
+
     def __len__(self) -> int:
         return len(self.indices)
 

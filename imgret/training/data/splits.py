@@ -41,6 +41,20 @@ least 2 classes each, the test share shrinking first when there are few classes)
 closed-set = a seeded per-class hold-out of images. The glyph set
 (:mod:`imgret.training.data.glyphs`) is split like a folder: its thousand classes need no
 fixed split.
+
+Cross-validation (``cv_folds`` = k > 0, the Reality Check's protocol as its code,
+powerful-benchmarker's ``ClassDisjointSplitManager``, runs it): test = half of the classes
+(``test_fraction``; the same classes as the single-split protocol of the same ``split_seed``);
+the other half is cut into k class-disjoint folds of near-equal size (a seeded shuffle,
+deterministic from ``split_seed``; :func:`class_folds`). The run of fold j trains on the other
+k - 1 folds and validates on fold j; the test split is the same for every fold. Fashion-MNIST
+keeps its fixed halves (test = classes 5-9) and cuts classes 0-4 into the folds, so at most 2
+folds (a fold needs 2 classes to retrieve anything).
+
+Oracle control (``control="oracle"``): trained on the *test* classes themselves: of each test
+class, a seeded :data:`ORACLE_SHARES` of its images is held out for validation and for test
+(scored among themselves, as every class-disjoint split is); the rest trains. It is the
+ceiling a model reaches when it has seen the test classes.
 """
 
 from __future__ import annotations
@@ -62,6 +76,8 @@ from imgret.training.data.sources import ArrayImageSource, ImageSource
 logger = logging.getLogger(__name__)
 
 FASHION_SPLIT = {"train": (1, 2, 4), "val": (0, 3), "test": (5, 6, 7, 8, 9)}
+# (validation, test) shares of each test class's images in the oracle control's split.
+ORACLE_SHARES = (0.2, 0.4)
 SPLITS = ("train", "val", "test")
 MARKET_DISTRACTOR = "0000"
 
@@ -159,12 +175,18 @@ def make_split(source: ImageSource, config: TrainConfig) -> DataSplit:
             logger.info("%s: left out %d distractor images (identity %s)", source.name,
                         int(distractors.sum()), MARKET_DISTRACTOR)
             keep &= ~distractors
+    if config.cv_folds and config.fold is None and config.control != "oracle":
+        raise TrainConfigError(
+            f"cv_folds={config.cv_folds}: a cross-validated run names the fold it validates "
+            "on (the benchmark and tuning set it)")
     if isinstance(source, ArrayImageSource) and source.name.startswith(FASHION_MNIST):
         split = _fashion_split(source, config, rng)
     elif config.protocol == "class-disjoint":
         split = _class_disjoint(source, config, rng, keep)
     else:
         split = _closed_set(source, config, rng, keep)
+    if config.control == "oracle":
+        split = _oracle(source, split, config, rng)
     split.dropped_classes = dropped
     for name, cap in (("train", config.max_train_images), ("val", config.max_eval_images),
                       ("test", config.max_eval_images)):
@@ -191,6 +213,12 @@ def _fashion_split(
     source: ArrayImageSource, config: TrainConfig, rng: np.random.Generator
 ) -> DataSplit:
     names = np.array(FASHION_MNIST_CLASSES, dtype=object)
+    if config.protocol == "class-disjoint" and config.cv_folds:
+        first_half = [names[i] for i in (*FASHION_SPLIT["train"], *FASHION_SPLIT["val"])]
+        test = [names[i] for i in FASHION_SPLIT["test"]]
+        keep = np.ones(len(source.labels), dtype=bool)
+        return _fold_split(source, config, rng, keep, sorted(first_half), test,
+                           "Fashion-MNIST fixed halves: test = classes 5-9; classes 0-4")
     if config.protocol == "class-disjoint":
         indices = {
             split: np.flatnonzero(np.isin(source.labels, names[list(ids)]))
@@ -218,6 +246,13 @@ def _class_disjoint(
     classes = sorted(set(source.labels[keep].tolist()))
     n = len(classes)
     val_fraction, test_fraction = config.split_fractions
+    if config.cv_folds:
+        # The test half is cut from the same seeded order as the single split's test classes.
+        order = [classes[i] for i in rng.permutation(n)]
+        n_half = max(2, round(n * test_fraction))
+        return _fold_split(source, config, rng, keep, order[n_half:], order[:n_half],
+                           f"{n} classes shuffled with seed {config.split_seed}; "
+                           f"test = {n_half} classes; the other {n - n_half}")
     n_val = max(2, round(n * val_fraction))
     n_test = max(2, round(n * test_fraction))
     # Few classes: the test share gives way first (down to 2), so training keeps 2 classes.
@@ -236,6 +271,70 @@ def _class_disjoint(
     }
     rule = (f"class-disjoint: {n} classes shuffled with seed {config.split_seed}; "
             f"{len(groups['train'])} train / {n_val} val / {n_test} test classes")
+    return DataSplit("class-disjoint", indices, rule=rule)
+
+
+def class_folds(classes: list[str], k: int, rng: np.random.Generator) -> list[list[str]]:
+    """``classes`` cut into ``k`` class-disjoint folds of near-equal size (sizes differ by at
+    most 1), after a seeded shuffle; every class lands in exactly one fold.
+
+    Raises:
+        TrainConfigError: fewer than 2 classes per fold (a fold is a validation split: it
+            needs 2 classes to retrieve anything).
+    """
+    if len(classes) < 2 * k:
+        raise TrainConfigError(
+            f"{k}-fold cross-validation needs at least {2 * k} non-test classes (2 per fold); "
+            f"there are {len(classes)}: lower --cv-folds or use --cv-folds 0")
+    order = [classes[i] for i in rng.permutation(len(classes))]
+    return [list(part) for part in np.array_split(np.array(order, dtype=object), k)]
+
+
+def _fold_split(
+    source: ImageSource, config: TrainConfig, rng: np.random.Generator, keep: np.ndarray,
+    first_half: list[str], test: list[str], origin: str,
+) -> DataSplit:
+    """The split of fold ``config.fold`` (the oracle, which has no fold, takes fold 0's: it
+    replaces train and validation anyway)."""
+    folds = class_folds(sorted(first_half), config.cv_folds, rng)
+    fold = config.fold or 0
+    groups = {"train": [c for j, part in enumerate(folds) if j != fold for c in part],
+              "val": folds[fold], "test": test}
+    indices = {
+        split: np.flatnonzero(keep & np.isin(source.labels, np.array(members, dtype=object)))
+        for split, members in groups.items()
+    }
+    sizes = "/".join(str(len(part)) for part in folds)
+    rule = (f"class-disjoint {config.cv_folds}-fold cross-validation, fold {fold}: {origin} "
+            f"cut into folds of {sizes} classes (seed {config.split_seed}); train = the other "
+            f"folds ({len(groups['train'])} classes), validation = fold {fold} "
+            f"({len(groups['val'])} classes), test = {len(test)} classes")
+    return DataSplit("class-disjoint", indices, rule=rule)
+
+
+def _oracle(
+    source: ImageSource, split: DataSplit, config: TrainConfig, rng: np.random.Generator
+) -> DataSplit:
+    """The oracle control's split: the test classes' images, held out per class."""
+    pool = split.indices["test"]
+    val_share, test_share = ORACLE_SHARES
+    held = _per_class_holdout(pool, source.labels, val_share + test_share, rng)
+    cut = val_share / (val_share + test_share)
+    val_parts, test_parts = [], []
+    for label in sorted(set(source.labels[held].tolist())):
+        members = held[source.labels[held] == label]
+        # 2 each at least, so every class can be retrieved in both splits.
+        n_val = min(max(2, int(round(len(members) * cut))), len(members) - 2)
+        val_parts.append(members[:n_val])
+        test_parts.append(members[n_val:])
+    indices = {
+        "train": np.setdiff1d(pool, held),
+        "val": np.sort(np.concatenate(val_parts)).astype(np.int64),
+        "test": np.sort(np.concatenate(test_parts)).astype(np.int64),
+    }
+    rule = (f"oracle control: trained on the test classes of [{split.rule}]; of each"
+            f", {val_share:.0%} of the images held out for validation and "
+            f"{test_share:.0%} for test (seed {config.split_seed})")
     return DataSplit("class-disjoint", indices, rule=rule)
 
 
