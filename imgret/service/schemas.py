@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from imgret.index.evaluation import MIN_EFFECT
+from imgret.index.open_set import OpenSetRequest
 from imgret.index.search import SearchFilter
 from imgret.index.search.rerank import (
     ALPHA_MAX,
@@ -49,6 +50,8 @@ from imgret.service.request_rules import (
 
 K_MAX = 1000
 WORST_MAX = 100
+FPIRS_MAX = 10
+UNKNOWN_LABELS_MAX = 1000
 ID_MAX = 2**63 - 1
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
@@ -364,11 +367,43 @@ class EvaluateOptions(RerankRequest):
         )
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
+    open_set: bool | None = Field(
+        None, description="the open_set section (FPIR/FNIR at thresholds, TAR@FAR): true "
+                          "requires it (422 unless the queries are both mated and "
+                          "non-mated), false leaves it out; default: added when they are both")
+    fpirs: list[float] | None = Field(
+        None, min_length=1, max_length=FPIRS_MAX,
+        description="target FPIRs of the open-set operating points (and FARs of TAR@FAR), "
+                    "each in (0, 1); default 0.1, 0.01, 0.001")
+    unknown_labels: list[Label] | None = Field(
+        None, min_length=1, max_length=UNKNOWN_LABELS_MAX,
+        description="query labels declared unknown: each must be a label of the query set "
+                    "with no gallery item (422 otherwise); implies open_set")
 
     @field_validator("k")
     @classmethod
     def _check_k(cls, value: list[int] | None) -> list[int] | None:
         return None if value is None else check_ks(value)
+
+    @field_validator("fpirs")
+    @classmethod
+    def _check_fpirs(cls, value: list[float] | None) -> list[float] | None:
+        return None if value is None else check_fpirs(value)
+
+    @model_validator(mode="after")
+    def _check_open_set(self) -> EvaluateOptions:
+        if self.open_set is False and (self.unknown_labels or self.fpirs):
+            raise ValueError("open_set is false: send it without "
+                             f"{'unknown_labels' if self.unknown_labels else 'fpirs'}")
+        return self
+
+    def open_set_request(self) -> OpenSetRequest:
+        """The open-set options these fields name."""
+        return OpenSetRequest(
+            enabled=self.open_set,
+            **({"fpirs": tuple(self.fpirs)} if self.fpirs else {}),
+            unknown_labels=tuple(self.unknown_labels or ()),
+        )
 
     @model_validator(mode="after")
     def _check_compare(self) -> EvaluateOptions:
@@ -445,6 +480,20 @@ class EvaluateUpload(EvaluateOptions):
                 raise ValueError(f"k must be between 1 and {K_MAX}, got {part[:20]}...")
         return [int(part) for part in parts] or None
 
+    fpirs: list[float] | None = Field(
+        None, min_length=1, max_length=FPIRS_MAX,
+        description="target FPIRs, repeated or as one comma-separated value, each in (0, 1); "
+                    "default 0.1, 0.01, 0.001")
+
+    @field_validator("fpirs", mode="before")
+    @classmethod
+    def _split_fpirs(cls, value: Any) -> Any:
+        """``fpirs=0.1,0.01`` and ``fpirs=0.1&fpirs=0.01`` alike."""
+        if not isinstance(value, list):
+            return value
+        parts = [part.strip() for v in value for part in str(v).split(",") if part.strip()]
+        return parts or None
+
     @field_validator("compare", mode="before")
     @classmethod
     def _two_versions(cls, value: Any) -> Any:
@@ -467,6 +516,18 @@ class EvaluateUpload(EvaluateOptions):
         if self.compare is not None:
             return list(self.compare)
         return [self.model_version] if self.model_version is not None else []
+
+
+def check_fpirs(values: list[float]) -> list[float]:
+    """Sorted unique target rates, each in the open interval (0, 1).
+
+    Raises:
+        ValueError: a value out of range (0 and 1 included: no threshold holds them).
+    """
+    bad = [v for v in values if not 0.0 < v < 1.0]
+    if bad:
+        raise ValueError(f"fpirs must each lie in (0, 1), got {bad[:5]}")
+    return sorted(set(values), reverse=True)
 
 
 def check_ks(values: list[int]) -> list[int]:
@@ -522,6 +583,70 @@ class LabelMetrics(BaseModel):
     )
 
 
+class Estimate(BaseModel):
+    """A figure and its bootstrap 95% interval (resampling identities)."""
+
+    value: float
+    ci95: list[float] | None = Field(
+        description="[low, high]; null when too many resamples cannot resolve the rate")
+
+
+class OperatingPoint(BaseModel):
+    """The open-set figures at the threshold that holds FPIR at a target."""
+
+    fpir: float = Field(description="the target FPIR")
+    threshold: Estimate | None = Field(description="the lowest score threshold whose FPIR "
+                                                   "is <= the target; null: too few "
+                                                   "non-mated queries (see note)")
+    fnir: Estimate | None = Field(description="mated queries whose identity is not returned "
+                                              "at or above the threshold")
+    rank1_identification: Estimate | None = Field(
+        description="mated queries whose top candidate is a mate at or above the threshold")
+    fpir_measured: Estimate | None = Field(description="non-mated queries with any candidate "
+                                                       "at or above the threshold")
+    note: str | None = None
+
+
+class DetCurve(BaseModel):
+    """FNIR against FPIR over thresholds (null: above every score)."""
+
+    threshold: list[float | None]
+    fpir: list[float]
+    fnir: list[float]
+
+
+class TarPoint(BaseModel):
+    far: float
+    tar: Estimate | None
+    note: str | None = None
+
+
+class Verification(BaseModel):
+    """TAR@FAR from the scores of query-candidate pairs (same label: genuine)."""
+
+    genuine_pairs: int
+    impostor_pairs: int
+    points: list[TarPoint]
+
+
+class OpenSetReport(BaseModel):
+    """Open-set decisions on the query set: mated queries (label in the gallery) and
+    non-mated ones (identities the gallery does not hold), NIST FRVT 1:N's FPIR / FNIR and
+    IJB-C's TAR@FAR (docs/evaluation.md)."""
+
+    mated: int
+    non_mated: int
+    resamples: int
+    operating_points: list[OperatingPoint]
+    det: DetCurve
+    depth: int = Field(description="candidates per query (a mate below it is a miss)")
+    pairs: str = Field(description="which query-candidate pairs TAR@FAR scores: all, or "
+                                   "top-K (pairs beyond them are not scored)")
+    unknown_labels: list[str]
+    verification: Verification | None
+    note: str
+
+
 class EvaluationReport(BaseModel):
     """Retrieval metrics of a labelled query set, ranked through the serving index.
 
@@ -558,6 +683,9 @@ class EvaluationReport(BaseModel):
         default_factory=list, description="one entry per query label, lowest map_at_r first"
     )
     worst: list[WorstQuery] | None = None
+    open_set: OpenSetReport | None = Field(
+        None, description="open-set decisions; present when the queries are both mated and "
+                          "non-mated, or when asked for")
 
 
 Verdict = Literal["better", "worse", "no detectable difference"]
