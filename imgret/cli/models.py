@@ -1,7 +1,7 @@
-"""CLI commands: `imgret models list|register|embed|compare|activate|rollback|delete`, the twins of
-``/models`` and ``POST /evaluate {"compare": ...}``: each calls one function of
-``imgret.index.model_commands`` (which calls the same ``imgret.index.versions`` code as the
-service).
+"""CLI commands: `imgret models list|register|embed|compare|calibrate|activate|rollback|
+delete`, the twins of ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one
+function of ``imgret.index.model_commands`` (which calls the same ``imgret.index.versions``
+code as the service).
 """
 
 from __future__ import annotations
@@ -128,6 +128,30 @@ def _print_comparison(result: dict[str, Any]) -> None:
         verdict = result.get("verdict", {}).get(metric, "")
         typer.echo(f"| {metric} | {row['a']:.4f} | {row['b']:.4f} | {row['difference']:+.4f} "
                    f"| [{low:+.4f}, {high:+.4f}] | {verdict} |")
+
+
+@models_app.command("calibrate")
+def calibrate_command(
+    version: str = typer.Argument(..., help="the version whose threshold to set"),
+    query_set: str = typer.Option(..., "--query-set", help="a stored query set holding "
+                                  "identities the gallery does not hold"),
+    fpir: float = typer.Option(..., "--fpir", help="the target FPIR, in (0, 1)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Set VERSION's decision threshold: the lowest whose FPIR on the query set is at most
+    --fpir (POST /models/{v}/calibrate)."""
+    from imgret.index import model_commands
+
+    result = model_commands.calibrate(_settings(), version, query_set, fpir)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), default=str, indent=2))
+        return
+    ci = result.threshold_ci95
+    interval = f" [{ci[0]:.6g}, {ci[1]:.6g}]" if ci else ""
+    typer.echo(f"{version}: threshold {result.threshold:.6g}{interval} at target FPIR "
+               f"{result.target_fpir:g} on {query_set!r} ({result.details['mated']} mated, "
+               f"{result.details['non_mated']} non-mated queries): measured FPIR "
+               f"{result.fpir:.4g}, FNIR {result.fnir:.4g}")
 
 
 @models_app.command("activate")

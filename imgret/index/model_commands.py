@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from imgret.index import calibration as calibrations
 from imgret.index import reembed, versions
 from imgret.index.commands import open_gallery
 from imgret.index.media_db import open_media_store
@@ -64,6 +65,31 @@ def compare(settings: Settings, a: str, b: str, query_set: str, *,
     """`imgret models compare A B --query-set NAME`: ``POST /evaluate {"compare": [a, b]}``."""
     with open_gallery(settings) as sessions:
         return _compare(settings, sessions, a, b, query_set, k)
+
+
+def calibrate(settings: Settings, version: str, query_set: str,
+              target_fpir: float) -> calibrations.Calibration:
+    """`imgret models calibrate VERSION --query-set NAME --fpir F`: ``POST
+    /models/{v}/calibrate`` (the same function, through the version's index). Running
+    servers take the new threshold up within their follower interval."""
+    from imgret.errors import GalleryError
+    from imgret.index.search import Searcher
+
+    calibrations.check_fpir(target_fpir)
+    with open_gallery(settings) as sessions:
+        versions.describe_one(version, session_factory=sessions,
+                              data_dir=settings.data_dir)  # an unknown version raises here
+        try:
+            embedder = versions.load_embedder(version, session_factory=sessions,
+                                              data_dir=settings.data_dir,
+                                              device=settings.device)
+        except GalleryError:
+            embedder = None  # stored query vectors may still exist
+        return calibrations.calibrate(
+            Searcher.from_settings(sessions, settings, version), query_set, target_fpir,
+            session_factory=sessions, embedder=embedder,
+            media=open_media_store(settings, sessions), max_pixels=settings.max_image_pixels,
+        )
 
 
 def activate(settings: Settings, version: str, *, require: str | None = None,

@@ -64,6 +64,7 @@ from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError, IndexStale
 from imgret.files import file_sha256, write_atomic_with
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits
+from imgret.index import calibration as calibrations
 from imgret.index import store, version_store
 from imgret.index.evaluation import Evaluation, compare_versions, evaluate_query_set, gate
 from imgret.index.manifest import Manifest, index_dir
@@ -424,6 +425,7 @@ def describe_one(
 def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
               index_sizes: dict[str, tuple[int, str]]) -> dict[str, Any]:
     embedded_queries, total_queries = version_store.query_coverage(row.id, session=session)
+    calibration = calibrations.current_in(session, row)
     if row.version in index_sizes:
         size, factory = index_sizes[row.version]
         index = {"state": "built", "size": size, "factory": factory}
@@ -442,7 +444,19 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         "embedding": _job_state(row),
         "checkpoint_stored": version_store.has_checkpoint(row.id, session=session),
         "last_evaluation": row.last_evaluation,
+        "calibration": calibration.to_dict() if calibration is not None else None,
+        "decisions": _decisions(row.version, calibration),
     }
+
+
+def _decisions(version: str, calibration: calibrations.Calibration | None) -> str:
+    """Whether the version serves decisions, in words."""
+    if calibration is None:
+        return f"none: {calibrations.no_decision_reason(version, None, None)}"
+    option = calibration.search_option()
+    return (f"known when the top score is >= {calibration.threshold:.6g} ({option}; target "
+            f"FPIR {calibration.target_fpir:g}, measured {calibration.fpir:.4g} with FNIR "
+            f"{calibration.fnir:.4g} on query set {calibration.query_set!r})")
 
 
 def _saved_index(data_dir: str | Path, version: str) -> dict[str, Any]:
@@ -670,6 +684,13 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
     for folder in (index_dir(data_dir, version), checkpoint_file(data_dir, version).parent):
         shutil.rmtree(folder, ignore_errors=True)
     logger.info("deleted model version %s", version)
+
+
+def served_state(*, session_factory: sessionmaker[Session]) -> tuple[str | None, int | None]:
+    """``(active version, id of its newest calibration)`` (see
+    :func:`imgret.index.version_store.served_state`)."""
+    with session_factory() as session:
+        return version_store.served_state(session=session)
 
 
 def active_version(*, session_factory: sessionmaker[Session]) -> str | None:

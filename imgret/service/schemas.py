@@ -85,19 +85,54 @@ class SearchHit(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class DecisionOut(BaseModel):
+    """Who the query is under the answering version's calibration: the top result's label
+    when its score reaches the threshold (``known``), else nobody (``label`` null)."""
+
+    label: str | None = Field(description="the top result's label when known, else null")
+    score: float | None = Field(description="the top result's score (null: no result)")
+    threshold: float = Field(description="the calibrated threshold of the version that "
+                                         "produced the scores")
+    known: bool
+
+
+_DECISION_NOTE = Field(None, description="why there is no decision (the version has no "
+                                         "calibration, or this search's re-ranking is not "
+                                         "the one it was calibrated with)")
+
+
 class SearchResponse(BaseModel):
-    """The neighbours of one query, best first."""
+    """The neighbours of one query, best first, and the decision on the top one."""
 
     results: list[SearchHit]
     took_ms: float
     model_version: str
+    decision: DecisionOut | None = Field(None, description="null: see decision_note")
+    decision_note: str | None = _DECISION_NOTE
 
 
 class SearchBatchResponse(BaseModel):
-    """The neighbours of each query, in request order, each list best first."""
+    """The neighbours of each query, in request order, each list best first, and a decision
+    per query."""
 
     results: list[list[SearchHit]]
     took_ms: float
+    model_version: str
+    decisions: list[DecisionOut] | None = Field(
+        None, description="one per query, in order; null: see decision_note")
+    decision_note: str | None = _DECISION_NOTE
+
+
+class IdentifyResponse(BaseModel):
+    """Who is in the image, or nobody: the top gallery match when its score reaches the
+    served version's calibrated threshold."""
+
+    label: str = Field(description="the identity, or \"unknown\" (see known)")
+    known: bool = Field(description="false: nobody the gallery holds (label is \"unknown\")")
+    score: float | None = Field(description="the best match's score (null: empty gallery)")
+    threshold: float
+    margin: float | None = Field(description="score - threshold: how far above (or, "
+                                             "negative, below) the threshold")
     model_version: str
 
 
@@ -288,6 +323,14 @@ class ImageSearchForm(SearchForm):
         if (self.image is None) == (self.id is None):
             raise ValueError("send exactly one of `image` (a file) or `id` (a gallery item)")
         return self
+
+
+class IdentifyForm(BaseModel):
+    """``POST /identify``'s form: one query image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: UploadFile = Field(description="the query image")
 
 
 class BatchSearchForm(SearchForm):
@@ -765,6 +808,34 @@ class QueryCoverage(BaseModel):
     total: int
 
 
+class CalibrationInfo(BaseModel):
+    """A version's decision threshold and what it was measured on."""
+
+    id: int
+    version: str
+    query_set: str
+    query_set_sha256: str = Field(description="SHA-256 over the query items' [id, sha256, "
+                                              "label], in id order")
+    target_fpir: float
+    threshold: float
+    threshold_ci95: list[float] | None
+    fpir: float = Field(description="FPIR measured at the threshold on the query set")
+    fnir: float = Field(description="FNIR measured at the threshold on the query set")
+    rerank: dict[str, Any] | None = Field(description="the re-ranking it was calibrated with "
+                                                      "(null: plain search)")
+    details: dict[str, Any]
+    created_at: datetime | None
+
+
+class CalibrateRequest(RerankRequest):
+    """``POST /models/{v}/calibrate``: the query set (with identities the gallery does not
+    hold) and the FPIR the threshold must hold; re-ranking fields calibrate re-ranked
+    search."""
+
+    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
+    target_fpir: float = Field(gt=0.0, lt=1.0, description="in (0, 1), e.g. 0.01")
+
+
 class ModelInfo(BaseModel):
     """One model version: what it is, how much of the gallery it covers, whether it serves."""
 
@@ -780,6 +851,8 @@ class ModelInfo(BaseModel):
     embedding: EmbeddingJob
     checkpoint_stored: bool
     last_evaluation: dict[str, Any] | None = None
+    calibration: CalibrationInfo | None = None
+    decisions: str = Field("", description="the decisions it serves, or none and why")
 
 
 class ModelList(BaseModel):

@@ -13,6 +13,7 @@ from typing import Any
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError
 from imgret.images import DecodeLimits
+from imgret.index import calibration as calibrations
 from imgret.index import evaluation, store, versions
 from imgret.index.open_set import OpenSetRequest
 from imgret.index.search.rerank import Rerank
@@ -117,6 +118,29 @@ def require_known(resources: Resources, *, query_set: str | None = None,
             store.load_query_set(query_set, session=session)
         except GalleryError as exc:
             raise NotFound(str(exc)) from None
+
+
+def calibrate_version(resources: Resources, version: str, query_set: str, target_fpir: float,
+                      *, rerank: Rerank | None = None) -> calibrations.Calibration:
+    """``POST /models/{v}/calibrate``: :func:`imgret.index.calibration.calibrate` through the
+    version's index; when it is the served version, this process serves the new threshold
+    before answering (the others follow within their follower interval).
+
+    Raises:
+        NotFound: unknown version or query set.
+        EvaluationError: a target outside (0, 1), an empty set, one without non-mated
+            queries, too few of them for the target.
+    """
+    calibrations.check_fpir(target_fpir)
+    require_known(resources, query_set=query_set, model_versions=[version])
+    result = calibrations.calibrate(
+        resources.searcher_for(version), query_set, target_fpir,
+        session_factory=resources.sessions, embedder=embedder_or_none(resources, version),
+        media=resources.media, max_pixels=resources.settings.max_image_pixels, rerank=rerank,
+    )
+    # From the database, not from ``version``: a switch made meanwhile is not undone.
+    resources.follow_active()
+    return result
 
 
 def evaluate_named(

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Res
 from pydantic import ValidationError
 
 from imgret.index import versions
+from imgret.process import in_own_thread
 from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
 from imgret.service.limits import content_length
@@ -19,13 +20,15 @@ from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText
 from imgret.service.resources import Resources
 from imgret.service.schemas import (
     ActivateRequest,
+    CalibrateRequest,
+    CalibrationInfo,
     ModelInfo,
     ModelList,
     RegisterRequest,
     RegisterUpload,
     Switch,
 )
-from imgret.service.version_evaluation import compare_named
+from imgret.service.version_evaluation import calibrate_version, compare_named
 
 router = APIRouter(prefix="/models", tags=["models"])
 
@@ -191,6 +194,28 @@ async def embed_model(version: VersionPath, resources: ResourcesDep) -> ModelInf
         return _describe(resources, version)
 
     return ModelInfo.model_validate(await anyio.to_thread.run_sync(start))
+
+
+@router.post(
+    "/{version}/calibrate", dependencies=[Depends(require_api_key)],
+    responses={**_KEYED, 404: {"description": "no such model version or query set"},
+               422: {"description": "target_fpir outside (0, 1), an empty query set, one "
+                                    "without non-mated queries (identities the gallery does "
+                                    "not hold) or with too few for the target"}},
+)
+async def calibrate_model(version: VersionPath, body: CalibrateRequest,
+                          resources: ResourcesDep) -> CalibrationInfo:
+    """Set ``version``'s decision threshold: the open-set evaluation of the version on
+    ``query_set`` (through its index, as ``/evaluate``), the lowest threshold whose FPIR
+    there is at most ``target_fpir``, kept with the version (its interval, the FPIR and FNIR
+    measured at it, the set's content digest, the time). ``/search``, ``/search/batch`` and
+    ``/identify`` decide with it while the version serves; ``GET /models/{v}`` shows it.
+    """
+    result = await anyio.to_thread.run_sync(
+        in_own_thread, lambda: calibrate_version(resources, version, body.query_set,
+                                                 body.target_fpir,
+                                                 rerank=body.rerank_option()))
+    return CalibrationInfo.model_validate(result.to_dict())
 
 
 @router.post(
