@@ -52,7 +52,7 @@ from imgret.index.evaluation import (
 )
 from imgret.index.media import MediaBackend
 from imgret.index.models import ModelCalibration, QueryItem
-from imgret.index.search.rerank import Rerank, rerank_summary
+from imgret.index.search.rerank import Rerank, rerank_options, rerank_summary
 
 
 class NotCalibrated(GalleryError):
@@ -104,6 +104,13 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def rerank_option(self) -> Rerank | None:
+        """The re-ranking the scores came from, as search options (``None``: plain)."""
+        if self.rerank is None:
+            return None
+        params = {k: v for k, v in self.rerank.items() if k != "method"}
+        return rerank_options(self.rerank["method"], **params)
 
     def search_option(self) -> str:
         """What the scores were: "plain search" or the re-ranking, in words."""

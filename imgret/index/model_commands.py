@@ -92,9 +92,10 @@ def calibrate(settings: Settings, version: str, query_set: str,
         )
 
 
-def activate(settings: Settings, version: str, *, require: str | None = None,
+def activate(settings: Settings, version: str, *, require: str | list[str] | None = None,
              query_set: str | None = None, reason: str = "activate") -> versions.Activation:
-    """`imgret models activate VERSION [--require better --query-set NAME]`."""
+    """`imgret models activate VERSION [--require better|not_worse|fnir_not_worse ...
+    --query-set NAME]`."""
     from imgret.index.search import Searcher
 
     with open_gallery(settings) as sessions:
@@ -106,6 +107,8 @@ def activate(settings: Settings, version: str, *, require: str | None = None,
                                             device=settings.device),
             require=require, query_set=query_set,
             compare=lambda a, b, name: _compare(settings, sessions, a, b, name, None),
+            compare_fnir=lambda a, b, name, calibration: _compare_fnir(
+                settings, sessions, a, b, name, calibration),
             prepare_index=lambda v: Searcher.from_settings(sessions, settings, v).save(),
             reason=reason, max_pixels=settings.max_image_pixels,
         )
@@ -116,6 +119,32 @@ def rollback(settings: Settings) -> versions.Activation:
     with open_gallery(settings) as sessions:
         previous = versions.previous_version(session_factory=sessions)
     return activate(settings, previous, reason="rollback")
+
+
+def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
+                  calibration: calibrations.Calibration) -> dict[str, Any]:
+    """The service's ``compare_open_set``, on this process's own indexes."""
+    from imgret.errors import GalleryError
+    from imgret.index.evaluation import OpenSetRequest, evaluate_query_set
+    from imgret.index.search import Searcher
+
+    media = open_media_store(settings, sessions)
+    request = OpenSetRequest(enabled=True, fpirs=(calibration.target_fpir,))
+    results = []
+    for version in (a, b):
+        try:
+            embedder = versions.load_embedder(version, session_factory=sessions,
+                                              data_dir=settings.data_dir,
+                                              device=settings.device)
+        except GalleryError:
+            embedder = None  # stored query vectors may still exist
+        results.append(evaluate_query_set(
+            Searcher.from_settings(sessions, settings, version), query_set,
+            session_factory=sessions, embedder=embedder, media=media,
+            max_pixels=settings.max_image_pixels, rerank=calibration.rerank_option(),
+            open_set=request,
+        ))
+    return versions.fnir_comparison(*results, calibration.target_fpir)
 
 
 def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,

@@ -41,6 +41,7 @@ from imgret.metrics.openset import (
     DEFAULT_RATES,
     OpenSetSearches,
     open_set_report,
+    paired_fnir_difference,
     verification_report,
 )
 
@@ -180,3 +181,49 @@ def _finite_det(det: dict[str, list[float]]) -> dict[str, list[float | None]]:
     """The DET curve with its infinite thresholds (above every score: nothing accepted;
     below every score of an empty list) as ``None``: JSON has no infinity."""
     return {**det, "threshold": [t if np.isfinite(t) else None for t in det["threshold"]]}
+
+
+def fnir_comparison(a: OpenSetSearches, b: OpenSetSearches, fpir: float, *, bootstrap: int,
+                    seed: int, min_effect: float) -> dict[str, Any]:
+    """B's FNIR against A's on the same queries, each at its own threshold for ``fpir``
+    (:func:`imgret.metrics.openset.paired_fnir_difference`), with a verdict on B: "worse"
+    when the interval of B − A lies above 0 and B − A is at least ``min_effect`` (more
+    misses), "better" when it lies below 0 by at least that, otherwise "no detectable
+    difference"; "unresolved" when the interval cannot be computed.
+
+    Raises:
+        ValueError: not the same queries, a kind of query missing, or too few non-mated ones.
+    """
+    result = paired_fnir_difference(a, b, fpir, resamples=bootstrap, seed=seed)
+    difference, interval = result["difference"], result["ci95"]
+    if interval is None:
+        verdict = "unresolved"
+    elif interval[0] > 0 and difference >= min_effect:
+        verdict = "worse"
+    elif interval[1] < 0 and difference <= -min_effect:
+        verdict = "better"
+    else:
+        verdict = "no detectable difference"
+    return {**result, "metric": "fnir", "min_effect": min_effect, "verdict": verdict}
+
+
+def fnir_gate(comparison: dict[str, Any]) -> tuple[bool, str]:
+    """``require=fnir_not_worse`` on :func:`fnir_comparison` of the active version (A) and a
+    candidate (B): allowed unless B's FNIR is worse, and not when the comparison cannot be
+    resolved (a gate that cannot tell does not let a candidate through).
+
+    Returns:
+        ``(allowed, message)`` with both FNIRs, the difference and its interval.
+    """
+    interval = comparison["ci95"]
+    shown = (f"[{interval[0]:+.4f}, {interval[1]:+.4f}]" if interval is not None
+             else "unresolved")
+    message = (f"FNIR at FPIR {comparison['fpir']:g} {comparison['verdict']}: A "
+               f"{comparison['a']['fnir']:.4f} (threshold {comparison['a']['threshold']:.6g}),"
+               f" B {comparison['b']['fnir']:.4f} (threshold "
+               f"{comparison['b']['threshold']:.6g}), B - A = "
+               f"{comparison['difference']:+.4f}, 95% interval {shown} over "
+               f"{comparison['num_paired']} queries")
+    if comparison["verdict"] == "unresolved":
+        return False, message + " (too few non-mated queries in too many resamples)"
+    return comparison["verdict"] != "worse", message

@@ -896,10 +896,19 @@ class ActivateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    require: Literal["better", "not_worse"] | None = Field(
+    require: (Literal["better", "not_worse", "fnir_not_worse"]
+              | list[Literal["better", "not_worse", "fnir_not_worse"]] | None) = Field(
         None, description="refuse (409) unless the paired verdict against the active version "
-                          "on query_set says so")
+                          "on query_set says so; fnir_not_worse (alone, or in a list beside "
+                          "better or not_worse): unless this version's FNIR at its "
+                          "calibrated FPIR is not worse")
     query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
+
+    def requirements(self) -> list[str] | None:
+        """``require`` as a list (``None``: not given)."""
+        if self.require is None:
+            return None
+        return [self.require] if isinstance(self.require, str) else list(self.require)
 
 
 class Switch(BaseModel):
@@ -911,6 +920,9 @@ class Switch(BaseModel):
     stragglers_embedded: int = Field(
         0, description="items added since the re-embedding, embedded during the switch")
     comparison: dict[str, Any] | None = None
+    open_set: dict[str, Any] | None = Field(
+        None, description="require=fnir_not_worse: both versions' FNIR at the calibrated "
+                          "FPIR, B - A with its paired 95% interval and the verdict")
 
 
 class QuerySetInfo(BaseModel):

@@ -120,6 +120,19 @@ def require_known(resources: Resources, *, query_set: str | None = None,
             raise NotFound(str(exc)) from None
 
 
+def compare_open_set(resources: Resources, a: str, b: str, query_set: str,
+                     calibration: calibrations.Calibration) -> dict[str, Any]:
+    """B's FNIR against A's on one named query set, each at its own threshold for the
+    calibration's target FPIR, ranked with the calibration's search option (the gate
+    ``require=fnir_not_worse``: :func:`imgret.index.versions.fnir_comparison`). Not recorded
+    as either version's last evaluation."""
+    request = OpenSetRequest(enabled=True, fpirs=(calibration.target_fpir,))
+    a_eval, b_eval = (evaluate_version(resources, query_set, version, open_set=request,
+                                       rerank=calibration.rerank_option(), record=False)
+                      for version in (a, b))
+    return versions.fnir_comparison(a_eval, b_eval, calibration.target_fpir)
+
+
 def calibrate_version(resources: Resources, version: str, query_set: str, target_fpir: float,
                       *, rerank: Rerank | None = None) -> calibrations.Calibration:
     """``POST /models/{v}/calibrate``: :func:`imgret.index.calibration.calibrate` through the
