@@ -26,6 +26,16 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         ),
         worst: int = typer.Option(0, "--worst", min=0, max=100, help="list the n worst queries"),
         json_out: Path | None = typer.Option(None, "--json", help="also write the report here"),
+        open_set: bool | None = typer.Option(
+            None, "--open-set/--no-open-set",
+            help="require the open-set section (FPIR/FNIR, TAR@FAR), or leave it out; "
+                 "default: added when the queries are both mated and non-mated"),
+        fpirs: str | None = typer.Option(
+            None, "--fpir", metavar="F[,F...]",
+            help="target FPIRs, each in (0, 1) (default 0.1,0.01,0.001)"),
+        unknown_labels: list[str] | None = typer.Option(
+            None, "--unknown-label",
+            help="a query label declared unknown (must have no gallery item); repeatable"),
         rerank: str | None = typer.Option(
             None, "--rerank", metavar="METHOD",
             help="re-rank the results as /search does: k_reciprocal or query_expansion (not "
@@ -59,9 +69,12 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
             ks = [int(part) for part in k.split(",") if part.strip()]
         except ValueError:
             raise typer.BadParameter(f"{k!r} is not a list of integers", param_hint="--k") from None
+        from pydantic import ValidationError
+
         from imgret.index.commands import evaluate_named
         from imgret.index.evaluation import format_report
-        from imgret.service.schemas import RerankRequest
+        from imgret.service.request_rules import validation_message
+        from imgret.service.schemas import EvaluateOptions, RerankRequest
         from imgret.settings import Settings
 
         try:  # checked by the model behind /search's and /evaluate's rerank fields
@@ -76,9 +89,19 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
             typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
 
+        try:  # checked by the model behind /evaluate's fields
+            request = EvaluateOptions.model_validate({
+                "open_set": open_set, "unknown_labels": unknown_labels or None,
+                "fpirs": [part for part in (fpirs or "").split(",") if part.strip()] or None,
+            }).open_set_request()
+        except ValidationError as exc:
+            message = validation_message(exc)
+            typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+
         report = evaluate_named(
             Settings(), query_set, ks=ks, exclude_same_camera=exclude_same_camera,
-            model_version=model_version, worst=worst, rerank=option,
+            model_version=model_version, worst=worst, rerank=option, open_set=request,
         )
 
         for line in format_report(report):

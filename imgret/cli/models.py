@@ -1,7 +1,7 @@
-"""CLI commands: `imgret models list|register|embed|compare|activate|rollback|delete`, the twins of
-``/models`` and ``POST /evaluate {"compare": ...}``: each calls one function of
-``imgret.index.model_commands`` (which calls the same ``imgret.index.versions`` code as the
-service).
+"""CLI commands: `imgret models list|register|embed|compare|calibrate|activate|rollback|
+delete`, the twins of ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one
+function of ``imgret.index.model_commands`` (which calls the same ``imgret.index.versions``
+code as the service).
 """
 
 from __future__ import annotations
@@ -130,12 +130,38 @@ def _print_comparison(result: dict[str, Any]) -> None:
                    f"| [{low:+.4f}, {high:+.4f}] | {verdict} |")
 
 
+@models_app.command("calibrate")
+def calibrate_command(
+    version: str = typer.Argument(..., help="the version whose threshold to set"),
+    query_set: str = typer.Option(..., "--query-set", help="a stored query set holding "
+                                  "identities the gallery does not hold"),
+    fpir: float = typer.Option(..., "--fpir", help="the target FPIR, in (0, 1)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Set VERSION's decision threshold: the lowest whose FPIR on the query set is at most
+    --fpir (POST /models/{v}/calibrate)."""
+    from imgret.index import model_commands
+
+    result = model_commands.calibrate(_settings(), version, query_set, fpir)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), default=str, indent=2))
+        return
+    ci = result.threshold_ci95
+    interval = f" [{ci[0]:.6g}, {ci[1]:.6g}]" if ci else ""
+    typer.echo(f"{version}: threshold {result.threshold:.6g}{interval} at target FPIR "
+               f"{result.target_fpir:g} on {query_set!r} ({result.details['mated']} mated, "
+               f"{result.details['non_mated']} non-mated queries): measured FPIR "
+               f"{result.fpir:.4g}, FNIR {result.fnir:.4g}")
+
+
 @models_app.command("activate")
 def activate_command(
     version: str = typer.Argument(..., help="the version to serve"),
-    require: str | None = typer.Option(
+    require: list[str] | None = typer.Option(
         None, "--require", help="better | not_worse: switch only if the paired verdict "
-                                "against the active version says so"),
+                                "against the active version says so; fnir_not_worse: only if "
+                                "VERSION's FNIR at its calibrated FPIR is not worse "
+                                "(repeatable)"),
     query_set: str | None = typer.Option(None, "--query-set",
                                          help="the query set the verdict is taken on"),
 ) -> None:
@@ -143,22 +169,34 @@ def activate_command(
     from imgret.errors import ImgretError
     from imgret.index import model_commands
 
-    if require not in (None, "better", "not_worse"):
-        raise typer.BadParameter("better or not_worse", param_hint="--require")
-    if require is not None and query_set is None:
+    if any(r not in ("better", "not_worse", "fnir_not_worse") for r in require or ()):
+        raise typer.BadParameter("better, not_worse or fnir_not_worse", param_hint="--require")
+    if require and query_set is None:
         raise typer.BadParameter("--require needs --query-set", param_hint="--query-set")
     try:
         result = model_commands.activate(_settings(), version, require=require,
                                      query_set=query_set)
     except ImgretError as exc:
-        comparison = getattr(exc, "details", {}).get("comparison")
-        if comparison:
-            _print_comparison(comparison)
+        details = getattr(exc, "details", {})
+        if details.get("comparison"):
+            _print_comparison(details["comparison"])
+        if details.get("open_set"):
+            _print_fnir(details["open_set"])
         raise
     if result.comparison:
         _print_comparison(result.comparison)
+    if result.open_set:
+        _print_fnir(result.open_set)
     typer.echo(f"active: {result.active}" + (f" (was {result.previous})" if result.changed
                                                else " (already active)"))
+
+
+def _print_fnir(result: dict[str, Any]) -> None:
+    ci = result["ci95"]
+    shown = f"[{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else "unresolved"
+    typer.echo(f"FNIR at FPIR {result['fpir']:g} on {result.get('query_set')}: A "
+               f"{result['a']['fnir']:.4f}, B {result['b']['fnir']:.4f}, B − A "
+               f"{result['difference']:+.4f} {shown}: {result['verdict']}")
 
 
 @models_app.command("rollback")

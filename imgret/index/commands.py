@@ -25,6 +25,7 @@ from imgret.settings import MEDIA_BACKENDS, Settings
 
 if TYPE_CHECKING:  # numpy and the search package load with the command that needs them
     from imgret.index.media_db import MediaMigration
+    from imgret.index.open_set import OpenSetRequest
     from imgret.index.search.rerank import Rerank
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ def build(
 def evaluate_named(
     settings: Settings, name: str, *, ks: list[int] | None = None,
     exclude_same_camera: bool = False, model_version: str | None = None, worst: int = 0,
-    rerank: Rerank | None = None,
+    rerank: Rerank | None = None, open_set: OpenSetRequest | None = None,
 ) -> dict:
     """`imgret evaluate`: the report of ``POST /evaluate {"query_set": name}``, same code.
 
@@ -196,6 +197,7 @@ def evaluate_named(
             media=open_media_store(settings, sessions),
             max_pixels=settings.max_image_pixels, k=ks,
             exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
+            open_set=open_set,
         ).report
 
 

@@ -18,6 +18,11 @@ Protocol details the architecture leaves open:
   removed from its ranking (an ``exclude_ids`` filter, so the index still returns ``depth``
   other items) and from its R: the Market-1501 rule.
 - Queries are separate images, never gallery items (``query_in_gallery`` is false).
+- Open-set decisions (``report["open_set"]``, :mod:`imgret.index.open_set`): when the
+  queries are both mated (their label has gallery items) and non-mated (it has none), or
+  when asked, FPIR / FNIR at target FPIRs with their thresholds, rank-1 identification, the
+  DET curve and TAR@FAR, from the same rankings. Non-mated queries have R = 0, so the
+  closed-set metrics skip them as before.
 - Re-ranking (``rerank``, :mod:`imgret.index.search.rerank`): the rankings come from the Searcher's
   re-ranked search, everything else is unchanged. Under the re-ID rule the same-camera matches
   are outside the query's gallery, so they take no part in its neighbourhood graph (stricter
@@ -62,15 +67,19 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
+from imgret.index import open_set as open_set_evaluation
 from imgret.index import store
 from imgret.index.media import MediaBackend
 from imgret.index.models import QueryItem
 from imgret.index.search import Hit, Searcher, SearchFilter
 from imgret.index.search.rerank import Rerank, rerank_options, rerank_summary
 from imgret.metrics import ranking_metrics
+from imgret.metrics.openset import OpenSetSearches
 from imgret.stats import paired_bootstrap_ci
 
 logger = logging.getLogger(__name__)
+
+OpenSetRequest = open_set_evaluation.OpenSetRequest
 
 DEFAULT_KS = (1, 5, 10)
 # Queries searched per index call: bounds the hit lists held at once to chunk x depth.
@@ -226,6 +235,7 @@ def evaluate_query_set(
     embedder: Embedder | None = None, media: MediaBackend | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, worst: int = 0, rerank: Rerank | str | None = None,
+    open_set: OpenSetRequest | None = None,
 ) -> Evaluation:
     """A named query set, with the vectors of ``searcher``'s model version, ranked through
     ``searcher``: the one code path of ``POST /evaluate {"query_set": ...}`` and
@@ -236,7 +246,8 @@ def evaluate_query_set(
             media=media, max_pixels=max_pixels,
         )
     return evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                    worst=worst, rerank=rerank, session_factory=session_factory)
+                    worst=worst, rerank=rerank, session_factory=session_factory,
+                    open_set=open_set)
 
 
 @dataclass(frozen=True)
@@ -246,10 +257,14 @@ class Evaluation:
     Attributes:
         report: JSON-ready metrics (see :func:`evaluate`).
         per_query: ``ranking_metrics``'s per-query lists (used to pair two model versions).
+        searches: every query's open-set summary (top score, best mate score), in query
+            order, whether or not the report has an ``open_set`` section (used to pair two
+            versions' FNIR and to calibrate a threshold).
     """
 
     report: dict[str, Any]
     per_query: dict[str, list]
+    searches: OpenSetSearches | None = None
 
 
 def evaluate(
@@ -257,6 +272,7 @@ def evaluate(
     exclude_same_camera: bool = False, worst: int = 0, bootstrap: int = BOOTSTRAP,
     seed: int = SEED, rerank: Rerank | str | None = None,
     session_factory: sessionmaker[Session] | None = None,
+    open_set: OpenSetRequest | None = None,
 ) -> Evaluation:
     """Rank every query through ``searcher`` and compute the metric report.
 
@@ -271,6 +287,8 @@ def evaluate(
         rerank: re-rank every query's results (``Searcher.search``'s ``rerank``).
         session_factory: the gallery database, asked only when ``searcher`` holds no vector,
             to say whether the gallery is empty or the version is not embedded yet.
+        open_set: the open-set section's options (default: added when the queries are both
+            mated and non-mated, at FPIRs 0.1, 0.01, 0.001; see :mod:`imgret.index.open_set`).
 
     Returns:
         In ``report``: ``imgret.metrics.ranking_metrics``'s report plus ``protocol``,
@@ -280,18 +298,30 @@ def evaluate(
         precision_at_1, confusions: [{label, count}]}]``, worst first) and (with
         ``worst``) ``worst``: a list of ``{index, label, camera, query_id,
         average_precision_at_r, first_relevant_rank, neighbours: [{id, label, score,
-        relevant}]}``.
+        relevant}]}``; ``open_set`` (:func:`imgret.index.open_set.section`) when the
+        queries are mated and non-mated or it is asked for.
 
     Raises:
         EvaluationError: an empty gallery, k over the gallery size, cameras missing for the
-            re-ID rule, or no query with a relevant gallery item.
+            re-ID rule, no query with a relevant gallery item, or an open-set request the
+            queries cannot answer (declared unknown labels that are not query labels or
+            that the gallery holds; ``open_set`` required without both kinds of query).
     """
     try:
         option = rerank_options(rerank)
     except ValueError as exc:
         raise EvaluationError(str(exc)) from None
+    request = open_set or OpenSetRequest()
     rankings = rank_queries(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
-                            rerank=option, session_factory=session_factory)
+                            rerank=option, session_factory=session_factory,
+                            unknown_labels=request.unknown_labels)
+    scores = [[hit.score for hit in row] for row in rankings.hits]
+    found = open_set_evaluation.searches(queries.labels, rankings.labels, scores,
+                                         rankings.num_relevant)
+    try:
+        with_open_set = open_set_evaluation.wanted(request, found)
+    except ValueError as exc:
+        raise EvaluationError(str(exc)) from None
     try:
         report = ranking_metrics(
             rankings.relevance, rankings.num_relevant, k=rankings.ks, bootstrap=bootstrap,
@@ -312,7 +342,13 @@ def evaluate(
     report["per_label"] = _per_label(per_query, rankings, queries)
     if worst > 0:
         report["worst"] = _worst(per_query, rankings, queries, worst)
-    return Evaluation(report, per_query)
+    report["open_set"] = None
+    if with_open_set:
+        report["open_set"] = open_set_evaluation.section(
+            found, queries.labels, rankings.labels, scores, request=request,
+            depth=rankings.depth, gallery_size=rankings.gallery_size, bootstrap=bootstrap,
+            seed=seed)
+    return Evaluation(report, per_query, found)
 
 
 @dataclass(frozen=True)
@@ -339,9 +375,12 @@ class Rankings:
 def rank_queries(
     searcher: Searcher, queries: QueryBatch, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, rerank: Rerank | None = None,
-    session_factory: sessionmaker[Session] | None = None,
+    session_factory: sessionmaker[Session] | None = None, unknown_labels: Sequence[str] = (),
 ) -> Rankings:
     """Search every query at the evaluation depth (see the module docstring).
+
+    ``unknown_labels`` are checked against the query labels and the gallery before anything
+    is searched (:func:`imgret.index.open_set.check_unknown_labels`).
 
     The gallery of the evaluation is the index's live ids when it starts: items added while
     it runs are left out of the rankings, items deleted while it runs count in R but can no
@@ -370,6 +409,12 @@ def rank_queries(
         label_count[info.label] += 1
         if exclude_same_camera:
             same_camera[(info.label, info.camera)].append(item_id)
+    if unknown_labels:
+        try:
+            open_set_evaluation.check_unknown_labels(unknown_labels, queries.labels,
+                                                     label_count)
+        except ValueError as exc:
+            raise EvaluationError(str(exc)) from None
 
     n = len(queries.labels)
     num_relevant = np.array([label_count[label] for label in queries.labels], dtype=np.int64)
@@ -642,7 +687,7 @@ def _per_label(per_query: dict[str, list], rankings: Rankings,
 
 
 # The label of an id deleted mid-evaluation: not relevant, and no confusion.
-_DELETED = "\x00deleted"
+_DELETED = open_set_evaluation.DELETED
 
 
 def _label(searcher: Searcher, item_id: int) -> str:
@@ -678,6 +723,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
     for name in ("recall_at_k", "map_at_k", "ndcg_at_k", "recall_fraction_at_k"):
         for k, value in sorted((int(k), v) for k, v in report[name].items()):
             lines.append(f"| {name}@{k} | {value:.4f} | {interval(name, k)} |")
+    lines += _format_open_set(report.get("open_set"))
     per_label = report.get("per_label") or []
     if per_label:
         shown = per_label[:FORMAT_LABELS]
@@ -695,6 +741,44 @@ def format_report(report: dict[str, Any]) -> list[str]:
                    if confusions else "-")
             lines.append(f"| {_cell(entry['label'])} | {entry['count']} | "
                          f"{entry['map_at_r']:.4f} | {entry['precision_at_1']:.4f} | {top} |")
+    return lines
+
+
+def _format_open_set(section: dict[str, Any] | None) -> list[str]:
+    """The open-set operating points and TAR@FAR as markdown tables (none without them)."""
+    if not section:
+        return []
+
+    def estimate(entry: dict[str, Any] | None) -> str:
+        if entry is None:
+            return "-"
+        bounds = entry.get("ci95")
+        text = f"{entry['value']:.4f}"
+        return text + (f" [{bounds[0]:.4f}, {bounds[1]:.4f}]" if bounds else "")
+
+    lines = [
+        "",
+        f"open set: {section['mated']} mated and {section['non_mated']} non-mated queries; "
+        f"candidates: {section['pairs']} (95% intervals resample identities)",
+        "",
+        "| target FPIR | threshold | FNIR | rank-1 identification | FPIR measured |",
+        "|---:|---|---|---|---|",
+    ]
+    for point in section["operating_points"]:
+        if point.get("threshold") is None:
+            lines.append(f"| {point['fpir']:g} | {point.get('note') or '-'} | | | |")
+            continue
+        lines.append(f"| {point['fpir']:g} | {estimate(point['threshold'])} | "
+                     f"{estimate(point['fnir'])} | {estimate(point['rank1_identification'])} "
+                     f"| {estimate(point['fpir_measured'])} |")
+    verification = section.get("verification")
+    if verification:
+        lines += ["", f"TAR@FAR over {verification['genuine_pairs']} same-label and "
+                      f"{verification['impostor_pairs']} different-label pairs:", "",
+                  "| FAR | TAR |", "|---:|---|"]
+        for point in verification["points"]:
+            lines.append(f"| {point['far']:g} | "
+                         f"{estimate(point['tar']) if point['tar'] else point['note']} |")
     return lines
 
 

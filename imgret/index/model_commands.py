@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from imgret.index import calibration as calibrations
 from imgret.index import reembed, versions
 from imgret.index.commands import open_gallery
 from imgret.index.media_db import open_media_store
@@ -66,9 +67,35 @@ def compare(settings: Settings, a: str, b: str, query_set: str, *,
         return _compare(settings, sessions, a, b, query_set, k)
 
 
-def activate(settings: Settings, version: str, *, require: str | None = None,
+def calibrate(settings: Settings, version: str, query_set: str,
+              target_fpir: float) -> calibrations.Calibration:
+    """`imgret models calibrate VERSION --query-set NAME --fpir F`: ``POST
+    /models/{v}/calibrate`` (the same function, through the version's index). Running
+    servers take the new threshold up within their follower interval."""
+    from imgret.errors import GalleryError
+    from imgret.index.search import Searcher
+
+    calibrations.check_fpir(target_fpir)
+    with open_gallery(settings) as sessions:
+        versions.describe_one(version, session_factory=sessions,
+                              data_dir=settings.data_dir)  # an unknown version raises here
+        try:
+            embedder = versions.load_embedder(version, session_factory=sessions,
+                                              data_dir=settings.data_dir,
+                                              device=settings.device)
+        except GalleryError:
+            embedder = None  # stored query vectors may still exist
+        return calibrations.calibrate(
+            Searcher.from_settings(sessions, settings, version), query_set, target_fpir,
+            session_factory=sessions, embedder=embedder,
+            media=open_media_store(settings, sessions), max_pixels=settings.max_image_pixels,
+        )
+
+
+def activate(settings: Settings, version: str, *, require: str | list[str] | None = None,
              query_set: str | None = None, reason: str = "activate") -> versions.Activation:
-    """`imgret models activate VERSION [--require better --query-set NAME]`."""
+    """`imgret models activate VERSION [--require better|not_worse|fnir_not_worse ...
+    --query-set NAME]`."""
     from imgret.index.search import Searcher
 
     with open_gallery(settings) as sessions:
@@ -80,6 +107,8 @@ def activate(settings: Settings, version: str, *, require: str | None = None,
                                             device=settings.device),
             require=require, query_set=query_set,
             compare=lambda a, b, name: _compare(settings, sessions, a, b, name, None),
+            compare_fnir=lambda a, b, name, calibration: _compare_fnir(
+                settings, sessions, a, b, name, calibration),
             prepare_index=lambda v: Searcher.from_settings(sessions, settings, v).save(),
             reason=reason, max_pixels=settings.max_image_pixels,
         )
@@ -90,6 +119,32 @@ def rollback(settings: Settings) -> versions.Activation:
     with open_gallery(settings) as sessions:
         previous = versions.previous_version(session_factory=sessions)
     return activate(settings, previous, reason="rollback")
+
+
+def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
+                  calibration: calibrations.Calibration) -> dict[str, Any]:
+    """The service's ``compare_open_set``, on this process's own indexes."""
+    from imgret.errors import GalleryError
+    from imgret.index.evaluation import OpenSetRequest, evaluate_query_set
+    from imgret.index.search import Searcher
+
+    media = open_media_store(settings, sessions)
+    request = OpenSetRequest(enabled=True, fpirs=(calibration.target_fpir,))
+    results = []
+    for version in (a, b):
+        try:
+            embedder = versions.load_embedder(version, session_factory=sessions,
+                                              data_dir=settings.data_dir,
+                                              device=settings.device)
+        except GalleryError:
+            embedder = None  # stored query vectors may still exist
+        results.append(evaluate_query_set(
+            Searcher.from_settings(sessions, settings, version), query_set,
+            session_factory=sessions, embedder=embedder, media=media,
+            max_pixels=settings.max_image_pixels, rerank=calibration.rerank_option(),
+            open_set=request,
+        ))
+    return versions.fnir_comparison(*results, calibration.target_fpir)
 
 
 def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,

@@ -22,6 +22,9 @@ Design decisions:
   with it), so every process on the database loads every version without a shared volume.
   ``model_versions.content_digest`` is the full SHA-256 of config + weights: the identity
   of a version (its name carries only 12 digits of it).
+- A version's open-set decision threshold lives in ``model_calibrations``, one row per
+  calibration (history kept): the newest row of the version is the one served with it, so
+  the threshold always travels with the version it was measured on.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -291,4 +295,34 @@ class ModelCheckpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     size: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[bytes] = mapped_column(VectorType)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ModelCalibration(Base):
+    """One calibration of a version's decision threshold (``POST /models/{v}/calibrate``):
+    the threshold that held FPIR at ``target_fpir`` on a query set, what was measured at it,
+    and which query set, by content. The newest row of a version is served with it."""
+
+    __tablename__ = "model_calibrations"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), index=True
+    )
+    query_set: Mapped[str] = mapped_column(String(255))
+    # SHA-256 over the query items' (id, sha256, label), in id order: the same name with
+    # other content is another calibration set.
+    query_set_sha256: Mapped[str] = mapped_column(String(64))
+    target_fpir: Mapped[float] = mapped_column(Float)
+    # Doubles: a threshold lies one ulp above a score, and a search compares it exactly.
+    threshold: Mapped[float] = mapped_column(Float)
+    threshold_low: Mapped[float | None] = mapped_column(Float, nullable=True)
+    threshold_high: Mapped[float | None] = mapped_column(Float, nullable=True)
+    fpir: Mapped[float] = mapped_column(Float)
+    fnir: Mapped[float] = mapped_column(Float)
+    # The search option the scores came from (re-ranking; NULL: plain search).
+    rerank: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    # The rest of the operating point: intervals, counts, rank-1 identification, depth.
+    details: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,5 +1,6 @@
 """Repository functions over a model version's own records: checkpoint bytes
-(``model_checkpoints``), the activations history (``model_activations``), the re-embedding
+(``model_checkpoints``), its decision thresholds (``model_calibrations``), the activations
+history (``model_activations``), the re-embedding
 job's claim and heartbeat (columns of ``model_versions``), and which items still lack the
 version's vector.
 
@@ -30,6 +31,7 @@ from imgret.index.models import (
     Embedding,
     GalleryItem,
     ModelActivation,
+    ModelCalibration,
     ModelCheckpoint,
     ModelVersion,
     QueryEmbedding,
@@ -88,6 +90,7 @@ def delete_version(row: ModelVersion, *, session: Session) -> None:
     for table, key in ((Embedding, Embedding.model_version_id),
                        (QueryEmbedding, QueryEmbedding.model_version_id),
                        (ModelCheckpoint, ModelCheckpoint.model_version_id),
+                       (ModelCalibration, ModelCalibration.model_version_id),
                        (ModelActivation, ModelActivation.model_version_id)):
         session.execute(delete(table).where(key == row.id))
     session.execute(update(ModelActivation).where(ModelActivation.previous_version_id == row.id)
@@ -134,6 +137,36 @@ def versions_without_checkpoint(*, session: Session) -> list[str]:
     """The registered versions whose checkpoint bytes are not stored."""
     has = exists().where(ModelCheckpoint.model_version_id == ModelVersion.id)
     return list(session.scalars(select(ModelVersion.version).where(~has)))
+
+
+# --------------------------------------------------------------------------- calibrations
+
+
+def add_calibration(row: ModelVersion, *, session: Session,
+                    **values: Any) -> ModelCalibration:
+    """Keep a new calibration of the version (the newest is the one served)."""
+    calibration = ModelCalibration(model_version_id=row.id, **values)
+    session.add(calibration)
+    session.flush()
+    return calibration
+
+
+def latest_calibration(version_id: int, *, session: Session) -> ModelCalibration | None:
+    """The version's newest calibration, or ``None``."""
+    return session.scalar(select(ModelCalibration)
+                          .where(ModelCalibration.model_version_id == version_id)
+                          .order_by(ModelCalibration.id.desc()).limit(1))
+
+
+def served_state(*, session: Session) -> tuple[str | None, int | None]:
+    """``(active version, id of its newest calibration)``: what a process serves, read in
+    one transaction (a follower compares both with what it holds)."""
+    active = store.active_model_version(session=session)
+    if active is None:
+        return None, None
+    newest = session.scalar(select(func.max(ModelCalibration.id))
+                            .where(ModelCalibration.model_version_id == active.id))
+    return active.version, newest
 
 
 # --------------------------------------------------------------------------- activations

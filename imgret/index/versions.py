@@ -33,6 +33,11 @@ Decisions:
   lock). More missing items than that: 409, run embed first.
 - **Gate**: ``require=better`` needs the paired verdict on MAP@R to be "better" and no
   metric "worse"; ``not_worse`` needs no metric "worse" (``imgret.index.evaluation.gate``).
+  ``require=fnir_not_worse`` (alone or beside one of them) needs the candidate's calibration
+  and its FNIR, at its own threshold for the calibrated target FPIR, not worse than the
+  active version's at the active version's own threshold for that FPIR, on the same queries
+  (a paired bootstrap that re-derives both thresholds per resample:
+  ``imgret.index.open_set.fnir_gate``); a comparison that cannot be resolved refuses.
 - **Rollback** activates the version that the current one replaced (the last
   ``model_activations`` row), with the same coverage rule: items added meanwhile are embedded
   for it first. A second rollback goes forward again.
@@ -46,7 +51,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +69,19 @@ from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError, IndexStale
 from imgret.files import file_sha256, write_atomic_with
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits
+from imgret.index import calibration as calibrations
+from imgret.index import open_set as open_set_evaluation
 from imgret.index import store, version_store
-from imgret.index.evaluation import Evaluation, compare_versions, evaluate_query_set, gate
+from imgret.index.evaluation import (
+    BOOTSTRAP,
+    MIN_EFFECT,
+    SEED,
+    Evaluation,
+    EvaluationError,
+    compare_versions,
+    evaluate_query_set,
+    gate,
+)
 from imgret.index.manifest import Manifest, index_dir
 from imgret.index.media import MediaBackend
 from imgret.index.models import ModelVersion, utcnow
@@ -82,13 +98,20 @@ INCOMING_STALE_S = 600.0
 # Items still missing a vector that an activation embeds itself (more: 409, embed first).
 STRAGGLER_LIMIT = 1000
 
+# What ``require`` may ask: one retrieval verdict, and the open-set FNIR.
+RETRIEVAL_REQUIREMENTS = ("better", "not_worse")
+FNIR_NOT_WORSE = "fnir_not_worse"
+REQUIREMENTS = (*RETRIEVAL_REQUIREMENTS, FNIR_NOT_WORSE)
+
+
 class ActivationRefused(GalleryError):
     """A switch that the state or the verdict does not allow (409); ``details`` goes into the
-    response body beside ``detail`` (the comparison behind a refused gate)."""
+    response body beside ``detail`` (the comparisons behind a refused gate)."""
 
-    def __init__(self, message: str, comparison: dict[str, Any] | None = None):
+    def __init__(self, message: str, comparison: dict[str, Any] | None = None,
+                 open_set: dict[str, Any] | None = None):
         super().__init__(message)
-        self.details = {"comparison": comparison}
+        self.details = {"comparison": comparison, "open_set": open_set}
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -424,6 +447,7 @@ def describe_one(
 def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
               index_sizes: dict[str, tuple[int, str]]) -> dict[str, Any]:
     embedded_queries, total_queries = version_store.query_coverage(row.id, session=session)
+    calibration = calibrations.current_in(session, row)
     if row.version in index_sizes:
         size, factory = index_sizes[row.version]
         index = {"state": "built", "size": size, "factory": factory}
@@ -442,7 +466,19 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         "embedding": _job_state(row),
         "checkpoint_stored": version_store.has_checkpoint(row.id, session=session),
         "last_evaluation": row.last_evaluation,
+        "calibration": calibration.to_dict() if calibration is not None else None,
+        "decisions": _decisions(row.version, calibration),
     }
+
+
+def _decisions(version: str, calibration: calibrations.Calibration | None) -> str:
+    """Whether the version serves decisions, in words."""
+    if calibration is None:
+        return f"none: {calibrations.no_decision_reason(version, None, None)}"
+    option = calibration.search_option()
+    return (f"known when the top score is >= {calibration.threshold:.6g} ({option}; target "
+            f"FPIR {calibration.target_fpir:g}, measured {calibration.fpir:.4g} with FNIR "
+            f"{calibration.fnir:.4g} on query set {calibration.query_set!r})")
 
 
 def _saved_index(data_dir: str | Path, version: str) -> dict[str, Any]:
@@ -504,6 +540,27 @@ def evaluate_recorded(searcher: Any, query_set: str, *,
     return result
 
 
+def fnir_comparison(a: Evaluation, b: Evaluation, fpir: float) -> dict[str, Any]:
+    """B's FNIR against A's at each one's threshold for ``fpir``, paired over the queries of
+    two open-set evaluations of one query set (:func:`imgret.index.open_set.fnir_comparison`),
+    with the versions and the query set named.
+
+    Raises:
+        EvaluationError: not the same queries, or too few non-mated ones for ``fpir``.
+    """
+    if a.searches is None or b.searches is None:
+        raise EvaluationError("an FNIR comparison needs two evaluations with their searches")
+    try:
+        result = open_set_evaluation.fnir_comparison(
+            a.searches, b.searches, fpir, bootstrap=BOOTSTRAP, seed=SEED, min_effect=MIN_EFFECT)
+    except ValueError as exc:
+        raise EvaluationError(f"FNIR comparison on {a.report.get('query_set')!r}: {exc}") \
+            from None
+    result["a"]["version"] = a.report["model_version"]
+    result["b"]["version"] = b.report["model_version"]
+    return {"query_set": a.report.get("query_set"), **result}
+
+
 def comparison_report(a: Evaluation, b: Evaluation) -> dict[str, Any]:
     """Two :class:`imgret.index.evaluation.Evaluation` of one query set as ``/evaluate`` reports a
     comparison: ``{"a", "b", "difference", "verdict", "b_better", "a_better"}``, per metric
@@ -533,20 +590,42 @@ class Activation:
     comparison: dict[str, Any] | None
     changed: bool
     stragglers: int = 0
+    open_set: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"active": self.active, "previous": self.previous,
                 "comparison": self.comparison, "changed": self.changed,
-                "stragglers_embedded": self.stragglers}
+                "stragglers_embedded": self.stragglers, "open_set": self.open_set}
 
 
 Compare = Callable[[str, str, str], dict[str, Any]]
+# (active, candidate, query set, the candidate's calibration) -> :func:`fnir_comparison`.
+CompareFnir = Callable[[str, str, str, calibrations.Calibration], dict[str, Any]]
+
+
+def requirements_of(require: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The gate's requirements as a tuple: at most one retrieval verdict (``better`` or
+    ``not_worse``) and, or, ``fnir_not_worse``.
+
+    Raises:
+        ActivationRefused: an unknown requirement, or both retrieval verdicts.
+    """
+    given = (require,) if isinstance(require, str) else tuple(require or ())
+    unknown = [r for r in given if r not in REQUIREMENTS]
+    if unknown:
+        raise ActivationRefused(f"require must be one of {', '.join(REQUIREMENTS)}, not "
+                                f"{unknown[0]!r}")
+    if len({r for r in given if r in RETRIEVAL_REQUIREMENTS}) > 1:
+        raise ActivationRefused("require: give one of better or not_worse (better implies "
+                                "not_worse)")
+    return tuple(dict.fromkeys(given))
 
 
 def activate(
     version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
-    media: MediaBackend, embedder: Embedder, require: str | None = None,
+    media: MediaBackend, embedder: Embedder, require: str | Sequence[str] | None = None,
     query_set: str | None = None, compare: Compare | None = None,
+    compare_fnir: CompareFnir | None = None,
     prepare_index: Callable[[str], Any] | None = None, reason: str = "activate",
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> Activation:
@@ -554,7 +633,11 @@ def activate(
 
     Args:
         embedder: the version's model (for the items added since its re-embedding).
-        require: ``"better"`` or ``"not_worse"`` (needs ``query_set`` and ``compare``).
+        require: ``"better"`` or ``"not_worse"`` (needs ``query_set`` and ``compare``),
+            ``"fnir_not_worse"`` (needs ``query_set``, ``compare_fnir`` and a calibration of
+            ``version``), or a sequence of them (:func:`requirements_of`).
+        compare_fnir: ``compare_fnir(active, candidate, query_set, calibration)`` ->
+            :func:`fnir_comparison` at the calibration's target FPIR.
         compare: ``compare(active, candidate, query_set)`` -> the paired comparison
             (``imgret.index.evaluation.compare_versions`` of both evaluations, with verdicts).
         prepare_index: opens (loads or builds) the version's index before the switch.
@@ -565,8 +648,7 @@ def activate(
         ActivationRefused: no stored checkpoint, coverage far from complete, or the verdict
             does not satisfy ``require``.
     """
-    if require not in (None, "better", "not_worse"):
-        raise ActivationRefused(f"require must be better or not_worse, not {require!r}")
+    requirements = requirements_of(require)
     with session_factory() as session:
         row = _get(session, version)
         active = store.active_model_version(session=session)
@@ -587,15 +669,30 @@ def activate(
             f"model version {version} covers {cov.embedded} of {cov.live} live items; "
             f"re-embed first (POST /models/{version}/embed or imgret models embed {version})"
         )
-    comparison = None
-    if require is not None:
-        if not query_set or compare is None or active_name is None:
+    comparison = open_set = None
+    for requirement in requirements:
+        if not query_set or active_name is None:
             raise ActivationRefused("require needs query_set (and an active version to beat)")
-        comparison = compare(active_name, version, query_set)
-        allowed, why = gate(comparison, require)
+        if requirement in RETRIEVAL_REQUIREMENTS:
+            if compare is None:
+                raise ActivationRefused(f"require={requirement} needs a comparison")
+            comparison = compare(active_name, version, query_set)
+            allowed, why = gate(comparison, requirement)
+        else:
+            with session_factory() as session:
+                calibration = calibrations.current_in(session, _get(session, version))
+            if calibration is None:
+                raise ActivationRefused(
+                    f"require={FNIR_NOT_WORSE} compares FNIR at the candidate's calibrated "
+                    f"FPIR, and {version} has no calibration: calibrate it first (POST "
+                    f"/models/{version}/calibrate or imgret models calibrate {version})")
+            if compare_fnir is None:
+                raise ActivationRefused(f"require={FNIR_NOT_WORSE} needs an FNIR comparison")
+            open_set = compare_fnir(active_name, version, query_set, calibration)
+            allowed, why = open_set_evaluation.fnir_gate(open_set)
         if not allowed:
-            raise ActivationRefused(f"activation refused (require={require}): {why}",
-                                    comparison)
+            raise ActivationRefused(f"activation refused (require={requirement}): {why}",
+                                    comparison, open_set)
     # Stragglers (items added since the re-embedding), outside any lock first...
     caught_up = embed_missing(version, session_factory=session_factory, media=media,
                               embedder=embedder, max_pixels=max_pixels,
@@ -619,10 +716,12 @@ def activate(
         # The previous version served until now, so every item so far has its vector too
         # (writes check it): both are covered through the newest item.
         version_store.switch_active(row, session=session, reason=reason,
-                                    gate=_gate_summary(comparison, require, query_set))
+                                    gate=_gate_summary(comparison, open_set, requirements,
+                                                       query_set))
     logger.info("%s: %s is active (was %s; %d items embedded during the switch)", reason,
                 version, active_name, caught_up)
-    return Activation(version, active_name, comparison, changed=True, stragglers=caught_up)
+    return Activation(version, active_name, comparison, changed=True, stragglers=caught_up,
+                      open_set=open_set)
 
 
 def previous_version(*, session_factory: sessionmaker[Session]) -> str:
@@ -672,6 +771,13 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
     logger.info("deleted model version %s", version)
 
 
+def served_state(*, session_factory: sessionmaker[Session]) -> tuple[str | None, int | None]:
+    """``(active version, id of its newest calibration)`` (see
+    :func:`imgret.index.version_store.served_state`)."""
+    with session_factory() as session:
+        return version_store.served_state(session=session)
+
+
 def active_version(*, session_factory: sessionmaker[Session]) -> str | None:
     """The name of the active version (``None`` on an empty database)."""
     with session_factory() as session:
@@ -689,9 +795,16 @@ def history(*, session_factory: sessionmaker[Session], limit: int = 20) -> list[
                  "at": as_utc(r.created_at), "gate": r.gate} for r in rows]
 
 
-def _gate_summary(comparison: dict[str, Any] | None, require: str | None,
-                  query_set: str | None) -> dict[str, Any] | None:
-    if comparison is None:
+def _gate_summary(comparison: dict[str, Any] | None, open_set: dict[str, Any] | None,
+                  requirements: tuple[str, ...], query_set: str | None) -> dict[str, Any] | None:
+    if comparison is None and open_set is None:
         return None
-    return {"require": require, "query_set": query_set, "verdict": comparison.get("verdict")}
+    retrieval = [r for r in requirements if r in RETRIEVAL_REQUIREMENTS]
+    summary: dict[str, Any] = {"require": retrieval[0] if retrieval else None,
+                               "query_set": query_set,
+                               "verdict": comparison.get("verdict") if comparison else None}
+    if open_set is not None:
+        summary["fnir"] = {key: open_set[key] for key in ("fpir", "difference", "ci95",
+                                                          "verdict")}
+    return summary
 

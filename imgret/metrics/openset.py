@@ -200,12 +200,16 @@ def _cluster_weights(group: np.ndarray, resamples: int, seed: int) -> np.ndarray
     n_groups = int(inverse.max()) + 1 if len(inverse) else 0
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, n_groups, size=(resamples, n_groups))
+    if not resamples:
+        return np.zeros((0, len(group)))
     counts = np.stack([np.bincount(d, minlength=n_groups) for d in draws])
     return counts[:, inverse].astype(np.float64)
 
 
 def _interval(values: list[float | None]) -> list[float] | None:
     kept = np.array([v for v in values if v is not None], dtype=np.float64)
+    if not len(values):
+        return None  # no resamples asked for
     # A resample that cannot resolve the rate says the interval cannot be trusted either.
     if len(kept) < 0.95 * len(values):
         return None
@@ -221,7 +225,8 @@ def _weighted_share_below(sorted_scores: np.ndarray, cum_weights: np.ndarray,
 
 def open_set_report(searches: OpenSetSearches, *, fpirs: Sequence[float] = DEFAULT_RATES,
                     resamples: int = 1000, seed: int = 0) -> dict:
-    """Every open-set figure of the searches, each with its bootstrap 95% interval.
+    """Every open-set figure of the searches, each with its bootstrap 95% interval (``None``
+    with ``resamples=0``).
 
     Returns:
         ``{"mated": n, "non_mated": n, "operating_points": [{"fpir": f, "threshold", "fnir",
@@ -234,8 +239,8 @@ def open_set_report(searches: OpenSetSearches, *, fpirs: Sequence[float] = DEFAU
     if not n_mated or not n_non:
         raise ValueError("an open-set evaluation needs mated and non-mated searches "
                          f"(got {n_mated} mated, {n_non} non-mated)")
-    if resamples < 1:
-        raise ValueError("resamples must be >= 1")
+    if resamples < 0:
+        raise ValueError("resamples must be >= 0 (0: no intervals)")
     weights = _cluster_weights(searches.group, resamples, seed)
     non_scores = searches.top_score[~mated]
     mate_order = np.argsort(searches.mate_score[mated], kind="stable")
@@ -284,9 +289,17 @@ def verification_report(genuine: np.ndarray, impostor: np.ndarray, *,
                         fars: Sequence[float] = DEFAULT_RATES, resamples: int = 1000,
                         seed: int = 0) -> dict:
     """TAR at each FAR from pair scores, with a bootstrap interval over the queries the pairs
-    come from (``*_group``: the query index of each pair; a query's pairs move together)."""
+    come from (``*_group``: the query, or the query's identity, of each pair; a group's pairs
+    move together).
+
+    The impostor scores are sorted once: a resample only re-weighs them, and only the top of
+    the sorted list can hold a threshold (at most a ``max(fars)`` share of the weight lies
+    above it), so each resample sums the weights of that top part alone (the whole list when
+    a heavy resample needs more). Same numbers as :func:`threshold_at_rate` per resample.
+    """
     genuine = np.asarray(genuine, dtype=np.float64)
     impostor = np.asarray(impostor, dtype=np.float64)
+    fars = [_check_rate(far, "a target FAR") for far in fars]
     groups = np.concatenate([genuine_group, impostor_group])
     _, inverse = np.unique(groups, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if len(inverse) else 0
@@ -294,20 +307,85 @@ def verification_report(genuine: np.ndarray, impostor: np.ndarray, *,
     rng = np.random.default_rng(seed)
     counts = [np.bincount(rng.integers(0, n_groups, n_groups), minlength=n_groups)
               for _ in range(resamples)]
+    order = np.argsort(-impostor, kind="stable")
+    sorted_impostor, sorted_group = impostor[order], i_idx[order]
+    # The top share of the sorted impostors that a threshold lies in for every resample but
+    # a rare heavy one (twice the largest FAR, plus slack for small sets).
+    head = min(len(impostor), int(np.ceil(2 * max(fars, default=0) * len(impostor))) + 64)
+    boot: dict[float, list[float | None]] = {far: [] for far in fars}
+    for c in counts:
+        wg = c[g_idx].astype(np.float64)
+        total = float(c[i_idx].sum()) if len(i_idx) else 0.0
+        cum = np.cumsum(c[sorted_group[:head]], dtype=np.float64)
+        for far in fars:
+            t = None
+            if total and total * far >= 1.0 and wg.sum():
+                allowed = np.floor(far * total + 1e-9)
+                if not len(cum) or cum[-1] <= allowed:
+                    cum = np.cumsum(c[sorted_group], dtype=np.float64)
+                k = int(np.searchsorted(cum, allowed, side="right"))
+                t = float(np.nextafter(sorted_impostor[k], np.inf))
+            boot[far].append(None if t is None else float(wg[genuine >= t].sum() / wg.sum()))
     out = []
     for far in fars:
-        far = _check_rate(far, "a target FAR")
         value = tar_at_far(genuine, impostor, far)
         if value is None:
             out.append({"far": far, "tar": None,
                         "note": f"needs >= {int(np.ceil(1 / far))} different-label pairs, "
                                 f"has {len(impostor)}"})
             continue
-        boot: list[float | None] = []
-        for c in counts:
-            wg, wi = c[g_idx].astype(np.float64), c[i_idx].astype(np.float64)
-            t = threshold_at_rate(impostor, far, wi) if wi.sum() else None
-            boot.append(None if t is None or not wg.sum()
-                        else float(wg[genuine >= t].sum() / wg.sum()))
-        out.append({"far": far, "tar": {"value": value, "ci95": _interval(boot)}})
+        out.append({"far": far, "tar": {"value": value, "ci95": _interval(boot[far])}})
     return {"genuine_pairs": len(genuine), "impostor_pairs": len(impostor), "points": out}
+
+
+def paired_fnir_difference(a: OpenSetSearches, b: OpenSetSearches, fpir: float, *,
+                           resamples: int = 1000, seed: int = 0) -> dict:
+    """FNIR of ``b`` minus FNIR of ``a`` on the same searches, each at its own threshold for
+    the target ``fpir``, with a paired bootstrap 95% interval.
+
+    Every resample draws identities once for both sides (``a.group``) and re-derives both
+    thresholds from the resampled non-mated searches, so the interval carries the uncertainty
+    of each threshold as well as that of the misses, while the between-identity variance
+    that both sides share cancels.
+
+    Returns:
+        ``{"fpir", "a": {"threshold", "fnir"}, "b": {...}, "difference", "ci95",
+        "num_paired", "mated", "non_mated"}`` (``ci95`` ``None`` when too many resamples
+        cannot resolve the rate).
+
+    Raises:
+        ValueError: searches that are not the same ones (count, mated flags, groups), a set
+            without mated or non-mated searches, or too few non-mated searches for ``fpir``.
+    """
+    fpir = _check_rate(fpir, "the target FPIR")
+    if (len(a.mated) != len(b.mated) or not np.array_equal(a.mated, b.mated)
+            or not np.array_equal(a.group, b.group)):
+        raise ValueError("a paired comparison needs the same searches on both sides")
+    mated = a.mated
+    n_mated, n_non = int(mated.sum()), int((~mated).sum())
+    if not n_mated or not n_non:
+        raise ValueError("an open-set comparison needs mated and non-mated searches "
+                         f"(got {n_mated} mated, {n_non} non-mated)")
+    thresholds = [threshold_at_fpir(s, fpir) for s in (a, b)]
+    if thresholds[0] is None or thresholds[1] is None:
+        raise ValueError(f"FPIR {fpir:g} needs >= {int(np.ceil(1 / fpir))} non-mated "
+                         f"searches, has {n_non}")
+    fnirs = [fnir_at(s, t) for s, t in zip((a, b), thresholds, strict=True)]
+    boot: list[float | None] = []
+    for w in _cluster_weights(a.group, resamples, seed):
+        w_non, w_mate = w[~mated], w[mated]
+        if not w_mate.sum():
+            boot.append(None)
+            continue
+        rates = []
+        for s in (a, b):
+            t = threshold_at_rate(s.top_score[~mated], fpir, w_non) if w_non.sum() else None
+            if t is None:
+                break
+            rates.append(float(w_mate[s.mate_score[mated] < t].sum() / w_mate.sum()))
+        boot.append(rates[1] - rates[0] if len(rates) == 2 else None)
+    return {"fpir": fpir,
+            "a": {"threshold": thresholds[0], "fnir": fnirs[0]},
+            "b": {"threshold": thresholds[1], "fnir": fnirs[1]},
+            "difference": fnirs[1] - fnirs[0], "ci95": _interval(boot),
+            "num_paired": len(mated), "mated": n_mated, "non_mated": n_non}

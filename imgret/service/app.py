@@ -33,6 +33,7 @@ from imgret.service.routers import (
     evaluate,
     gallery,
     health,
+    identify,
     metrics,
     models,
     query_sets,
@@ -74,7 +75,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = service_metrics
     install_error_handlers(app)
-    for module in (health, search, gallery, evaluate, models, query_sets, metrics, ui, admin):
+    for module in (health, search, identify, gallery, evaluate, models, query_sets, metrics,
+                   ui, admin):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

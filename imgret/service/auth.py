@@ -63,7 +63,7 @@ from imgret.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # POST routes that only read (a query image travels in the body).
-READ_ONLY_POSTS = frozenset({"/search", "/search/batch"})
+READ_ONLY_POSTS = frozenset({"/search", "/search/batch", "/identify"})
 API_KEY_HEADER = "X-API-Key"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 

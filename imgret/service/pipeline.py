@@ -23,6 +23,7 @@ from imgret.images import (
     preprocess_encoded,
     probe_image,
 )
+from imgret.index.calibration import Calibration, Decision, decide, no_decision_reason
 from imgret.index.search import Hit, Searcher, SearchFilter
 from imgret.index.search.rerank import Rerank, index_searches
 from imgret.index.search.threads import limit_pthreads_blas, yielding_to
@@ -37,16 +38,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Serving:
-    """The served model version: its model and its index, always used together.
+    """The served model version: its model, its index and its decision threshold, always
+    used together.
 
     A switch (``POST /models/{v}/activate``, or the follower seeing another process's switch)
     replaces the whole object, and each batch reads it once, so no query is ever embedded by
-    one version and searched in another's index.
+    one version and searched in another's index, and no decision applies one version's
+    threshold to another's scores. A new calibration of the served version replaces it too
+    (same model and index, the new threshold).
+
+    Attributes:
+        calibration: the version's newest calibration (``None``: it serves no decisions).
     """
 
     version: str
     embedder: Embedder
     searcher: Searcher
+    calibration: Calibration | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,28 @@ class Answer:
 
     hits: list[Hit]
     serving: Serving
+
+
+def top_candidate(answer: Answer) -> tuple[str, float] | None:
+    """``(label, score)`` of the answer's best hit still in its index (a hit deleted while
+    the query was in flight is skipped, as the response skips it), or ``None``."""
+    for hit in answer.hits:
+        info = answer.serving.searcher.info(hit.id)
+        if info is not None:
+            return info.label, hit.score
+    return None
+
+
+def decision(answer: Answer, top: tuple[str, float] | None,
+             rerank: Rerank | None) -> tuple[Decision | None, str | None]:
+    """The decision on an answer whose best returned hit is ``top``, under the calibration
+    of the version that produced it (threshold and scores of one version, whatever switch
+    happened since), or ``(None, why not)`` (:mod:`imgret.index.calibration`)."""
+    serving = answer.serving
+    reason = no_decision_reason(serving.version, serving.calibration, rerank)
+    if reason is not None or serving.calibration is None:
+        return None, reason
+    return decide(serving.calibration, top), None
 
 
 @dataclass(frozen=True)

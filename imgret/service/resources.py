@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
+from imgret.index import calibration as calibrations
 from imgret.index import reembed, versions
 from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.index.gc import sweep_media
@@ -156,14 +158,21 @@ class Resources:
         return searcher
 
     def serve(self, version: str) -> Serving:
-        """Switch this process to ``version``: load its model and index first, then replace
-        :attr:`serving` in one assignment (a batch in flight finishes with the old pair).
-        The version served before becomes one of the bounded others in :attr:`loaded`."""
+        """Switch this process to ``version``: load its model, index and calibration first,
+        then replace :attr:`serving` in one assignment (a batch in flight finishes with the
+        old ones). The version served before becomes one of the bounded others in
+        :attr:`loaded`. Serving the same version again takes up its newest calibration."""
         with self._switch_lock:
-            if self.serving.version != version:
+            calibration = calibrations.current(version, session_factory=self.sessions)
+            if self.serving.version == version:
+                if _calibration_id(self.serving.calibration) != _calibration_id(calibration):
+                    self.serving = dataclasses.replace(self.serving, calibration=calibration)
+                    logger.info("model version %s now decides at threshold %s", version,
+                                calibration.threshold if calibration else None)
+            else:
                 embedder = self.embedder_for(version)
                 searcher = self.searcher_for(version)
-                self.serving = Serving(version, embedder, searcher)
+                self.serving = Serving(version, embedder, searcher, calibration)
                 # Kept (again, should the bounds have dropped them while loading) as the
                 # served pair; the old one may be dropped now.
                 self.embedders[version] = embedder
@@ -173,13 +182,16 @@ class Resources:
             return self.serving
 
     def follow_active(self) -> bool:
-        """Serve the database's active version if another process switched it.
+        """Serve the database's active version if another process switched it, and its
+        newest calibration if one was made since.
 
         Returns:
-            Whether this process switched.
+            Whether this process switched (version or threshold).
         """
-        active = versions.active_version(session_factory=self.sessions)
-        if active is None or active == self.serving.version:
+        active, calibration_id = versions.served_state(session_factory=self.sessions)
+        serving = self.serving
+        if active is None or (active == serving.version
+                              and calibration_id == _calibration_id(serving.calibration)):
             return False
         self.serve(active)
         return True
@@ -201,6 +213,10 @@ class Resources:
         if self.jobs is not None:
             self.jobs.stop()
         self.engine.dispose()
+
+
+def _calibration_id(calibration: calibrations.Calibration | None) -> int | None:
+    return calibration.id if calibration is not None else None
 
 
 class EmbedJobs:
@@ -378,7 +394,8 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
         engine=engine,
         sessions=sessions,
         media=media,
-        serving=Serving(active, embedder, searcher),
+        serving=Serving(active, embedder, searcher,
+                        calibrations.current(active, session_factory=sessions)),
         batcher=batcher,
         metrics=metrics,
         embedders=embedders,

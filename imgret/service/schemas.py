@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from imgret.index.evaluation import MIN_EFFECT
+from imgret.index.open_set import OpenSetRequest
 from imgret.index.search import SearchFilter
 from imgret.index.search.rerank import (
     ALPHA_MAX,
@@ -49,6 +50,8 @@ from imgret.service.request_rules import (
 
 K_MAX = 1000
 WORST_MAX = 100
+FPIRS_MAX = 10
+UNKNOWN_LABELS_MAX = 1000
 ID_MAX = 2**63 - 1
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 
@@ -82,19 +85,54 @@ class SearchHit(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class DecisionOut(BaseModel):
+    """Who the query is under the answering version's calibration: the top result's label
+    when its score reaches the threshold (``known``), else nobody (``label`` null)."""
+
+    label: str | None = Field(description="the top result's label when known, else null")
+    score: float | None = Field(description="the top result's score (null: no result)")
+    threshold: float = Field(description="the calibrated threshold of the version that "
+                                         "produced the scores")
+    known: bool
+
+
+_DECISION_NOTE = Field(None, description="why there is no decision (the version has no "
+                                         "calibration, or this search's re-ranking is not "
+                                         "the one it was calibrated with)")
+
+
 class SearchResponse(BaseModel):
-    """The neighbours of one query, best first."""
+    """The neighbours of one query, best first, and the decision on the top one."""
 
     results: list[SearchHit]
     took_ms: float
     model_version: str
+    decision: DecisionOut | None = Field(None, description="null: see decision_note")
+    decision_note: str | None = _DECISION_NOTE
 
 
 class SearchBatchResponse(BaseModel):
-    """The neighbours of each query, in request order, each list best first."""
+    """The neighbours of each query, in request order, each list best first, and a decision
+    per query."""
 
     results: list[list[SearchHit]]
     took_ms: float
+    model_version: str
+    decisions: list[DecisionOut] | None = Field(
+        None, description="one per query, in order; null: see decision_note")
+    decision_note: str | None = _DECISION_NOTE
+
+
+class IdentifyResponse(BaseModel):
+    """Who is in the image, or nobody: the top gallery match when its score reaches the
+    served version's calibrated threshold."""
+
+    label: str = Field(description="the identity, or \"unknown\" (see known)")
+    known: bool = Field(description="false: nobody the gallery holds (label is \"unknown\")")
+    score: float | None = Field(description="the best match's score (null: empty gallery)")
+    threshold: float
+    margin: float | None = Field(description="score - threshold: how far above (or, "
+                                             "negative, below) the threshold")
     model_version: str
 
 
@@ -287,6 +325,14 @@ class ImageSearchForm(SearchForm):
         return self
 
 
+class IdentifyForm(BaseModel):
+    """``POST /identify``'s form: one query image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: UploadFile = Field(description="the query image")
+
+
 class BatchSearchForm(SearchForm):
     """``POST /search/batch``'s form: several query images."""
 
@@ -364,11 +410,43 @@ class EvaluateOptions(RerankRequest):
         )
     )
     worst: int = Field(0, ge=0, le=WORST_MAX, description="list the n worst queries")
+    open_set: bool | None = Field(
+        None, description="the open_set section (FPIR/FNIR at thresholds, TAR@FAR): true "
+                          "requires it (422 unless the queries are both mated and "
+                          "non-mated), false leaves it out; default: added when they are both")
+    fpirs: list[float] | None = Field(
+        None, min_length=1, max_length=FPIRS_MAX,
+        description="target FPIRs of the open-set operating points (and FARs of TAR@FAR), "
+                    "each in (0, 1); default 0.1, 0.01, 0.001")
+    unknown_labels: list[Label] | None = Field(
+        None, min_length=1, max_length=UNKNOWN_LABELS_MAX,
+        description="query labels declared unknown: each must be a label of the query set "
+                    "with no gallery item (422 otherwise); implies open_set")
 
     @field_validator("k")
     @classmethod
     def _check_k(cls, value: list[int] | None) -> list[int] | None:
         return None if value is None else check_ks(value)
+
+    @field_validator("fpirs")
+    @classmethod
+    def _check_fpirs(cls, value: list[float] | None) -> list[float] | None:
+        return None if value is None else check_fpirs(value)
+
+    @model_validator(mode="after")
+    def _check_open_set(self) -> EvaluateOptions:
+        if self.open_set is False and (self.unknown_labels or self.fpirs):
+            raise ValueError("open_set is false: send it without "
+                             f"{'unknown_labels' if self.unknown_labels else 'fpirs'}")
+        return self
+
+    def open_set_request(self) -> OpenSetRequest:
+        """The open-set options these fields name."""
+        return OpenSetRequest(
+            enabled=self.open_set,
+            **({"fpirs": tuple(self.fpirs)} if self.fpirs else {}),
+            unknown_labels=tuple(self.unknown_labels or ()),
+        )
 
     @model_validator(mode="after")
     def _check_compare(self) -> EvaluateOptions:
@@ -445,6 +523,20 @@ class EvaluateUpload(EvaluateOptions):
                 raise ValueError(f"k must be between 1 and {K_MAX}, got {part[:20]}...")
         return [int(part) for part in parts] or None
 
+    fpirs: list[float] | None = Field(
+        None, min_length=1, max_length=FPIRS_MAX,
+        description="target FPIRs, repeated or as one comma-separated value, each in (0, 1); "
+                    "default 0.1, 0.01, 0.001")
+
+    @field_validator("fpirs", mode="before")
+    @classmethod
+    def _split_fpirs(cls, value: Any) -> Any:
+        """``fpirs=0.1,0.01`` and ``fpirs=0.1&fpirs=0.01`` alike."""
+        if not isinstance(value, list):
+            return value
+        parts = [part.strip() for v in value for part in str(v).split(",") if part.strip()]
+        return parts or None
+
     @field_validator("compare", mode="before")
     @classmethod
     def _two_versions(cls, value: Any) -> Any:
@@ -467,6 +559,18 @@ class EvaluateUpload(EvaluateOptions):
         if self.compare is not None:
             return list(self.compare)
         return [self.model_version] if self.model_version is not None else []
+
+
+def check_fpirs(values: list[float]) -> list[float]:
+    """Sorted unique target rates, each in the open interval (0, 1).
+
+    Raises:
+        ValueError: a value out of range (0 and 1 included: no threshold holds them).
+    """
+    bad = [v for v in values if not 0.0 < v < 1.0]
+    if bad:
+        raise ValueError(f"fpirs must each lie in (0, 1), got {bad[:5]}")
+    return sorted(set(values), reverse=True)
 
 
 def check_ks(values: list[int]) -> list[int]:
@@ -522,6 +626,70 @@ class LabelMetrics(BaseModel):
     )
 
 
+class Estimate(BaseModel):
+    """A figure and its bootstrap 95% interval (resampling identities)."""
+
+    value: float
+    ci95: list[float] | None = Field(
+        description="[low, high]; null when too many resamples cannot resolve the rate")
+
+
+class OperatingPoint(BaseModel):
+    """The open-set figures at the threshold that holds FPIR at a target."""
+
+    fpir: float = Field(description="the target FPIR")
+    threshold: Estimate | None = Field(description="the lowest score threshold whose FPIR "
+                                                   "is <= the target; null: too few "
+                                                   "non-mated queries (see note)")
+    fnir: Estimate | None = Field(description="mated queries whose identity is not returned "
+                                              "at or above the threshold")
+    rank1_identification: Estimate | None = Field(
+        description="mated queries whose top candidate is a mate at or above the threshold")
+    fpir_measured: Estimate | None = Field(description="non-mated queries with any candidate "
+                                                       "at or above the threshold")
+    note: str | None = None
+
+
+class DetCurve(BaseModel):
+    """FNIR against FPIR over thresholds (null: above every score)."""
+
+    threshold: list[float | None]
+    fpir: list[float]
+    fnir: list[float]
+
+
+class TarPoint(BaseModel):
+    far: float
+    tar: Estimate | None
+    note: str | None = None
+
+
+class Verification(BaseModel):
+    """TAR@FAR from the scores of query-candidate pairs (same label: genuine)."""
+
+    genuine_pairs: int
+    impostor_pairs: int
+    points: list[TarPoint]
+
+
+class OpenSetReport(BaseModel):
+    """Open-set decisions on the query set: mated queries (label in the gallery) and
+    non-mated ones (identities the gallery does not hold), NIST FRVT 1:N's FPIR / FNIR and
+    IJB-C's TAR@FAR (docs/evaluation.md)."""
+
+    mated: int
+    non_mated: int
+    resamples: int
+    operating_points: list[OperatingPoint]
+    det: DetCurve
+    depth: int = Field(description="candidates per query (a mate below it is a miss)")
+    pairs: str = Field(description="which query-candidate pairs TAR@FAR scores: all, or "
+                                   "top-K (pairs beyond them are not scored)")
+    unknown_labels: list[str]
+    verification: Verification | None
+    note: str
+
+
 class EvaluationReport(BaseModel):
     """Retrieval metrics of a labelled query set, ranked through the serving index.
 
@@ -558,6 +726,9 @@ class EvaluationReport(BaseModel):
         default_factory=list, description="one entry per query label, lowest map_at_r first"
     )
     worst: list[WorstQuery] | None = None
+    open_set: OpenSetReport | None = Field(
+        None, description="open-set decisions; present when the queries are both mated and "
+                          "non-mated, or when asked for")
 
 
 Verdict = Literal["better", "worse", "no detectable difference"]
@@ -637,6 +808,34 @@ class QueryCoverage(BaseModel):
     total: int
 
 
+class CalibrationInfo(BaseModel):
+    """A version's decision threshold and what it was measured on."""
+
+    id: int
+    version: str
+    query_set: str
+    query_set_sha256: str = Field(description="SHA-256 over the query items' [id, sha256, "
+                                              "label], in id order")
+    target_fpir: float
+    threshold: float
+    threshold_ci95: list[float] | None
+    fpir: float = Field(description="FPIR measured at the threshold on the query set")
+    fnir: float = Field(description="FNIR measured at the threshold on the query set")
+    rerank: dict[str, Any] | None = Field(description="the re-ranking it was calibrated with "
+                                                      "(null: plain search)")
+    details: dict[str, Any]
+    created_at: datetime | None
+
+
+class CalibrateRequest(RerankRequest):
+    """``POST /models/{v}/calibrate``: the query set (with identities the gallery does not
+    hold) and the FPIR the threshold must hold; re-ranking fields calibrate re-ranked
+    search."""
+
+    query_set: SafeText = Field(min_length=1, max_length=NAME_MAX)
+    target_fpir: float = Field(gt=0.0, lt=1.0, description="in (0, 1), e.g. 0.01")
+
+
 class ModelInfo(BaseModel):
     """One model version: what it is, how much of the gallery it covers, whether it serves."""
 
@@ -652,6 +851,8 @@ class ModelInfo(BaseModel):
     embedding: EmbeddingJob
     checkpoint_stored: bool
     last_evaluation: dict[str, Any] | None = None
+    calibration: CalibrationInfo | None = None
+    decisions: str = Field("", description="the decisions it serves, or none and why")
 
 
 class ModelList(BaseModel):
@@ -695,10 +896,19 @@ class ActivateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    require: Literal["better", "not_worse"] | None = Field(
+    require: (Literal["better", "not_worse", "fnir_not_worse"]
+              | list[Literal["better", "not_worse", "fnir_not_worse"]] | None) = Field(
         None, description="refuse (409) unless the paired verdict against the active version "
-                          "on query_set says so")
+                          "on query_set says so; fnir_not_worse (alone, or in a list beside "
+                          "better or not_worse): unless this version's FNIR at its "
+                          "calibrated FPIR is not worse")
     query_set: SafeText | None = Field(None, min_length=1, max_length=NAME_MAX)
+
+    def requirements(self) -> list[str] | None:
+        """``require`` as a list (``None``: not given)."""
+        if self.require is None:
+            return None
+        return [self.require] if isinstance(self.require, str) else list(self.require)
 
 
 class Switch(BaseModel):
@@ -710,6 +920,9 @@ class Switch(BaseModel):
     stragglers_embedded: int = Field(
         0, description="items added since the re-embedding, embedded during the switch")
     comparison: dict[str, Any] | None = None
+    open_set: dict[str, Any] | None = Field(
+        None, description="require=fnir_not_worse: both versions' FNIR at the calibrated "
+                          "FPIR, B - A with its paired 95% interval and the verdict")
 
 
 class QuerySetInfo(BaseModel):

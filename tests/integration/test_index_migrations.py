@@ -89,3 +89,61 @@ def test_concurrent_upgrades_of_a_fresh_sqlite_file_do_not_race(tmp_path) -> Non
     with multiprocessing.get_context("spawn").Pool(3) as pool:
         heads = pool.map(_upgrade_in_child, [(url, time.time() + 5.0)] * 3)
     assert len(set(heads)) == 1 and heads[0]
+
+
+def test_migration_0006_adds_the_calibrations_and_removes_them(db_url: str) -> None:
+    """0005 -> 0006 on a gallery with a version: the table appears empty (the version serves
+    no decisions), takes a calibration (on PostgreSQL its insert notifies the replicas'
+    channel), cascades with its version, and a downgrade removes it keeping the version."""
+    from alembic import command
+    from sqlalchemy import select, text
+
+    from imgret.index.db import alembic_config, make_sessionmaker
+    from imgret.index.models import ModelCalibration, ModelVersion
+    from imgret.index.notify import CHANNEL
+
+    command.upgrade(alembic_config(db_url), "0005")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(
+                "INSERT INTO model_versions (version, dim, config, is_active, created_at) "
+                "VALUES ('old-d16-000000000000', 16, '{}', true, CURRENT_TIMESTAMP)"))
+        assert "model_calibrations" not in inspect(engine).get_table_names()
+        assert upgrade_to_head(db_url) == current_revision(db_url)
+        assert "model_calibrations" in inspect(engine).get_table_names()
+        sessions = make_sessionmaker(engine)
+        listener = None
+        if engine.dialect.name == "postgresql":
+            import psycopg
+
+            listener = psycopg.connect(
+                engine.url.set(drivername="postgresql").render_as_string(hide_password=False),
+                autocommit=True)
+            listener.execute(f"LISTEN {CHANNEL}")
+        with sessions.begin() as session:
+            row = session.scalar(select(ModelVersion))
+            session.add(ModelCalibration(
+                model_version_id=row.id, query_set="q", query_set_sha256="0" * 64,
+                target_fpir=0.01, threshold=float.fromhex("0x1.6a09e667f3bcdp-1"),
+                fpir=0.009, fnir=0.2, details={}))
+        with sessions() as session:
+            # A double survives the round trip exactly: a search compares against it.
+            assert session.scalar(select(ModelCalibration.threshold)) == \
+                float.fromhex("0x1.6a09e667f3bcdp-1")
+        if listener is not None:
+            with listener:
+                notes = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
+            assert notes == ["model_calibrations"]
+        downgrade(db_url, "0005")
+        engine.dispose()
+        assert "model_calibrations" not in inspect(engine).get_table_names()
+        with engine.connect() as connection:
+            kept = connection.execute(text("SELECT version FROM model_versions")).scalars().all()
+        assert kept == ["old-d16-000000000000"]
+        upgrade_to_head(db_url)
+        engine.dispose()
+        with sessions() as session:
+            assert session.scalar(select(ModelCalibration.id)) is None
+    finally:
+        engine.dispose()

@@ -68,7 +68,11 @@ async def evaluate_query_set(
     Options: ``k`` (cut-offs, default 1,5,10), ``exclude_same_camera`` (re-ID rule),
     ``worst`` (the n worst queries with their top neighbours), ``rerank`` (+ its
     ``rerank_*`` parameters: rank with k-reciprocal re-ranking or query expansion, as
-    ``/search`` does; ``rerank_compare`` with JSON: plain (A) against re-ranked (B), paired).
+    ``/search`` does; ``rerank_compare`` with JSON: plain (A) against re-ranked (B), paired),
+    ``open_set`` / ``fpirs`` / ``unknown_labels`` (open-set decisions: queries whose label
+    the gallery does not hold are non-mated; the ``open_set`` section gives FNIR and the
+    threshold at each target FPIR, rank-1 identification, the DET curve and TAR@FAR, each
+    with a 95% interval; added by default when the queries are both mated and non-mated).
     A re-ranked evaluation is not kept as the version's last evaluation. The work runs on a
     thread of its own, which ends with it (its torch threads with it: imgret.process); the
     report says which protocol, re-ranking and model version produced it.
@@ -91,7 +95,7 @@ async def evaluate_query_set(
             version_evaluation.evaluate_uploaded, resources, images, upload.labels,
             cameras=upload.cameras, model_versions=upload.version_names(), k=upload.k,
             exclude_same_camera=upload.exclude_same_camera, worst=upload.worst,
-            rerank=upload.rerank_option(),
+            rerank=upload.rerank_option(), open_set=upload.open_set_request(),
         )
         return await anyio.to_thread.run_sync(in_own_thread, evaluate)
     raise HTTPException(
@@ -112,4 +116,5 @@ def _evaluate_named(resources: Resources, options: EvaluateRequest) -> dict[str,
         resources, options.query_set, a, b, k=options.k,
         exclude_same_camera=options.exclude_same_camera, worst=options.worst,
         rerank=options.rerank_option(), rerank_compare=options.rerank_compare,
+        open_set=options.open_set_request(),
     )

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Res
 from pydantic import ValidationError
 
 from imgret.index import versions
+from imgret.process import in_own_thread
 from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
 from imgret.service.limits import content_length
@@ -19,13 +20,19 @@ from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText
 from imgret.service.resources import Resources
 from imgret.service.schemas import (
     ActivateRequest,
+    CalibrateRequest,
+    CalibrationInfo,
     ModelInfo,
     ModelList,
     RegisterRequest,
     RegisterUpload,
     Switch,
 )
-from imgret.service.version_evaluation import compare_named
+from imgret.service.version_evaluation import (
+    calibrate_version,
+    compare_named,
+    compare_open_set,
+)
 
 router = APIRouter(prefix="/models", tags=["models"])
 
@@ -194,15 +201,39 @@ async def embed_model(version: VersionPath, resources: ResourcesDep) -> ModelInf
 
 
 @router.post(
+    "/{version}/calibrate", dependencies=[Depends(require_api_key)],
+    responses={**_KEYED, 404: {"description": "no such model version or query set"},
+               422: {"description": "target_fpir outside (0, 1), an empty query set, one "
+                                    "without non-mated queries (identities the gallery does "
+                                    "not hold) or with too few for the target"}},
+)
+async def calibrate_model(version: VersionPath, body: CalibrateRequest,
+                          resources: ResourcesDep) -> CalibrationInfo:
+    """Set ``version``'s decision threshold: the open-set evaluation of the version on
+    ``query_set`` (through its index, as ``/evaluate``), the lowest threshold whose FPIR
+    there is at most ``target_fpir``, kept with the version (its interval, the FPIR and FNIR
+    measured at it, the set's content digest, the time). ``/search``, ``/search/batch`` and
+    ``/identify`` decide with it while the version serves; ``GET /models/{v}`` shows it.
+    """
+    result = await anyio.to_thread.run_sync(
+        in_own_thread, lambda: calibrate_version(resources, version, body.query_set,
+                                                 body.target_fpir,
+                                                 rerank=body.rerank_option()))
+    return CalibrationInfo.model_validate(result.to_dict())
+
+
+@router.post(
     "/{version}/activate", dependencies=[Depends(require_api_key)],
     responses={**_KEYED, **_NOT_FOUND,
-               409: {"description": "coverage incomplete, checkpoint not stored, or the "
-                                    "paired verdict does not satisfy `require` (the body has "
-                                    "the comparison)"}},
+               409: {"description": "coverage incomplete, checkpoint not stored, no "
+                                    "calibration for require=fnir_not_worse, or a paired "
+                                    "verdict that does not satisfy `require` (the body has "
+                                    "the comparison and, for FNIR, `open_set`)"}},
 )
 async def activate_model(
     version: VersionPath, request: Request, resources: ResourcesDep,
-    require: Annotated[Literal["better", "not_worse"] | None, Query()] = None,
+    require: Annotated[list[Literal["better", "not_worse", "fnir_not_worse"]] | None,
+                       Query(max_length=3)] = None,
     query_set: Annotated[SafeText | None, Query(min_length=1, max_length=NAME_MAX)] = None,
 ) -> Switch:
     """Serve ``version``: atomically, once its index is built and its coverage complete.
@@ -211,7 +242,11 @@ async def activate_model(
     query embedded by one version with another's index. ``require=better|not_worse`` with
     ``query_set=NAME`` (query string or JSON body) compares the active version and this one
     on that set first (paired bootstrap) and refuses with 409 and the comparison unless the
-    verdict says so. Other processes on the database follow within the follower interval.
+    verdict says so. ``require=fnir_not_worse`` (repeatable beside one of them) needs this
+    version's calibration and refuses unless its FNIR at the calibrated FPIR is not worse
+    than the active version's on ``query_set`` (paired bootstrap, each version at its own
+    threshold for that FPIR). Other processes on the database follow within the follower
+    interval.
     """
     body = await request.body()
     if body.strip():
@@ -222,14 +257,15 @@ async def activate_model(
         if (require or query_set) and (options.require or options.query_set):
             raise HTTPException(422, "give require/query_set in the query string or the body, "
                                      "not both")
-        require, query_set = options.require or require, options.query_set or query_set
-    if require is not None and query_set is None:
+        require = options.requirements() or require
+        query_set = options.query_set or query_set
+    if require and query_set is None:
         raise HTTPException(422, "require needs query_set (a stored query set to compare on)")
     return await anyio.to_thread.run_sync(_switch, resources, version, require, query_set,
                                           "activate")
 
 
-def _switch(resources: Resources, version: str | None, require: str | None,
+def _switch(resources: Resources, version: str | None, require: list[str] | None,
             query_set: str | None, reason: str) -> Switch:
     with _SWITCH:
         if version is None:
@@ -239,6 +275,8 @@ def _switch(resources: Resources, version: str | None, require: str | None,
             media=resources.media, embedder=resources.embedder_for(version), require=require,
             query_set=query_set,
             compare=lambda a, b, name: compare_named(resources, a, b, name),
+            compare_fnir=lambda a, b, name, calibration: compare_open_set(
+                resources, a, b, name, calibration),
             prepare_index=resources.searcher_for, reason=reason,
             max_pixels=resources.settings.max_image_pixels,
         )

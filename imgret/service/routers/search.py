@@ -26,15 +26,17 @@ from pydantic import BaseModel, Field, ValidationError
 
 from imgret.errors import ImageDecodeError
 from imgret.images import DecodeLimits, check_request_pixels
+from imgret.index.search.rerank import Rerank
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.limits import check_search_budget
-from imgret.service.pipeline import Answer, ImageQuery
+from imgret.service.pipeline import Answer, ImageQuery, decision
 from imgret.service.request_rules import InvalidRequest, WholeNumber, request_validation_error
 from imgret.service.schemas import (
     K_MAX,
     BatchSearchForm,
+    DecisionOut,
     ImageSearchForm,
     SearchBatchResponse,
     SearchForm,
@@ -86,7 +88,10 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     A request over the search budget (``imgret.service.limits``: ``k``, re-ranking candidates) gets
     422 before it is queued. ``score`` is the cosine similarity of unit embeddings: higher is
     better. ``model_version`` names the version whose model embedded the query and whose
-    index ranked it (always the same one).
+    index ranked it (always the same one). ``decision`` says who the query is under that
+    version's calibrated threshold: the top result's label when its score reaches it
+    (``known``), else nobody; null with ``decision_note`` when the version has no
+    calibration or was calibrated for another re-ranking.
     \f
     The path (not in the API description; the module docstring has each step): the form
     (:mod:`imgret.service.forms`) -> an :class:`~imgret.service.pipeline.ImageQuery` (or, by ``id``,
@@ -106,10 +111,13 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
             assert form.image is not None  # the form holds exactly one of them
             query = ImageQuery(await form.image.read(), k, filters, rerank=rerank)
             answer = await resources.batcher.submit(query)
+    hits = _public_hits(answer)
+    decided, note = _decision(answer, hits, rerank)
     return SearchResponse(
-        results=_public_hits(answer),
+        results=hits,
         took_ms=round((time.perf_counter() - start) * 1000, 3),
         model_version=answer.serving.version,
+        decision=decided, decision_note=note,
     )
 
 
@@ -121,7 +129,8 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     More files than ``IMGRET_SEARCH_BATCH_MAX_FILES``, or files whose headers together declare
     more pixels than ``IMGRET_MAX_REQUEST_PIXELS``, get 413 before any image is decoded; a
     request over the search budget (queries x ``k`` results, queries x re-ranking cost:
-    ``imgret.service.limits``) gets 422.
+    ``imgret.service.limits``) gets 422. ``decisions``: one per image, as ``/search``'s
+    ``decision`` (each with the threshold of the version that answered it).
     \f
     The path: as :func:`search_images`'s, each image one query in the same queue.
     """
@@ -160,11 +169,29 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
             503, "the served model version changed during this request; send it again",
             headers={"Retry-After": "1"},
         )
+    results = [_public_hits(answer) for answer in answers]
+    decided = [_decision(answer, hits, rerank) for answer, hits in zip(answers, results,
+                                                                       strict=True)]
+    notes = {note for _, note in decided if note is not None}
     return SearchBatchResponse(
-        results=[_public_hits(answer) for answer in answers],
+        results=results,
         took_ms=round((time.perf_counter() - start) * 1000, 3),
         model_version=versions.pop() if versions else resources.serving.version,
+        # One version answered every query (checked above): all have a decision, or none.
+        decisions=None if notes or not answers else [d for d, _ in decided if d is not None],
+        decision_note=notes.pop() if notes else None,
     )
+
+
+def _decision(answer: Answer, hits: list[SearchHit],
+              rerank: Rerank | None) -> tuple[DecisionOut | None, str | None]:
+    """The decision on the top of the hits the response lists, under the calibration of the
+    version that produced them (:func:`imgret.service.pipeline.decision`)."""
+    made, note = decision(answer, (hits[0].label, hits[0].score) if hits else None, rerank)
+    if made is None:
+        return None, note
+    return DecisionOut(label=made.label, score=made.score, threshold=made.threshold,
+                       known=made.known), None
 
 
 def _public_hits(answer: Answer) -> list[SearchHit]:

@@ -13,6 +13,7 @@ from imgret.metrics.openset import (
     fnir_at,
     fpir_at,
     open_set_report,
+    paired_fnir_difference,
     rank1_dir_at,
     tar_at_far,
     threshold_at_fpir,
@@ -168,3 +169,40 @@ def test_a_set_without_non_mated_searches_is_refused() -> None:
                                np.arange(3))
     with pytest.raises(ValueError, match="mated and non-mated"):
         open_set_report(searches)
+
+
+def _searches(top, mate, labels) -> OpenSetSearches:
+    mated = np.isfinite(mate)
+    return OpenSetSearches(np.asarray(top, float), np.asarray(mate, float),
+                           mated & (np.asarray(mate) == np.asarray(top)), mated,
+                           np.asarray(labels))
+
+
+def test_paired_fnir_difference_is_each_side_at_its_own_threshold() -> None:
+    rng = np.random.default_rng(4)
+    n = 400
+    labels = rng.integers(0, 80, n)
+    mated = labels < 40
+    top = rng.normal(0.5, 0.15, n) + 0.3 * mated
+    a = _searches(top, np.where(mated, top, -np.inf), labels)
+    # B: the same non-mated scores shifted up (a higher threshold), mates unchanged.
+    b_top = np.where(mated, top, top + 0.1)
+    b = _searches(b_top, np.where(mated, top, -np.inf), labels)
+    result = paired_fnir_difference(a, b, 0.1, resamples=300, seed=1)
+    assert result["a"]["threshold"] == threshold_at_fpir(a, 0.1)
+    assert result["b"]["threshold"] == threshold_at_fpir(b, 0.1) > result["a"]["threshold"]
+    assert result["difference"] == pytest.approx(
+        fnir_at(b, result["b"]["threshold"]) - fnir_at(a, result["a"]["threshold"]))
+    low, high = result["ci95"]
+    assert 0 < low <= result["difference"] <= high
+    same = paired_fnir_difference(a, a, 0.1, resamples=100)
+    assert same["difference"] == 0 and same["ci95"] == [0.0, 0.0]
+
+
+def test_paired_fnir_difference_refuses_other_searches() -> None:
+    a = _searches([0.9, 0.5, 0.4], [0.9, -np.inf, -np.inf], [0, 1, 2])
+    other = _searches([0.9, 0.5, 0.4], [0.9, -np.inf, -np.inf], [0, 1, 1])
+    with pytest.raises(ValueError, match="same searches"):
+        paired_fnir_difference(a, other, 0.5)
+    with pytest.raises(ValueError, match="needs >= 10 non-mated"):
+        paired_fnir_difference(a, a, 0.1)

@@ -1,0 +1,195 @@
+"""Does a calibrated threshold hold its false-accept rate on people it has never seen?
+
+One run on the glyph set (``imgret.training.data.glyphs``: each identity a CJK character,
+each image one font face with one distortion), identities split four ways and never shared:
+
+- **train**: 200 identities the model learns from (small_cnn, multi_similarity, a short run);
+- **enrolled**: 150 identities in the gallery (8 images each: every face, distortion 0);
+- **calibration unknowns**: 125 identities never enrolled; with 4 images of each enrolled
+  identity (other distortions) they form the calibration set "cal" (600 mated, 500
+  non-mated queries);
+- **fresh unknowns**: 125 more identities never enrolled nor calibrated on; with 4 other
+  images of each enrolled identity they form "fresh".
+
+Through the service in-process (SQLite, exact index): ``POST /models/{v}/calibrate`` at a
+target FPIR on "cal", then every "fresh" image goes through ``POST /identify``: the
+out-of-sample false-accept rate (fresh unknowns called known) and rank-1 identification
+(fresh enrolled images named correctly), each with a 95% bootstrap interval that resamples
+identities, beside the calibration's in-sample figures. The same for the untrained network
+(same architecture) as the baseline.
+
+Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.05] [--train-seconds 120]``
+(``--work`` keeps the rendered folders and the trained model between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from imgret.index.ingest import ingest_source
+from imgret.service.app import create_app
+from imgret.settings import Settings
+from imgret.training.data.glyphs import GlyphOptions, load_glyphs
+
+SPLIT = {"train": 200, "enrolled": 150, "cal_unknown": 125, "fresh_unknown": 125}
+PER_CLASS = 16  # 8 faces x 2 distortions
+FACES = 8
+RESAMPLES = 1000
+
+
+def _write(root: Path, glyphs, classes: np.ndarray, images: list[int]) -> Path:
+    for c in classes.tolist():
+        folder = root / str(glyphs.class_names[c])
+        folder.mkdir(parents=True, exist_ok=True)
+        for n in images:
+            Image.fromarray(glyphs.pixels[c * PER_CLASS + n]).save(folder / f"{n:02d}.png")
+    return root
+
+
+def build_folders(work: Path) -> dict[str, Path]:
+    """The four identity groups as ImageFolders (rendered once)."""
+    folders = {name: work / name for name in ("train", "gallery", "cal", "fresh")}
+    if all(path.is_dir() for path in folders.values()):
+        return folders
+    glyphs = load_glyphs(GlyphOptions(classes=sum(SPLIT.values()), per_class=PER_CLASS, seed=0))
+    order = np.random.default_rng(0).permutation(len(glyphs.codepoints))
+    groups, start = {}, 0
+    for name, size in SPLIT.items():
+        groups[name] = order[start:start + size]
+        start += size
+    _write(folders["train"], glyphs, groups["train"], list(range(PER_CLASS)))
+    _write(folders["gallery"], glyphs, groups["enrolled"], list(range(FACES)))
+    # Image n of a class: face n % 8, distortion n // 8. Mated queries: distortion 1, even
+    # faces for "cal", odd faces for "fresh"; unknowns: the same four images each.
+    _write(folders["cal"], glyphs, groups["enrolled"], [8, 10, 12, 14])
+    _write(folders["cal"], glyphs, groups["cal_unknown"], [8, 10, 12, 14])
+    _write(folders["fresh"], glyphs, groups["enrolled"], [9, 11, 13, 15])
+    _write(folders["fresh"], glyphs, groups["fresh_unknown"], [9, 11, 13, 15])
+    return folders
+
+
+def train_model(train_folder: Path, out: Path, seconds: float) -> Path:
+    from imgret.training.config import LossConfig, TrainConfig
+    from imgret.training.loop import train
+
+    if (out / "model.pt").exists():
+        return out
+    config = TrainConfig(
+        data=str(train_folder), protocol="class-disjoint", val_fraction=0.1,
+        test_fraction=0.1, loss=LossConfig(name="multi_similarity"), backbone="small_cnn",
+        dim=64, image_size=32, epochs=20, augmentation="none", time_budget_s=seconds,
+        seed=0, device="cpu",
+    )
+    train(config, out, progress=False, test=False)
+    return out
+
+
+def untrained_model(out: Path) -> Path:
+    if not (out / "model.pt").exists():
+        torch.manual_seed(0)
+        save_checkpoint(out, EmbeddingNet(ModelSpec(backbone="small_cnn", dim=64,
+                                                     image_size=32)))
+    return out
+
+
+def clustered_ci(hits: np.ndarray, groups: np.ndarray, seed: int = 0) -> list[float]:
+    """95% percentile bootstrap interval of ``hits.mean()``, resampling whole groups."""
+    names, code = np.unique(groups, return_inverse=True)
+    sums = np.bincount(code, hits.astype(float), len(names))
+    counts = np.bincount(code, minlength=len(names)).astype(float)
+    draws = np.random.default_rng(seed).integers(0, len(names), (RESAMPLES, len(names)))
+    rates = sums[draws].sum(axis=1) / counts[draws].sum(axis=1)
+    low, high = np.percentile(rates, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def measure(client: TestClient, version: str, folders: dict[str, Path], fpir: float,
+            enrolled: set[str]) -> dict:
+    calibration = client.post(f"/models/{version}/calibrate",
+                              json={"query_set": "cal", "target_fpir": fpir})
+    assert calibration.status_code == 200, calibration.text
+    cal = calibration.json()
+    labels, known, right = [], [], []
+    started = time.perf_counter()
+    for folder in sorted(folders["fresh"].iterdir()):
+        for path in sorted(folder.iterdir()):
+            answer = client.post("/identify", files={"image": (path.name, path.read_bytes(),
+                                                               "image/png")}).json()
+            assert answer["model_version"] == version, answer
+            labels.append(folder.name)
+            known.append(answer["known"])
+            right.append(answer["known"] and answer["label"] == folder.name)
+    seconds = time.perf_counter() - started
+    labels_a, known_a, right_a = np.array(labels), np.array(known), np.array(right)
+    unknown = ~np.isin(labels_a, list(enrolled))
+    details = cal["details"]
+    return {
+        "version": version,
+        "threshold": cal["threshold"], "threshold_ci95": cal["threshold_ci95"],
+        "calibration": {
+            "target_fpir": fpir, "fpir": cal["fpir"],
+            "fpir_ci95": details["fpir_measured"]["ci95"],
+            "fnir": cal["fnir"], "fnir_ci95": details["fnir"]["ci95"],
+            "rank1_identification": details["rank1_identification"]["value"],
+            "rank1_identification_ci95": details["rank1_identification"]["ci95"],
+            "mated": details["mated"], "non_mated": details["non_mated"],
+        },
+        "fresh": {
+            "false_accept_rate": float(known_a[unknown].mean()),
+            "false_accept_rate_ci95": clustered_ci(known_a[unknown], labels_a[unknown]),
+            "rank1_identification": float(right_a[~unknown].mean()),
+            "rank1_identification_ci95": clustered_ci(right_a[~unknown], labels_a[~unknown]),
+            "unknown_queries": int(unknown.sum()), "enrolled_queries": int((~unknown).sum()),
+            "identify_ms_mean": 1000 * seconds / len(labels),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--fpir", type=float, default=0.05)
+    parser.add_argument("--train-seconds", type=float, default=120.0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="openset_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    folders = build_folders(work)
+    trained = train_model(folders["train"], work / "trained", args.train_seconds)
+    untrained = untrained_model(work / "untrained")
+    enrolled = {p.name for p in folders["gallery"].iterdir()}
+    data = work / f"service-{time.time_ns()}"
+    settings = Settings(data_dir=data, database_url=f"sqlite:///{data}/imgret.db",
+                        model=trained, device="cpu", model_roots=[untrained])
+    results = {}
+    with TestClient(create_app(settings)) as client:
+        resources = client.app.state.resources
+        for folder, name in ((folders["gallery"], None), (folders["cal"], "cal"),
+                             (folders["fresh"], "fresh")):
+            ingest_source(folder, session_factory=resources.sessions, media=resources.media,
+                          embedder=resources.embedder, query_set=name, progress=False)
+        resources.searcher.refresh_from_changes()
+        trained_version = client.get("/health").json()["model_version"]
+        results["trained"] = measure(client, trained_version, folders, args.fpir, enrolled)
+        baseline = client.post("/models", json={"path": str(untrained)}).json()["version"]
+        assert client.post(f"/models/{baseline}/embed").status_code == 202
+        resources.jobs.wait(baseline, timeout=600)
+        assert client.post(f"/models/{baseline}/activate").status_code == 200
+        results["untrained"] = measure(client, baseline, folders, args.fpir, enrolled)
+    print(json.dumps(results, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""POST /identify: who is in one image, or nobody, under the served version's calibrated
+threshold (:mod:`imgret.index.calibration`).
+
+The image is queued and batched like a ``/search`` query (the same queue, limits and 503s);
+the decision uses the calibration carried with the version that embedded and ranked it.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from imgret.index.calibration import NotCalibrated
+from imgret.service.deps import ResourcesDep
+from imgret.service.forms import form_body, open_form
+from imgret.service.pipeline import ImageQuery, decision, top_candidate
+from imgret.service.schemas import IdentifyForm, IdentifyResponse
+
+router = APIRouter(prefix="/identify", tags=["search"])
+
+UNKNOWN = "unknown"
+
+
+@router.post(
+    "",
+    responses={
+        400: {"description": "a malformed multipart body"},
+        409: {"description": "the served version has no calibration (or one for re-ranked "
+                             "search): it serves no decisions"},
+        413: {"description": "upload, image or decoded pixels over the limits"},
+        422: {"description": "not an image, or invalid fields"},
+        503: {"description": "the search queue is full or the server is shutting down; "
+                             "retry after Retry-After seconds"},
+    },
+    openapi_extra=form_body(IdentifyForm),
+)
+async def identify(request: Request, resources: ResourcesDep) -> IdentifyResponse:
+    """The identity in ``image``: the best gallery match's label when its score reaches the
+    served version's calibrated threshold (``POST /models/{v}/calibrate``), else
+    ``"unknown"`` (``known`` false). ``margin`` is ``score - threshold``; score and threshold
+    always come from the same version (``model_version``).
+    """
+    async with open_form(request, IdentifyForm) as form:
+        answer = await resources.batcher.submit(ImageQuery(await form.image.read(), 1))
+    made, note = decision(answer, top_candidate(answer), None)
+    if made is None:
+        raise NotCalibrated(note or "no decision")
+    return IdentifyResponse(
+        label=made.label if made.known and made.label is not None else UNKNOWN,
+        known=made.known, score=made.score, threshold=made.threshold, margin=made.margin,
+        model_version=answer.serving.version,
+    )
