@@ -14,11 +14,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+from imgret import onnx_runtime
 from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, model_version_of
+from imgret.onnx_runtime import OnnxRuntimeModel
 from imgret.settings import resolve_device
 from imgret.transforms import eval_transform
 
 logger = logging.getLogger(__name__)
+
+# What runs the network (IMGRET_RUNTIME).
+RUNTIMES = ("torch", "onnxruntime")
 
 
 # Every live Embedder of this process, for :func:`_free_locks_after_fork`.
@@ -36,6 +41,9 @@ def _free_locks_after_fork() -> None:
     """
     for embedder in list(_EMBEDDERS):
         embedder._forward_lock = threading.Lock()
+        onnx = getattr(embedder, "_onnx", None)
+        if onnx is not None:  # its session lock, for the same reason
+            onnx._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -48,12 +56,22 @@ class Embedder:
     On CUDA the model runs channels_last under bf16 autocast; everywhere under
     ``torch.inference_mode``. The model's train/eval mode is restored after each call, so a
     training loop can validate through ``Embedder.from_model`` without side effects.
+
+    ``runtime`` (``IMGRET_RUNTIME``) picks what runs the network on the CPU: ``torch`` (eager
+    PyTorch) or ``onnxruntime`` (the same network exported to ONNX in memory at load,
+    :mod:`imgret.onnx_runtime`). Inputs, preprocessing and outputs are the same, and the
+    vectors agree within 1e-4, so a version's served vectors do not depend on it. ONNX
+    Runtime falls back to torch, with a warning, where it cannot run: not installed (the
+    ``onnx`` extra), a CUDA device (the CPU wheel; CUDA keeps torch's bf16 path), or a graph
+    it cannot export or load. :attr:`runtime` says which one runs.
     """
 
     def __init__(
         self, model: EmbeddingNet, spec: ModelSpec, *, device: str = "auto",
-        model_version: str | None = None, batch_size: int = 64,
+        model_version: str | None = None, batch_size: int = 64, runtime: str = "torch",
     ):
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
         self.device = resolve_device(device)
         self.spec = spec
         self.model = model.to(self.device)
@@ -69,7 +87,27 @@ class Embedder:
         # would queue on the device anyway. Taken per chunk of ``batch_size``, so a large
         # upload interleaves with the search batches instead of holding them up.
         self._forward_lock = threading.Lock()
+        self._onnx = self._onnx_runtime() if runtime == "onnxruntime" else None
+        self.runtime = "onnxruntime" if self._onnx is not None else "torch"
         _EMBEDDERS.add(self)
+
+    def _onnx_runtime(self) -> OnnxRuntimeModel | None:
+        """The ONNX Runtime model, or None (logged) where torch has to run instead."""
+        if self.device != "cpu":
+            logger.warning("IMGRET_RUNTIME=onnxruntime runs on the CPU only; %s runs with "
+                           "torch on %s", self.model_version, self.device)
+            return None
+        if not onnx_runtime.available():
+            logger.warning("IMGRET_RUNTIME=onnxruntime but onnxruntime is not installed "
+                           "(pip install 'imgret[onnx]'); running %s with torch",
+                           self.model_version)
+            return None
+        try:
+            return OnnxRuntimeModel(self.model, self.spec)
+        except Exception as exc:  # export or session errors of many types
+            logger.warning("%s cannot run with onnxruntime (%s: %s); running it with torch",
+                           self.model_version, type(exc).__name__, exc)
+            return None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, *, device: str = "auto", **kwargs) -> Embedder:
@@ -82,6 +120,13 @@ class Embedder:
         """Wrap a live model (training validation); the device defaults to the model's."""
         kwargs.setdefault("device", next(model.parameters()).device.type)
         return cls(model, spec or model.spec, **kwargs)
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Memory the runtime holds besides the torch model: with ONNX Runtime, the graph
+        (kept to open sessions) and the session's copy of the weights, about its size
+        again."""
+        return 2 * len(self._onnx.graph) if self._onnx is not None else 0
 
     @property
     def dim(self) -> int:
@@ -109,6 +154,8 @@ class Embedder:
         ``(0, dim)`` for an empty batch (a slice whose every image failed to decode)."""
         if len(batch) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if self._onnx is not None:
+            return self._embed_onnx(batch)
         out = []
         for start in range(0, len(batch), self.batch_size):
             with self._forward_lock, self._inference():
@@ -117,6 +164,14 @@ class Embedder:
                     chunk = chunk.contiguous(memory_format=torch.channels_last)
                 out.append(self.model(chunk).float().cpu())
         return torch.cat(out).numpy().astype(np.float32, copy=False)
+
+    def _embed_onnx(self, batch: torch.Tensor) -> np.ndarray:
+        out = []
+        for start in range(0, len(batch), self.batch_size):
+            chunk = batch[start : start + self.batch_size].detach().cpu().numpy()
+            with self._forward_lock:
+                out.append(self._onnx.run(chunk))
+        return np.concatenate(out).astype(np.float32, copy=False)
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:

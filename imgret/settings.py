@@ -34,6 +34,12 @@ class Settings(BaseSettings):
     )
     model: Path | None = Field(None, description="checkpoint: a run directory or its model.pt")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # What runs the network on the CPU (imgret.embedder.Embedder): eager PyTorch, or ONNX
+    # Runtime on the same weights exported at load (the `onnx` extra; torch, with a warning,
+    # where it is missing). The vectors agree within 1e-4 (docs/onnx.md).
+    runtime: Literal["torch", "onnxruntime"] = Field(
+        "torch", description="torch or onnxruntime: what runs the model on the CPU"
+    )
     api_key: SecretStr | None = Field(None, description="required in X-API-Key for writes")
     max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(40_000_000, gt=0, description="decompression-bomb guard")

@@ -1,7 +1,7 @@
 """CLI commands: `imgret models list|register|embed|compare|calibrate|activate|rollback|
 delete`, the twins of ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one
 function of ``imgret.index.model_commands`` (which calls the same ``imgret.index.versions``
-code as the service).
+code as the service); and `imgret export VERSION --format onnx --out DIR`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ models_app = typer.Typer(help="Model versions: register, re-embed, compare, swit
 def register(app: typer.Typer, **_: typer.Typer) -> None:
     """Add this area's commands to the CLI."""
     app.add_typer(models_app, name="models")
+    app.command("export")(export_command)
 
 
 def _settings():
@@ -222,3 +223,19 @@ def delete_command(
     with open_gallery(settings) as sessions:
         versions.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
     typer.echo(f"deleted {version}")
+
+
+def export_command(
+    version: str = typer.Argument(..., help="a registered model version"),
+    fmt: str = typer.Option("onnx", "--format", help="onnx (the one format)"),
+    out: Path = typer.Option(..., "--out", help="folder to write into (created)"),
+) -> None:
+    """Export VERSION: model.onnx (the network, dynamic batch), preprocessing.json (how an
+    image becomes its input) and a Triton model repository (triton/NAME/)."""
+    from imgret.index import model_commands
+
+    if fmt != "onnx":
+        raise typer.BadParameter("onnx", param_hint="--format")
+    files = model_commands.export(_settings(), version, out, fmt=fmt)
+    for path in files.to_dict().values():
+        typer.echo(path)

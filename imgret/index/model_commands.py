@@ -15,6 +15,7 @@ from imgret.index import calibration as calibrations
 from imgret.index import reembed, versions
 from imgret.index.commands import open_gallery
 from imgret.index.media_db import open_media_store
+from imgret.onnx_export import OnnxExport, export_onnx
 from imgret.settings import Settings
 
 
@@ -50,7 +51,8 @@ def embed(settings: Settings, version: str, *,
 
     with open_gallery(settings) as sessions:
         embedder = versions.load_embedder(version, session_factory=sessions,
-                                          data_dir=settings.data_dir, device=settings.device)
+                                          data_dir=settings.data_dir, device=settings.device,
+                                          runtime=settings.runtime)
         report = reembed.run_embed_job(
             version, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, throttle=reembed.Throttle(duty=duty),
@@ -58,6 +60,19 @@ def embed(settings: Settings, version: str, *,
         )
         Searcher.from_settings(sessions, settings, version).save()
         return report
+
+
+def export(settings: Settings, version: str, out: str | Path, *,
+           fmt: str = "onnx") -> OnnxExport:
+    """`imgret export VERSION --format onnx --out DIR`: the version's stored checkpoint (checked
+    to be its weights) as ``model.onnx``, ``preprocessing.json`` and a Triton model
+    repository under ``triton/`` (:func:`imgret.onnx_export.export_onnx`)."""
+    if fmt != "onnx":
+        raise ValueError(f"unknown export format {fmt!r}; known: onnx")
+    with open_gallery(settings) as sessions:
+        loaded = versions.load_version_checkpoint(version, session_factory=sessions,
+                                                  data_dir=settings.data_dir)
+    return export_onnx(loaded.model, loaded.spec, out, model_version=version)
 
 
 def compare(settings: Settings, a: str, b: str, query_set: str, *,
@@ -104,7 +119,8 @@ def activate(settings: Settings, version: str, *, require: str | list[str] | Non
             media=open_media_store(settings, sessions),
             embedder=versions.load_embedder(version, session_factory=sessions,
                                             data_dir=settings.data_dir,
-                                            device=settings.device),
+                                            device=settings.device,
+                                            runtime=settings.runtime),
             require=require, query_set=query_set,
             compare=lambda a, b, name: _compare(settings, sessions, a, b, name, None),
             compare_fnir=lambda a, b, name, calibration: _compare_fnir(
@@ -158,7 +174,8 @@ def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
         try:
             embedder = versions.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
-                                              device=settings.device)
+                                              device=settings.device,
+                                              runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         results.append(versions.evaluate_recorded(

@@ -330,11 +330,11 @@ def _write_local_copy(data_dir: str | Path, version: str, data: bytes) -> None:
         logger.warning("cannot keep a local copy of checkpoint %s: %s", version, exc)
 
 
-def load_embedder(
+def load_version_checkpoint(
     version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
-    device: str = "auto",
-) -> Embedder:
-    """The Embedder of a registered version, from its checkpoint in the database.
+) -> Checkpoint:
+    """The loaded checkpoint of a registered version, from its bytes in the database,
+    checked to be the version's weights (and kept as the local copy under ``data_dir``).
 
     Raises:
         VersionNotFound: unknown version.
@@ -356,7 +356,25 @@ def load_embedder(
         raise CheckpointError(f"the stored checkpoint of {version} holds other weights "
                               f"({version_name(loaded.spec, loaded.digest)})")
     _write_local_copy(data_dir, version, data)
-    return Embedder(loaded.model, loaded.spec, device=device, model_version=version)
+    return loaded
+
+
+def load_embedder(
+    version: str, *, session_factory: sessionmaker[Session], data_dir: str | Path,
+    device: str = "auto", runtime: str = "torch",
+) -> Embedder:
+    """The Embedder of a registered version, from its checkpoint in the database, run by
+    ``runtime`` (``IMGRET_RUNTIME``: torch or onnxruntime; the vectors are the same).
+
+    Raises:
+        VersionNotFound: unknown version.
+        GalleryError: its checkpoint is not stored (register it with ``POST /models``).
+        CheckpointError: the stored bytes are not the version's weights.
+    """
+    loaded = load_version_checkpoint(version, session_factory=session_factory,
+                                     data_dir=data_dir)
+    return Embedder(loaded.model, loaded.spec, device=device, model_version=version,
+                    runtime=runtime)
 
 
 def import_checkpoint_files(

@@ -137,6 +137,7 @@ class Resources:
                 embedder = in_own_thread(
                     versions.load_embedder, version, session_factory=self.sessions,
                     data_dir=self.settings.data_dir, device=self.settings.device,
+                    runtime=self.settings.runtime,
                 )
                 self.embedders[version] = embedder
             return embedder
@@ -368,7 +369,8 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     active = versions.active_version(session_factory=sessions) or configured
     try:
         embedder = versions.load_embedder(active, session_factory=sessions,
-                                          data_dir=settings.data_dir, device=settings.device)
+                                          data_dir=settings.data_dir, device=settings.device,
+                                          runtime=settings.runtime)
     except (GalleryError, CheckpointError) as exc:
         message = _cannot_serve(active, exc)
         logger.error("%s", message)
@@ -378,7 +380,8 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
         logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
                     configured, active)
     embedders = {active: embedder}
-    logger.info("model %s loaded on %s", embedder.model_version, embedder.device)
+    logger.info("model %s loaded on %s (%s)", embedder.model_version, embedder.device,
+                embedder.runtime)
     media = open_media_store(settings, sessions)
     # Finish what a crash interrupted: bytes of deleted items, files of uploads that never
     # committed, temporary files.

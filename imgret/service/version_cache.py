@@ -31,10 +31,12 @@ T = TypeVar("T", Embedder, Searcher)
 
 
 def model_bytes(embedder: Embedder) -> int:
-    """Bytes of a model's parameters and buffers."""
+    """Bytes of a model's parameters and buffers, and of its ONNX Runtime copy if it has
+    one."""
     model = embedder.model
-    return sum(t.numel() * t.element_size()
-               for t in itertools.chain(model.parameters(), model.buffers()))
+    return embedder.runtime_bytes + sum(
+        t.numel() * t.element_size() for t in itertools.chain(model.parameters(),
+                                                              model.buffers()))
 
 
 def index_bytes(searcher: Searcher) -> int:
