@@ -11,6 +11,11 @@
 * :func:`paired_bootstrap_ci`: percentile bootstrap interval of the mean difference between two
   sets of per-query values on the same queries; the model comparison of ``/evaluate``
   (``imgret.index.evaluation.compare_versions``) reports it.
+* :func:`paired_comparison` and :func:`verdict`: B − A per metric on the same queries, its
+  paired interval and the verdict read from it (better / worse / no detectable difference).
+  The model comparison of ``/evaluate`` and a training run's verdict against its baselines
+  (``imgret.training.scoring.baseline_verdicts``) both use them, so the two read a difference
+  the same way.
 
 The bootstraps draw with NumPy's PCG64 from ``seed``: the same input and seed give the same
 interval, bit for bit.
@@ -25,6 +30,14 @@ import numpy as np
 
 # Percentiles of the resampled means that bound a 95% percentile interval.
 _TAILS_95 = [2.5, 97.5]
+
+# Smallest |B − A| (metrics on [0, 1]) a verdict calls better or worse: 0.1 points, below the
+# 4 decimals reports show and far below what a retraining is run for.
+MIN_EFFECT = 1e-3
+BETTER = "better"
+WORSE = "worse"
+NO_DIFFERENCE = "no detectable difference"
+VERDICTS = (BETTER, WORSE, NO_DIFFERENCE)
 
 
 def mean_ci(values: Sequence[float] | np.ndarray,
@@ -114,3 +127,50 @@ def paired_bootstrap_ci(a: np.ndarray, b: np.ndarray, resamples: int,
     for j in range(diff.shape[1]):
         low[j], high[j] = np.percentile(diff[:, j][draws].mean(axis=1), _TAILS_95)
     return low, high
+
+
+def verdict(low: float, high: float, difference: float, *,
+            min_effect: float = MIN_EFFECT) -> str:
+    """B relative to A from the 95% interval ``[low, high]`` of B − A and the observed mean
+    ``difference``: :data:`BETTER` when the interval lies above 0 and the difference is at
+    least ``min_effect``, :data:`WORSE` when it lies below 0 and the difference is at most
+    ``-min_effect``, otherwise :data:`NO_DIFFERENCE`."""
+    if low > 0 and difference >= min_effect:
+        return BETTER
+    if high < 0 and difference <= -min_effect:
+        return WORSE
+    return NO_DIFFERENCE
+
+
+def paired_comparison(a: np.ndarray, b: np.ndarray, resamples: int, seed: int, *,
+                      min_effect: float = MIN_EFFECT) -> list[dict[str, float | list | str]]:
+    """B − A per column on paired rows: the means, the mean difference, its
+    :func:`paired_bootstrap_ci` and its :func:`verdict`.
+
+    Args:
+        a, b: ``(n, m)`` floats, paired by row (the same query), one column per metric.
+        resamples, seed: of the bootstrap.
+        min_effect: the smallest ``|b - a|`` called better or worse.
+
+    Returns:
+        One dict per column: ``{"a", "b", "difference", "ci95": [low, high], "num_paired",
+        "min_effect", "verdict"}``.
+
+    Raises:
+        ValueError: ``a`` and ``b`` differ in shape, or hold no row.
+    """
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 2 or len(x) == 0:
+        raise ValueError(f"paired values must be two (n, m) arrays, n >= 1: {x.shape} vs "
+                         f"{y.shape}")
+    low, high = paired_bootstrap_ci(x, y, resamples, seed)
+    out = []
+    for j in range(x.shape[1]):
+        difference = float((y[:, j] - x[:, j]).mean())
+        out.append({
+            "a": float(x[:, j].mean()), "b": float(y[:, j].mean()), "difference": difference,
+            "ci95": [float(low[j]), float(high[j])], "num_paired": len(x),
+            "min_effect": min_effect,
+            "verdict": verdict(float(low[j]), float(high[j]), difference, min_effect=min_effect),
+        })
+    return out

@@ -73,9 +73,20 @@ from imgret.index.media import MediaBackend
 from imgret.index.models import QueryItem
 from imgret.index.search import Hit, Searcher, SearchFilter
 from imgret.index.search.rerank import Rerank, rerank_options, rerank_summary
-from imgret.metrics import ranking_metrics
+from imgret.metrics import per_query_table, ranking_metrics
 from imgret.metrics.openset import OpenSetSearches
-from imgret.stats import paired_bootstrap_ci
+
+# The verdict rule and its words live with the intervals (imgret.stats); they are named here
+# too because the service and the model commands read them from this module.
+from imgret.stats import (  # noqa: F401
+    BETTER,
+    MIN_EFFECT,
+    NO_DIFFERENCE,
+    VERDICTS,
+    WORSE,
+    paired_comparison,
+    verdict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +114,6 @@ CONFUSIONS_PER_LABEL = 5
 # Labels shown by :func:`format_report`'s per-label table (the worst ones).
 FORMAT_LABELS = 10
 
-# Smallest |B − A| (metrics on [0, 1]) a verdict calls better or worse: 0.1 points, below the
-# 4 decimals reports show and far below what a retraining is run for.
-MIN_EFFECT = 1e-3
-BETTER = "better"
-WORSE = "worse"
-NO_DIFFERENCE = "no detectable difference"
-VERDICTS = (BETTER, WORSE, NO_DIFFERENCE)
 REQUIREMENTS = ("better", "not_worse")
 
 
@@ -506,42 +510,18 @@ def compare_versions(
     Raises:
         EvaluationError: no query evaluated in both.
     """
-    table_a, table_b = _per_query_table(a.per_query), _per_query_table(b.per_query)
+    table_a, table_b = per_query_table(a.per_query), per_query_table(b.per_query)
     common = sorted(set(table_a) & set(table_b))
     if not common:
         raise EvaluationError("the two versions have no evaluated query in common")
-    va = {m: np.array([table_a[q][m] for q in common]) for m in _PAIRED_METRICS}
-    vb = {m: np.array([table_b[q][m] for q in common]) for m in _PAIRED_METRICS}
-    low, high = paired_bootstrap_ci(np.column_stack(list(va.values())),
-                                    np.column_stack(list(vb.values())), bootstrap, seed)
-    out: dict[str, Any] = {}
-    for j, metric in enumerate(_PAIRED_METRICS):
-        difference = float((vb[metric] - va[metric]).mean())
-        out[metric] = {
-            "a": float(va[metric].mean()), "b": float(vb[metric].mean()),
-            "difference": difference,
-            "ci95": [float(low[j]), float(high[j])], "num_paired": len(common),
-            "min_effect": min_effect,
-            "verdict": verdict(float(low[j]), float(high[j]), difference,
-                               min_effect=min_effect),
-        }
+    va = np.array([[table_a[q][m] for m in _PAIRED_METRICS] for q in common], dtype=float)
+    vb = np.array([[table_b[q][m] for m in _PAIRED_METRICS] for q in common], dtype=float)
+    rows = paired_comparison(va, vb, bootstrap, seed, min_effect=min_effect)
+    out: dict[str, Any] = dict(zip(_PAIRED_METRICS, rows, strict=True))
     out["verdict"] = {m: out[m]["verdict"] for m in _PAIRED_METRICS}
     out["b_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == BETTER]
     out["a_better"] = [m for m in _PAIRED_METRICS if out[m]["verdict"] == WORSE]
     return out
-
-
-def verdict(low: float, high: float, difference: float, *,
-            min_effect: float = MIN_EFFECT) -> str:
-    """B relative to A from the 95% interval ``[low, high]`` of B − A and the observed mean
-    ``difference``: :data:`BETTER` when the interval lies above 0 and the difference is at
-    least ``min_effect``, :data:`WORSE` when it lies below 0 and the difference is at most
-    ``-min_effect``, otherwise :data:`NO_DIFFERENCE`."""
-    if low > 0 and difference >= min_effect:
-        return BETTER
-    if high < 0 and difference <= -min_effect:
-        return WORSE
-    return NO_DIFFERENCE
 
 
 def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
@@ -593,19 +573,6 @@ def gate(comparison: dict[str, Any], require: str) -> tuple[bool, str]:
         return True, f"{describe('map_at_r')}; no metric worse"
     summary = describe("map_at_r") if "map_at_r" in metrics else ""
     return True, "no metric worse" + (f" ({summary})" if summary else "")
-
-
-def _per_query_table(per_query: dict[str, list]) -> dict[int, dict[str, float]]:
-    table = {}
-    for i, query in enumerate(per_query["query_index"]):
-        first = per_query["first_relevant_rank"][i]
-        table[query] = {
-            "map_at_r": per_query["map_at_r"][i],
-            "mean_average_precision": per_query["average_precision"][i],
-            "precision_at_1": float(first == 1),
-            "mrr": 1.0 / first if first else 0.0,
-        }
-    return table
 
 
 def _worst(per_query: dict[str, list], rankings: Rankings, queries: QueryBatch,

@@ -29,6 +29,7 @@ Modules, in reading order:
 * ``jit``: the numba compilation of the loops, each written once as plain Python.
 """
 
+from imgret.metrics.definitions import per_query_table
 from imgret.metrics.retrieval import ranking_metrics, retrieval_metrics
 
-__all__ = ["ranking_metrics", "retrieval_metrics"]
+__all__ = ["per_query_table", "ranking_metrics", "retrieval_metrics"]

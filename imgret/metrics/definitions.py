@@ -161,3 +161,19 @@ def build_report(
             "first_relevant_rank": [int(f) if np.isfinite(f) else None for f in first],
         }
     return out
+
+
+def per_query_table(per_query: dict[str, list]) -> dict[int, dict[str, float]]:
+    """A report's ``per_query`` block as ``{query index: {metric: value}}`` for the metrics
+    that have a per-query value: AP@R, AP, P@1 and reciprocal rank (R-Precision has none
+    here). Two reports on the same queries are paired on these keys."""
+    table = {}
+    for i, query in enumerate(per_query["query_index"]):
+        first = per_query["first_relevant_rank"][i]
+        table[query] = {
+            "map_at_r": per_query["map_at_r"][i],
+            "mean_average_precision": per_query["average_precision"][i],
+            "precision_at_1": float(first == 1),
+            "mrr": 1.0 / first if first else 0.0,
+        }
+    return table
