@@ -112,7 +112,9 @@ def train_command(
 
     Writes OUT/model.pt (best by validation MAP@R), metrics.json, split.json, curves.png and
     last.pt (for --resume). Prints test MAP@R of the model, the untrained network and raw
-    pixels, each with its 95% interval and the split it comes from.
+    pixels, each with its 95% interval and the split it comes from, then the verdict: does
+    the model beat each baseline on the same test queries (paired 95% interval)? A
+    class-disjoint test split of few classes or images is flagged as too small to mean much.
     """
     # The options are checked before torch and the training stack are imported (seconds).
     loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
@@ -127,9 +129,10 @@ def train_command(
 
 
 def echo_run(result: Any) -> None:
-    """Print a finished run (a ``imgret.training.loop.RunResult``): where, split, val and test."""
+    """Print a finished run (a ``imgret.training.loop.RunResult``): where, split, val, test and
+    the verdict against the baselines."""
     from imgret.training.data import describe_split
-    from imgret.training.scoring import format_metric
+    from imgret.training.scoring import format_metric, verdict_lines
 
     typer.echo(f"run: {result.out} (model version {result.model_version})")
     typer.echo(f"split: {describe_split(result.split)}")
@@ -139,6 +142,11 @@ def echo_run(result: Any) -> None:
         typer.echo(f"                      {label} {format_metric(result.baselines[name])}")
     typer.echo(f"test R-Precision {format_metric(result.test, 'r_precision')}, "
                f"P@1 {format_metric(result.test, 'precision_at_1')}")
+    if result.verdict:
+        if result.verdict.get("small_split_warning"):
+            typer.echo(result.verdict["small_split_warning"])
+        for line in verdict_lines(result.verdict):
+            typer.echo(line)
 
 
 @with_config_options

@@ -73,7 +73,15 @@ from imgret.training.run_dir import (
     write_record,
     write_split,
 )
-from imgret.training.scoring import Evaluator, format_metric, to_jsonable
+from imgret.training.scoring import (
+    VERDICT_BOOTSTRAP,
+    Evaluator,
+    baseline_verdicts,
+    format_metric,
+    small_split_warning,
+    to_jsonable,
+    verdict_lines,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -444,14 +452,23 @@ def final_evaluation(
     ``test`` (a tuning trial) the record ends at validation and the test split stays unseen."""
     record = run.record
     best = load_checkpoint(out)
-    record["test"] = record["baselines"] = None
+    record["test"] = record["baselines"] = record["verdict"] = None
     if test:
         untrained = _untrained_model(data.config, data.spec, dist.device)
-        record["test"] = parts.evaluator.test(best.model.to(dist.device))
-        record["baselines"] = {
-            "raw_pixels": parts.evaluator.test_pixels(),
-            "untrained": parts.evaluator.test(untrained),
+        scored = parts.evaluator.test(best.model.to(dist.device), per_query=True)
+        baselines = {
+            "raw_pixels": parts.evaluator.test_pixels(per_query=True),
+            "untrained": parts.evaluator.test(untrained, per_query=True),
         }
+        record["verdict"] = {
+            "baselines": baseline_verdicts(scored, baselines),
+            "interval": f"paired percentile bootstrap 95%, {VERDICT_BOOTSTRAP} resamples of "
+                        "the test queries",
+            "small_split_warning": small_split_warning(data.summary),
+        }
+        # The per-query values served the verdict; the record keeps the summaries only.
+        record["test"] = _without_per_query(scored)
+        record["baselines"] = {k: _without_per_query(v) for k, v in baselines.items()}
     record["model_version"] = best.model_version
     # Where training ended: the last validated epoch, and whether patience ended it.
     record["stopped_epoch"] = record["epochs"][-1]["epoch"]
@@ -469,6 +486,8 @@ def final_evaluation(
             format_metric(record["baselines"]["untrained"]),
             format_metric(record["baselines"]["raw_pixels"]),
         )
+        for line in verdict_lines(record["verdict"]):
+            logger.info("%s", line)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -512,6 +531,10 @@ def _save_state(
         "epoch": epoch, "config": data.config.to_dict(), "split_digest": data.summary["digest"],
         **parts.state_dict(), "rng": torch.get_rng_state(), "record": to_jsonable(record),
     })
+
+
+def _without_per_query(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if k != "per_query"}
 
 
 def _untrained_model(config: TrainConfig, spec: ModelSpec, device: str) -> EmbeddingNet:

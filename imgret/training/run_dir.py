@@ -6,7 +6,7 @@
                   config, split summary, per-epoch metrics, test metrics and baselines)
     last.pt       resume state (weights, loss parameters, optimisers, schedulers, RNG, record)
     metrics.json  the record: config, split, per-epoch train loss / validation metrics / wall
-                  time, best epoch, test metrics, baselines
+                  time, best epoch, test metrics, baselines, the verdict against them
     split.json    the exact split (members of train / val / test)
     curves.png    loss and validation MAP@R against epoch and wall time
 """
@@ -45,6 +45,9 @@ class RunResult:
         baselines: ``{"raw_pixels": metrics, "untrained": metrics}`` on the same test split.
         split: the split summary (protocol, classes, counts, digest).
         model_version: the version of ``model.pt``.
+        verdict: trained against each baseline on the same test queries (paired intervals,
+            ``imgret.training.scoring.baseline_verdicts`` under ``"baselines"``) and the
+            small-split warning; ``None`` without a test (or in a run written before it).
     """
 
     out: Path
@@ -54,12 +57,13 @@ class RunResult:
     baselines: dict[str, dict[str, Any]]
     split: dict[str, Any]
     model_version: str
+    verdict: dict[str, Any] | None = None
 
     @classmethod
     def from_metrics(cls, out: Path, data: dict[str, Any]) -> RunResult:
         best = data["best"]
         return cls(out, best["epoch"], best["val"], data["test"], data["baselines"],
-                   data["split"], data["model_version"])
+                   data["split"], data["model_version"], data.get("verdict"))
 
 
 def finished_run(config: TrainConfig, out: Path, *, resume: bool) -> RunResult | None:
@@ -121,7 +125,8 @@ def keep_if_best(
 
 def checkpoint_extra(record: dict[str, Any]) -> dict[str, Any]:
     """What ``model.pt`` carries of the record in its ``extra``."""
-    keys = ("config", "split", "split_rule", "loss", "best", "test", "baselines", "epochs")
+    keys = ("config", "split", "split_rule", "loss", "best", "test", "baselines", "verdict",
+            "epochs")
     return to_jsonable({k: record[k] for k in keys if k in record})
 
 

@@ -26,7 +26,8 @@ from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet
 from imgret.embedder import Embedder
-from imgret.metrics import retrieval_metrics
+from imgret.metrics import per_query_table, retrieval_metrics
+from imgret.stats import BETTER, WORSE, paired_comparison
 from imgret.training.config import TrainConfig
 from imgret.training.data import DataSplit, ImageSource, iter_images, stratified_subset
 
@@ -80,16 +81,18 @@ class Evaluator:
             lambda idx: embed_split(model, self.source, idx, tag=f"epoch-{epoch}"), "val"
         )
 
-    def test(self, model: EmbeddingNet) -> dict[str, Any]:
-        """Test metrics of a network."""
-        return self._score(lambda idx: embed_split(model, self.source, idx, tag="test"), "test")
+    def test(self, model: EmbeddingNet, *, per_query: bool = False) -> dict[str, Any]:
+        """Test metrics of a network (with ``per_query``: the per-query values too, for
+        :func:`baseline_verdicts`)."""
+        return self._score(lambda idx: embed_split(model, self.source, idx, tag="test"), "test",
+                           per_query=per_query)
 
-    def test_pixels(self) -> dict[str, Any]:
+    def test_pixels(self, *, per_query: bool = False) -> dict[str, Any]:
         """Test metrics of the raw-pixel baseline."""
         def embed(idx: np.ndarray) -> EmbeddedSet:
             return pixel_split(self.source, idx, side=self.config.image_size)
 
-        return self._score(embed, "test")
+        return self._score(embed, "test", per_query=per_query)
 
     def test_models(self, models: Sequence[EmbeddingNet]) -> dict[str, Any]:
         """Test metrics of several networks (the fold models of a cross-validated run), each
@@ -111,10 +114,11 @@ class Evaluator:
         return {"separate": separate,
                 "concatenated": score_split(concatenate(queries), gallery, device=self.device)}
 
-    def _score(self, embed: Callable[[np.ndarray], EmbeddedSet], split: str) -> dict[str, Any]:
+    def _score(self, embed: Callable[[np.ndarray], EmbeddedSet], split: str, *,
+               per_query: bool = False) -> dict[str, Any]:
         queries = embed(self.split.indices[split])
         gallery = embed(self.gallery_indices) if self.gallery_indices is not None else None
-        return score_split(queries, gallery, device=self.device)
+        return score_split(queries, gallery, device=self.device, per_query=per_query)
 
 
 def embed_split(
@@ -192,7 +196,7 @@ def concatenate(sets: Sequence[EmbeddedSet]) -> EmbeddedSet:
 
 def score_split(
     queries: EmbeddedSet, gallery: EmbeddedSet | None = None, *,
-    k: tuple[int, ...] = (1, 5, 10), device: str = "cpu",
+    k: tuple[int, ...] = (1, 5, 10), device: str = "cpu", per_query: bool = False,
 ) -> dict[str, Any]:
     """Retrieval metrics of one split by ``imgret.metrics.retrieval_metrics``.
 
@@ -201,6 +205,7 @@ def score_split(
         gallery: the gallery; ``None`` = the queries themselves (``query_in_gallery``).
         k: cut-offs of the ``*_at_k`` metrics (those beyond the gallery size are left out).
         device: where the exact search runs (``cpu`` or ``cuda``).
+        per_query: add ``per_query`` (each query's values, see ``retrieval_metrics``).
 
     Returns:
         The metrics dict (``map_at_r``, ``r_precision``, ``precision_at_1``, ..., ``ci95``),
@@ -216,7 +221,7 @@ def score_split(
         queries.embeddings, queries.labels.astype(str), gallery.embeddings,
         gallery.labels.astype(str), k=ks, query_in_gallery=same, device=device,
         query_cameras=queries.cameras if cameras else None,
-        gallery_cameras=gallery.cameras if cameras else None,
+        gallery_cameras=gallery.cameras if cameras else None, per_query=per_query,
     )
     return to_jsonable(metrics)
 
@@ -242,3 +247,80 @@ def format_metric(metrics: dict[str, Any], name: str = "map_at_r") -> str:
         return "n/a"
     ci = (metrics.get("ci95") or {}).get(name)
     return f"{value:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else f"{value:.4f}"
+
+
+# ----------------------------------------------------------------------------- verdict
+
+# The baselines a run is judged against, as its verdict lines name them.
+BASELINE_NAMES = {"raw_pixels": "raw pixels", "untrained": "the untrained network"}
+# Metrics the verdict pairs per query (R-Precision has no per-query value in the report);
+# MAP@R, the selection metric, is the one printed.
+VERDICT_METRICS = {"map_at_r": "MAP@R", "precision_at_1": "P@1"}
+VERDICT_BOOTSTRAP = 1000
+VERDICT_SEED = 0
+# Below either size a class-disjoint test split is too small to stand for unseen classes in
+# general (docs/training.md, "Does the model beat its baselines?").
+MIN_TEST_CLASSES = 10
+MIN_TEST_IMAGES = 50
+
+
+def baseline_verdicts(
+    test: dict[str, Any], baselines: dict[str, dict[str, Any]], *,
+    resamples: int = VERDICT_BOOTSTRAP, seed: int = VERDICT_SEED,
+) -> dict[str, dict[str, Any]]:
+    """Trained minus each baseline on the same test queries: per metric of
+    :data:`VERDICT_METRICS`, the difference, its paired bootstrap 95% interval and the verdict
+    (``imgret.stats.paired_comparison``; ``a`` is the baseline, ``b`` the trained model).
+
+    Every metrics dict must carry ``per_query`` (``score_split(..., per_query=True)``); queries
+    are paired by index (the same test images, embedded by each model).
+
+    Returns:
+        ``{baseline: {metric: {"a", "b", "difference", "ci95", "num_paired", "min_effect",
+        "verdict"}}}``.
+    """
+    trained = per_query_table(test["per_query"])
+    out = {}
+    for name, metrics in baselines.items():
+        base = per_query_table(metrics["per_query"])
+        common = sorted(set(trained) & set(base))
+        a = np.array([[base[q][m] for m in VERDICT_METRICS] for q in common], dtype=float)
+        b = np.array([[trained[q][m] for m in VERDICT_METRICS] for q in common], dtype=float)
+        rows = paired_comparison(a, b, resamples, seed)
+        out[name] = dict(zip(VERDICT_METRICS, rows, strict=True))
+    return out
+
+
+def small_split_warning(summary: dict[str, Any]) -> str | None:
+    """The one-line warning for a class-disjoint test split too small to mean much about
+    unseen classes (fewer than :data:`MIN_TEST_CLASSES` classes or :data:`MIN_TEST_IMAGES`
+    images), else ``None``."""
+    if summary["protocol"] != "class-disjoint":
+        return None
+    test = summary["splits"]["test"]
+    if test["num_classes"] >= MIN_TEST_CLASSES and test["num_images"] >= MIN_TEST_IMAGES:
+        return None
+    return (f"warning: the test split holds {test['num_classes']} unseen classes "
+            f"({test['num_images']} images): the class-disjoint result is not meaningful at "
+            f"this size (it needs >= {MIN_TEST_CLASSES} classes and >= {MIN_TEST_IMAGES} "
+            "images); --protocol closed-set measures retrieval of the trained classes")
+
+
+def verdict_lines(verdict: dict[str, Any], metric: str = "map_at_r") -> list[str]:
+    """One line per baseline of a run's ``verdict`` record (:func:`baseline_verdicts` under
+    ``"baselines"``), e.g. ``verdict: trained beats raw pixels on MAP@R by +0.2100 [0.1900,
+    0.2300] (paired 95% interval)``."""
+    lines = []
+    for name, comparisons in verdict["baselines"].items():
+        c = comparisons[metric]
+        label = BASELINE_NAMES.get(name, name)
+        numbers = f"{c['difference']:+.4f} [{c['ci95'][0]:.4f}, {c['ci95'][1]:.4f}]"
+        what = VERDICT_METRICS[metric]
+        if c["verdict"] == BETTER:
+            text = f"trained beats {label} on {what} by {numbers}"
+        elif c["verdict"] == WORSE:
+            text = f"trained is worse than {label} on {what} by {numbers}"
+        else:
+            text = f"trained vs {label} on {what}: {c['verdict']}, {numbers}"
+        lines.append(f"verdict: {text} (paired 95% interval)")
+    return lines
