@@ -351,7 +351,7 @@ def evaluate(
         report["open_set"] = open_set_evaluation.section(
             found, queries.labels, rankings.labels, scores, request=request,
             depth=rankings.depth, gallery_size=rankings.gallery_size, bootstrap=bootstrap,
-            seed=seed)
+            seed=seed, query_ids=queries.ids)
     return Evaluation(report, per_query, found)
 
 

@@ -21,6 +21,11 @@ Decisions this module makes:
   out are the low-scoring tails (impostor and genuine), so the rates are shares of the
   *scored* pairs (the FAR of the threshold over all pairs is below the target), and the
   section says which (``pairs``: "all" or "top-K").
+- **The hardest queries** (``hardest``) are listed so that a threshold can be judged on
+  the queries it decides first: the non-mated ones with the highest top scores (the first
+  false alarms as ``T`` falls) and the mated ones with the lowest best-mate scores (the first
+  misses as ``T`` rises), at most :data:`HARDEST` of each, with their ids, labels and scores.
+  They are all a page needs to show the decision on them at any threshold.
 - **Unknown labels** (``unknown_labels``) declare identities that must be unknown to the
   gallery: each must be a label of the query set and hold no item of the evaluated gallery,
   else the request is refused. They are never removed from the gallery: an evaluation that
@@ -44,6 +49,9 @@ from imgret.metrics.openset import (
     paired_fnir_difference,
     verification_report,
 )
+
+# Queries of each kind listed in ``hardest`` (the section stays small on any query set).
+HARDEST = 20
 
 # The label of a hit deleted mid-evaluation (imgret.index.evaluation gives it): no identity.
 DELETED = "\x00deleted"
@@ -138,9 +146,10 @@ def wanted(request: OpenSetRequest, found: OpenSetSearches) -> bool:
 def section(found: OpenSetSearches, query_labels: Sequence[str],
             hit_labels: Sequence[Sequence[str]], hit_scores: Sequence[Sequence[float]], *,
             request: OpenSetRequest, depth: int, gallery_size: int, bootstrap: int,
-            seed: int) -> dict[str, Any]:
+            seed: int, query_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """``report["open_set"]``: :func:`imgret.metrics.openset.open_set_report` at
-    ``request.fpirs`` and TAR@FAR from the returned candidates' scores."""
+    ``request.fpirs``, TAR@FAR from the returned candidates' scores, and the hardest
+    queries (:func:`hardest`; ``query_ids``: the stored ids of the queries, if any)."""
     report = open_set_report(found, fpirs=request.fpirs, resamples=bootstrap, seed=seed)
     for point in report["operating_points"]:
         point.setdefault("note", None)
@@ -168,6 +177,7 @@ def section(found: OpenSetSearches, query_labels: Sequence[str],
         pairs=pairs,
         unknown_labels=sorted(set(request.unknown_labels)),
         verification=verification,
+        hardest=hardest(found, query_labels, hit_labels, hit_scores, query_ids),
         note=("mated: the query's label has gallery items; non-mated: it has none. A mate "
               f"below rank {depth} counts as not returned. TAR@FAR scores the query-candidate "
               f"pairs returned ({pairs})"
@@ -175,6 +185,37 @@ def section(found: OpenSetSearches, query_labels: Sequence[str],
                                            "share of the scored pairs")),
     )
     return report
+
+
+def hardest(found: OpenSetSearches, query_labels: Sequence[str],
+            hit_labels: Sequence[Sequence[str]], hit_scores: Sequence[Sequence[float]],
+            query_ids: Sequence[int] | None = None,
+            limit: int = HARDEST) -> dict[str, list[dict[str, Any]]]:
+    """The non-mated queries with the highest top scores and the mated ones with the lowest
+    best-mate scores (a mate not returned first), at most ``limit`` of each.
+
+    Each entry: ``{index, query_id, label, top_label, top_score, mate_score}``; a score is
+    ``None`` when no such candidate was returned (``mate_score`` always, for a non-mated
+    query). At a threshold ``T`` the decision on a query names ``top_label`` when
+    ``top_score >= T``, else nobody; a mated query is a miss (FNIR) when ``mate_score < T``.
+    """
+    def entry(q: int) -> dict[str, Any]:
+        kept = [(score, label) for label, score in zip(hit_labels[q], hit_scores[q],
+                                                        strict=True) if label != DELETED]
+        top_label = max(kept, key=lambda pair: pair[0])[1] if kept else None
+        top, mate = float(found.top_score[q]), float(found.mate_score[q])
+        return {"index": q, "query_id": int(query_ids[q]) if query_ids is not None else None,
+                "label": str(query_labels[q]), "top_label": top_label,
+                "top_score": top if np.isfinite(top) else None,
+                "mate_score": mate if np.isfinite(mate) else None}
+
+    mated = np.flatnonzero(found.mated)
+    non = np.flatnonzero(~found.mated)
+    # Stable sorts: ties keep query order, so the lists are reproducible.
+    non = non[np.argsort(-found.top_score[non], kind="stable")][:limit]
+    mated = mated[np.argsort(found.mate_score[mated], kind="stable")][:limit]
+    return {"non_mated": [entry(int(q)) for q in non],
+            "mated": [entry(int(q)) for q in mated]}
 
 
 def _finite_det(det: dict[str, list[float]]) -> dict[str, list[float | None]]:

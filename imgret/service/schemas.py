@@ -672,6 +672,28 @@ class Verification(BaseModel):
     points: list[TarPoint]
 
 
+class HardQuery(BaseModel):
+    """A query near the threshold's edge: the decision at ``T`` names ``top_label`` when
+    ``top_score >= T``, else nobody; a mated query is a miss when ``mate_score < T``."""
+
+    index: int = Field(description="position in the query set")
+    query_id: int | None = Field(description="stored query item id (null: an upload)")
+    label: str
+    top_label: str | None = Field(description="label of the best candidate returned")
+    top_score: float | None = Field(description="best candidate's score (null: none)")
+    mate_score: float | None = Field(description="best score of a candidate with the "
+                                                 "query's label (null: none returned)")
+
+
+class HardestQueries(BaseModel):
+    """At most 20 of each kind: the non-mated queries with the highest top scores (the
+    first false alarms as the threshold falls) and the mated ones with the lowest mate
+    scores (the first misses as it rises)."""
+
+    non_mated: list[HardQuery]
+    mated: list[HardQuery]
+
+
 class OpenSetReport(BaseModel):
     """Open-set decisions on the query set: mated queries (label in the gallery) and
     non-mated ones (identities the gallery does not hold), NIST FRVT 1:N's FPIR / FNIR and
@@ -687,6 +709,8 @@ class OpenSetReport(BaseModel):
                                    "top-K (pairs beyond them are not scored)")
     unknown_labels: list[str]
     verification: Verification | None
+    hardest: HardestQueries | None = Field(
+        None, description="the queries a threshold decides first (docs/evaluation.md)")
     note: str
 
 

@@ -84,6 +84,34 @@ def test_open_set_section_matches_the_search_answers(client) -> None:
     assert det["threshold"][0] is None and det["fpir"][0] == 0.0 and det["fnir"][0] == 1.0
 
 
+def test_hardest_queries_are_the_first_alarms_and_misses(client) -> None:
+    add_gallery(client, classes=GALLERY_CLASSES, per_class=PER_CLASS)
+    images, labels = _queries(range(8), per_class=3)
+
+    section = _post(client, images, labels, fpirs="0.25").json()["open_set"]
+
+    hardest = section["hardest"]
+    # Each list holds every query of its kind here (12 <= 20), scored as /search scores it.
+    assert len(hardest["non_mated"]) == section["non_mated"]
+    assert len(hardest["mated"]) == section["mated"]
+    for row in hardest["non_mated"] + hardest["mated"]:
+        hits = search(client, images[row["index"]], k=section["depth"]).json()["results"]
+        assert row["label"] == labels[row["index"]] and row["query_id"] is None
+        assert row["top_score"] == pytest.approx(hits[0]["score"], abs=1e-5)
+        assert row["top_label"] == hits[0]["label"]
+        mate = max((h["score"] for h in hits if h["label"] == row["label"]), default=None)
+        assert row["mate_score"] == (None if mate is None else pytest.approx(mate, abs=1e-5))
+    non_tops = [row["top_score"] for row in hardest["non_mated"]]
+    mates = [row["mate_score"] for row in hardest["mated"]]
+    assert non_tops == sorted(non_tops, reverse=True) and mates == sorted(mates)
+    # The lists are enough to recompute the operating point at its threshold.
+    (point,) = section["operating_points"]
+    threshold = point["threshold"]["value"]
+    assert sum(t >= threshold for t in non_tops) / len(non_tops) == \
+        point["fpir_measured"]["value"]
+    assert sum(m < threshold for m in mates) / len(mates) == point["fnir"]["value"]
+
+
 def test_the_section_follows_the_queries_unless_asked(local_client) -> None:
     add_gallery(local_client, classes=GALLERY_CLASSES, per_class=PER_CLASS)
     closed = _queries(range(GALLERY_CLASSES), per_class=2)

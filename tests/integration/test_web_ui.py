@@ -1,10 +1,11 @@
 """The web page in headless Chromium (selenium + chromedriver) against a real server: the
 Search view (upload, search by a neighbour's stored item), the Evaluate view (metrics chart,
-per-label table, worst queries as images) and the Models view (coverage, re-embedding,
-comparison verdict, activation and rollback).
+per-label table, worst queries as images; with unknown identities, the DET and TAR@FAR plots,
+the operating points and the threshold slider) and the Models view (coverage, re-embedding,
+comparison verdict, activation and rollback, calibration).
 
 Set IMGRET_SAVE_SCREENSHOT=1 to also write docs/screenshot.png (the README's picture),
-docs/screenshot_evaluate.png and docs/screenshot_models.png.
+docs/screenshot_evaluate.png, docs/screenshot_open_set.png and docs/screenshot_models.png.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CLASSES, PER_CLASS, SIZE = 4, 6, 64
 QUERIES_PER_CLASS = 3
 BLEND = (0.0, 0.4, 0.6)  # per query of a class: its weight of the next class
 WORST = 8  # the Evaluate view asks for the 8 worst queries
+UNKNOWN, PER_UNKNOWN = 10, 2  # identities the gallery does not hold, queries of each
 
 
 @pytest.fixture
@@ -273,23 +275,127 @@ def test_models_view_embeds_compares_activates_and_rolls_back(
             By.ID, "models-status").text
 
 
-def _screenshot(browser, tmp_path: Path, name: str) -> None:
-    """The whole page (the window grown to its height); also into docs/ when asked."""
+def test_open_set_plots_slider_and_calibration(
+    browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
+           "IMGRET_DEVICE": TEST_DEVICE}
+    _ingest_query_set(env, tmp_path / "queries", "with-unknowns", unknown=UNKNOWN)
+    with running_server(env, log_path=tmp_path / "server.log") as server:
+        _fill_gallery(server.url, tmp_path / "gallery")
+        active = httpx.get(f"{server.url}/models").json()["active"]
+
+        browser.get(server.url + "/#evaluate")
+        wait = WebDriverWait(browser, 60)
+        wait.until(lambda d: d.execute_script(
+            "return document.getElementById('eval-query-set').value") == "with-unknowns")
+        browser.find_element(By.ID, "evaluate-button").click()
+        wait.until(lambda d: d.find_elements(By.ID, "det-chart"))
+
+        # The DET curve: a step line over the thresholds, and each resolved operating point
+        # with its FPIR and FNIR intervals as error bars (3 lines per bar).
+        det = browser.execute_script(
+            "const c = document.getElementById('det-chart');"
+            " return [c.querySelector('.det-line').getAttribute('d').split(' ').length,"
+            " [...c.querySelectorAll('.op-point')].map(g => g.querySelectorAll('.whisker')"
+            ".length)]")
+        thresholds = int(browser.find_element(By.ID, "threshold-slider").get_attribute("max"))
+        assert det[0] == thresholds + 1 > 2
+        assert det[1] and all(whiskers == 6 for whiskers in det[1])
+        assert browser.find_elements(By.CSS_SELECTOR, "#tar-chart .tar-point .whisker")
+        # The table: one row per target FPIR; the resolved ones show value [low, high].
+        rows = {row.get_attribute("data-fpir"): [td.text for td in
+                                                 row.find_elements(By.TAG_NAME, "td")]
+                for row in browser.find_elements(By.CSS_SELECTOR, ".op-table tbody tr")}
+        assert set(rows) == {"0.1", "0.01", "0.001"}
+        threshold, fnir = rows["0.1"][0], rows["0.1"][1]
+        value, low, high = _numbers(fnir)
+        assert _numbers(threshold) and low <= value <= high
+        assert "non-mated searches" in rows["0.001"][-1]  # 20 unknowns cannot resolve 0.001
+
+        # The slider starts at the 0.1 operating point; at its ends the decisions flip.
+        readout = browser.find_element(By.ID, "threshold-readout")
+        start = readout.text
+        assert f"threshold {_numbers(threshold)[0]:.4f}" in start
+        slider = browser.find_element(By.ID, "threshold-slider")
+
+        def outcomes(kind: str) -> set[str]:
+            return set(browser.execute_script(
+                "return [...document.querySelectorAll('.decision-table tr[data-kind=\"'"
+                " + arguments[0] + '\"] td:last-child')].map(td => td.textContent)", kind))
+
+        slider.send_keys(Keys.HOME)
+        wait.until(lambda d: readout.text != start)
+        assert "above every score" in readout.text
+        assert (float(readout.get_attribute("data-fpir")),
+                float(readout.get_attribute("data-fnir"))) == (0.0, 1.0)
+        assert outcomes("non-mated") == {"correct rejection"} and outcomes("mated") == {"miss"}
+        slider.send_keys(Keys.END)
+        wait.until(lambda d: float(readout.get_attribute("data-fpir")) == 1.0)
+        assert outcomes("non-mated") == {"false alarm"}
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".decision-table tbody tr")) == \
+            UNKNOWN * PER_UNKNOWN + CLASSES * QUERIES_PER_CLASS
+        for _ in range(thresholds // 2):
+            slider.send_keys(Keys.ARROW_LEFT)
+        assert 0.0 < float(readout.get_attribute("data-fpir")) < 1.0
+        _screenshot(browser, tmp_path, "screenshot_open_set.png",
+                    browser.find_element(By.ID, "open-set"))
+
+        # Models: not calibrated, then calibrated through the API and shown with its figures.
+        browser.get(server.url + "/#models")
+
+        def calibration_text() -> str | None:
+            return browser.execute_script(
+                "const r = [...document.querySelectorAll('#models-table tbody tr')]"
+                ".find(r => r.dataset.version === arguments[0]);"
+                " const c = r && r.querySelector('.calibration');"
+                " return c ? c.textContent : null", active)
+
+        wait.until(lambda d: calibration_text() is not None)
+        assert calibration_text() == "not calibrated: serves no decisions"
+        calibrated = httpx.post(f"{server.url}/models/{active}/calibrate", timeout=120,
+                                json={"query_set": "with-unknowns", "target_fpir": 0.1})
+        assert calibrated.status_code == 200, calibrated.text
+        calibration = calibrated.json()
+        browser.refresh()
+        wait.until(lambda d: (calibration_text() or "").startswith("threshold"))
+        shown = calibration_text()
+        assert f"threshold {calibration['threshold']:.4f}" in shown
+        assert f"target FPIR {calibration['target_fpir']:g}" in shown
+        assert f"FNIR {calibration['fnir']:.3f}" in shown and "on with-unknowns" in shown
+
+
+def _numbers(text: str) -> list[float]:
+    import re
+
+    return [float(n) for n in re.findall(r"-?\d+\.\d+", text)]
+
+
+def _screenshot(browser, tmp_path: Path, name: str, element=None) -> None:
+    """The whole page (the window grown to its height), or only ``element`` of it; also
+    into docs/ when asked."""
     height, chrome = browser.execute_script(
         "return [document.documentElement.scrollHeight, window.outerHeight - window.innerHeight]")
     browser.set_window_size(1280, max(900, min(int(height) + int(chrome), 4000)))
-    browser.save_screenshot(str(tmp_path / name))
+    save = element.screenshot if element is not None else browser.save_screenshot
+    save(str(tmp_path / name))
     assert (tmp_path / name).stat().st_size > 10_000
     if os.environ.get("IMGRET_SAVE_SCREENSHOT") == "1":
         (ROOT / "docs").mkdir(exist_ok=True)
-        browser.save_screenshot(str(ROOT / "docs" / name))
+        save(str(ROOT / "docs" / name))
 
 
-def _ingest_query_set(env: dict[str, str], folder: Path, name: str) -> None:
+def _ingest_query_set(env: dict[str, str], folder: Path, name: str, unknown: int = 0) -> None:
     """Store a labelled query set the way a user does: `imgret ingest FOLDER --query-set`.
 
     Query i of class c is blended with class c + 1 (weight BLEND[i]): some queries are hard,
-    so the metrics, intervals and confusions are not all trivial.
+    so the metrics, intervals and confusions are not all trivial. ``unknown`` more classes
+    (PER_UNKNOWN queries each) have no gallery item: the non-mated queries of open-set
+    decisions.
     """
     for c in range(CLASSES):
         (folder / f"class-{c}").mkdir(parents=True, exist_ok=True)
@@ -297,6 +403,10 @@ def _ingest_query_set(env: dict[str, str], folder: Path, name: str) -> None:
             image = Image.blend(class_image(c, 500 + i, size=SIZE),
                                 class_image((c + 1) % CLASSES, 700 + i, size=SIZE), BLEND[i])
             image.save(folder / f"class-{c}" / f"{i}.png")
+    for c in range(CLASSES, CLASSES + unknown):
+        (folder / f"class-{c}").mkdir(parents=True, exist_ok=True)
+        for i in range(PER_UNKNOWN):
+            class_image(c, 500 + i, size=SIZE).save(folder / f"class-{c}" / f"{i}.png")
     done = subprocess.run(
         [sys.executable, "-c", "from imgret.cli.main import main; main()", "ingest", str(folder),
          "--query-set", name, "--no-progress"],

@@ -1,6 +1,8 @@
 // Evaluate view: POST /evaluate {query_set, model_version, worst} and show the report: the
 // metrics with their 95% intervals (an inline SVG chart), the per-label table and the worst
-// queries as rows of images (relevant neighbours framed green, irrelevant red).
+// queries as rows of images (relevant neighbours framed green, irrelevant red); with an
+// open_set section, its DET and TAR@FAR plots, operating points and threshold slider
+// (openset.js).
 "use strict";
 
 (() => {
@@ -62,6 +64,7 @@
       chart(report),
       el("h3", { text: "Per label (worst first)" }),
       labelTable(report.per_label || []),
+      ...imgret.openSet.render(report),
       el("h3", { text: `Worst ${(report.worst || []).length} queries` }),
       worstRows(report),
     );
@@ -175,5 +178,5 @@
   }
 
   imgret.register("evaluate", { show });
-  imgret.evaluate = { chart, metricRows };
+  imgret.evaluate = { chart, metricRows, svg };
 })();

@@ -1,5 +1,5 @@
 // Models view: the registered versions (GET /models) with coverage, index and re-embedding
-// state; Embed / Activate (optionally gated on a paired comparison) / Roll back; Compare two
+// state, and the decision threshold each serves (its calibration); Embed / Activate (optionally gated on a paired comparison) / Roll back; Compare two
 // versions on a query set. Polls GET /models every 2 s while a re-embedding runs.
 "use strict";
 
@@ -69,10 +69,29 @@
     return el("td", { cls: "coverage" }, bar, el("span", { cls: "coverage-text", text: `${embedded} / ${live} (${percent}%)` }));
   }
 
+  /** The decision threshold the version serves (its newest calibration), or why none. */
+  function calibrationCell(m) {
+    const c = m.calibration;
+    if (!c) {
+      return el("td", { cls: "calibration muted", text: "not calibrated: serves no decisions",
+        attrs: { title: m.decisions || "" } });
+    }
+    const ci = c.threshold_ci95 ? ` [${fmt(c.threshold_ci95[0], 4)}, ${fmt(c.threshold_ci95[1], 4)}]` : "";
+    const fnir = (c.details || {}).fnir;
+    const fnirText = fnir && fnir.ci95 ? `${fmt(c.fnir)} [${fmt(fnir.ci95[0])}, ${fmt(fnir.ci95[1])}]` : fmt(c.fnir);
+    const option = c.rerank ? ` · re-ranked (${c.rerank.method})` : "";
+    const cell = el("td", { cls: "calibration", attrs: { title: m.decisions || "" } },
+      el("div", { cls: "num", text: `threshold ${fmt(c.threshold, 4)}${ci}` }),
+      el("div", { cls: "muted small", text: `target FPIR ${c.target_fpir} · measured FPIR ${fmt(c.fpir)} · FNIR ${fnirText}` }),
+      el("div", { cls: "muted small", text: `on ${c.query_set} · ${created(c.created_at)}${option}` }));
+    cell.dataset.threshold = String(c.threshold);
+    return cell;
+  }
+
   function renderTable(listing) {
     tbody.replaceChildren();
     if (listing.models.length === 0) {
-      tbody.append(el("tr", {}, el("td", { text: "no model version is registered", attrs: { colspan: "8" } })));
+      tbody.append(el("tr", {}, el("td", { text: "no model version is registered", attrs: { colspan: "9" } })));
     }
     for (const m of listing.models) {
       const versionCell = el("th", { attrs: { scope: "row" } }, el("code", { text: m.version }));
@@ -100,6 +119,7 @@
         el("td", { text: index }),
         job,
         last,
+        calibrationCell(m),
         el("td", { cls: "actions" }, embed, activate));
       row.dataset.version = m.version;
       tbody.append(row);
