@@ -16,6 +16,17 @@ PG_ADMIN_URL = os.environ.get(
 )
 
 
+@pytest.fixture(autouse=True)
+def _fresh_settings() -> Iterator[None]:
+    """Each test reads the ``IMGRET_*`` environment it sets: ``get_settings`` is cached per
+    process, and a CLI run inside a test would otherwise reuse an earlier test's database."""
+    from imgret.settings import get_settings
+
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory holding model.pt of an untrained tiny CNN (16-d, 32 px input)."""
