@@ -125,7 +125,18 @@ def _acquire_postgres(conninfo: str, *, exclusive: bool) -> GalleryLock | None:
     if not (row and row[0]):
         connection.close()
         return None
-    return GalleryLock(connection.close, "a PostgreSQL advisory lock")
+
+    def release() -> None:
+        # Unlocked before the close: a closed connection's backend drops its locks only when
+        # it exits, a moment later, so the next command would still find the gallery held.
+        try:
+            connection.execute("SELECT pg_advisory_unlock_all()")
+        except psycopg.Error:
+            pass  # a broken connection: its backend ends, and the lock with it
+        finally:
+            connection.close()
+
+    return GalleryLock(release, "a PostgreSQL advisory lock")
 
 
 def _acquire_file(database: Path, *, exclusive: bool) -> GalleryLock | None:
