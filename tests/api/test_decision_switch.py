@@ -15,7 +15,8 @@ import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.images import DecodeLimits, embed_encoded
-from tests.support.images import class_image, image_bytes, write_image_folder
+from tests.support.images import class_image, image_bytes
+from tests.support.open_set import gallery_with_unknowns_and_second_version
 
 # Gallery classes 0-3 and others; near-copies of gallery images score ~1 in both versions.
 CANDIDATES = [image_bytes(class_image(c, 400 + c)) for c in range(12)]
@@ -43,20 +44,11 @@ def _expected_top(resources, version: str) -> list[tuple[str, float]]:
 
 def test_no_answer_mixes_two_versions_scores_and_thresholds(make_client, tmp_path: Path,
                                                            other_checkpoint: Path) -> None:
-    from imgret.index.ingest import ingest_source
-
     with make_client(embed_duty=1.0, model_roots=[other_checkpoint]) as client:
         resources = client.app.state.resources
-        for folder, name in ((write_image_folder(tmp_path / "g", classes=4, per_class=5), None),
-                             (write_image_folder(tmp_path / "q", classes=8, per_class=3,
-                                                 seed=7), "cal")):
-            ingest_source(folder, session_factory=resources.sessions, media=resources.media,
-                          embedder=resources.embedder, query_set=name, progress=False)
-        resources.searcher.refresh_from_changes()
-        a = client.get("/health").json()["model_version"]
-        b = client.post("/models", json={"path": str(other_checkpoint)}).json()["version"]
-        assert client.post(f"/models/{b}/embed").status_code == 202
-        resources.jobs.wait(b, timeout=60)
+        a, b = gallery_with_unknowns_and_second_version(
+            client, tmp_path, other_checkpoint, gallery_classes=4, gallery_per_class=5,
+            query_classes=8)
         thresholds = {}
         for version, target in ((a, 0.25), (b, 0.5)):
             response = client.post(f"/models/{version}/calibrate",

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from imgret.checkpoint import load_checkpoint, save_checkpoint
-from imgret.index.ingest import ingest_source
-from tests.support.images import write_image_folder
+from tests.support.open_set import gallery_with_unknowns_and_second_version
 
 TARGET = 0.2
 
@@ -36,18 +35,10 @@ def _activate(client, version: str, *require: str, **query):
 def test_a_version_with_more_misses_is_refused_and_the_way_back_allowed(
         make_client, tmp_path: Path, blind_checkpoint: Path) -> None:
     with make_client(embed_duty=1.0, model_roots=[blind_checkpoint]) as client:
-        resources = client.app.state.resources
         # Gallery: 5 identities; query set: 10 (5 unknown), 3 images each.
-        for folder, name in ((write_image_folder(tmp_path / "g", classes=5, per_class=4), None),
-                             (write_image_folder(tmp_path / "q", classes=10, per_class=3,
-                                                 seed=7), "cal")):
-            ingest_source(folder, session_factory=resources.sessions, media=resources.media,
-                          embedder=resources.embedder, query_set=name, progress=False)
-        resources.searcher.refresh_from_changes()
-        good = client.get("/health").json()["model_version"]
-        blind = client.post("/models", json={"path": str(blind_checkpoint)}).json()["version"]
-        assert client.post(f"/models/{blind}/embed").status_code == 202
-        resources.jobs.wait(blind, timeout=60)
+        good, blind = gallery_with_unknowns_and_second_version(
+            client, tmp_path, blind_checkpoint, gallery_classes=5, gallery_per_class=4,
+            query_classes=10)
 
         uncalibrated = _activate(client, blind, "fnir_not_worse", query_set="cal")
         assert uncalibrated.status_code == 409
