@@ -18,8 +18,16 @@ out-of-sample false-accept rate (fresh unknowns called known) and rank-1 identif
 identities, beside the calibration's in-sample figures. The same for the untrained network
 (same architecture) as the baseline.
 
-Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.05] [--train-seconds 120]``
-(``--work`` keeps the rendered folders and the trained model between runs).
+``--layout market`` writes the gallery and both query sets in the Market-1501 layout instead
+(``0042_c3s1_000123_00.png``: identity and camera from the name, the face as the camera) and
+adds 100 distractor identities to the gallery as identity 0000, as Market's own gallery
+holds: people no query shows, who still count as false accepts when a stranger matches them.
+``--unknowns N`` sets the identities of each unknown group (more of them narrow the interval
+of a small FPIR: at 0.01, 125 identities x 4 images give about 5 false accepts).
+
+Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.05] [--train-seconds 120]
+[--unknowns 125] [--layout imagefolder|market]`` (``--work`` keeps the rendered folders and
+the trained model between runs).
 """
 
 from __future__ import annotations
@@ -36,45 +44,79 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from imgret.datasets import list_records
 from imgret.index.ingest import ingest_source
 from imgret.service.app import create_app
 from imgret.settings import Settings
 from imgret.training.data.glyphs import GlyphOptions, load_glyphs
+from imgret.training.data.splits import MARKET_DISTRACTOR
 
-SPLIT = {"train": 200, "enrolled": 150, "cal_unknown": 125, "fresh_unknown": 125}
 PER_CLASS = 16  # 8 faces x 2 distortions
 FACES = 8
 RESAMPLES = 1000
+LAYOUTS = ("imagefolder", "market")
 
 
-def _write(root: Path, glyphs, classes: np.ndarray, images: list[int]) -> Path:
-    for c in classes.tolist():
-        folder = root / str(glyphs.class_names[c])
-        folder.mkdir(parents=True, exist_ok=True)
-        for n in images:
-            Image.fromarray(glyphs.pixels[c * PER_CLASS + n]).save(folder / f"{n:02d}.png")
-    return root
+def split_sizes(unknowns: int, layout: str) -> dict[str, int]:
+    """Identities per group; the Market-1501 layout adds gallery distractors (identity
+    0000: people in the gallery no query shows, as Market's own bounding_box_test has)."""
+    sizes = {"train": 200, "enrolled": 150, "cal_unknown": unknowns, "fresh_unknown": unknowns}
+    if layout == "market":
+        sizes["distractor"] = 100
+    return sizes
 
 
-def build_folders(work: Path) -> dict[str, Path]:
-    """The four identity groups as ImageFolders (rendered once)."""
+class FolderWriter:
+    """Writes glyph images as an ImageFolder (``<class>/<n>.png``) or as Market-1501
+    (``NNNN_cCs1_XXXXXX_00.png`` in one folder: identity = the class's 1-based number in the
+    rendered set, camera = face + 1, distractors as identity 0000)."""
+
+    def __init__(self, glyphs, layout: str):
+        self.glyphs, self.layout = glyphs, layout
+
+    def write(self, root: Path, classes: np.ndarray, images: list[int], *,
+              distractor: bool = False) -> Path:
+        root.mkdir(parents=True, exist_ok=True)
+        for c in classes.tolist():
+            for n in images:
+                pixels = Image.fromarray(self.glyphs.pixels[c * PER_CLASS + n])
+                if self.layout == "market":
+                    identity = 0 if distractor else c + 1
+                    name = f"{identity:04d}_c{n % FACES + 1}s1_{c * PER_CLASS + n:06d}_00.png"
+                    pixels.save(root / name)
+                else:
+                    folder = root / str(self.glyphs.class_names[c])
+                    folder.mkdir(exist_ok=True)
+                    pixels.save(folder / f"{n:02d}.png")
+        return root
+
+
+def build_folders(work: Path, *, unknowns: int = 125,
+                  layout: str = "imagefolder") -> dict[str, Path]:
+    """The identity groups as folders of ``layout`` (rendered once per ``work``)."""
     folders = {name: work / name for name in ("train", "gallery", "cal", "fresh")}
     if all(path.is_dir() for path in folders.values()):
         return folders
-    glyphs = load_glyphs(GlyphOptions(classes=sum(SPLIT.values()), per_class=PER_CLASS, seed=0))
+    sizes = split_sizes(unknowns, layout)
+    glyphs = load_glyphs(GlyphOptions(classes=sum(sizes.values()), per_class=PER_CLASS, seed=0))
     order = np.random.default_rng(0).permutation(len(glyphs.codepoints))
     groups, start = {}, 0
-    for name, size in SPLIT.items():
+    for name, size in sizes.items():
         groups[name] = order[start:start + size]
         start += size
-    _write(folders["train"], glyphs, groups["train"], list(range(PER_CLASS)))
-    _write(folders["gallery"], glyphs, groups["enrolled"], list(range(FACES)))
+    # The training set is an ImageFolder in both layouts: only what is served changes.
+    FolderWriter(glyphs, "imagefolder").write(folders["train"], groups["train"],
+                                              list(range(PER_CLASS)))
+    writer = FolderWriter(glyphs, layout)
+    writer.write(folders["gallery"], groups["enrolled"], list(range(FACES)))
+    if layout == "market":
+        writer.write(folders["gallery"], groups["distractor"], [0, 9], distractor=True)
     # Image n of a class: face n % 8, distortion n // 8. Mated queries: distortion 1, even
     # faces for "cal", odd faces for "fresh"; unknowns: the same four images each.
-    _write(folders["cal"], glyphs, groups["enrolled"], [8, 10, 12, 14])
-    _write(folders["cal"], glyphs, groups["cal_unknown"], [8, 10, 12, 14])
-    _write(folders["fresh"], glyphs, groups["enrolled"], [9, 11, 13, 15])
-    _write(folders["fresh"], glyphs, groups["fresh_unknown"], [9, 11, 13, 15])
+    writer.write(folders["cal"], groups["enrolled"], [8, 10, 12, 14])
+    writer.write(folders["cal"], groups["cal_unknown"], [8, 10, 12, 14])
+    writer.write(folders["fresh"], groups["enrolled"], [9, 11, 13, 15])
+    writer.write(folders["fresh"], groups["fresh_unknown"], [9, 11, 13, 15])
     return folders
 
 
@@ -121,14 +163,13 @@ def measure(client: TestClient, version: str, folders: dict[str, Path], fpir: fl
     cal = calibration.json()
     labels, known, right = [], [], []
     started = time.perf_counter()
-    for folder in sorted(folders["fresh"].iterdir()):
-        for path in sorted(folder.iterdir()):
-            answer = client.post("/identify", files={"image": (path.name, path.read_bytes(),
-                                                               "image/png")}).json()
-            assert answer["model_version"] == version, answer
-            labels.append(folder.name)
-            known.append(answer["known"])
-            right.append(answer["known"] and answer["label"] == folder.name)
+    for record in list_records(folders["fresh"]):
+        answer = client.post("/identify", files={
+            "image": (record.path.name, record.path.read_bytes(), "image/png")}).json()
+        assert answer["model_version"] == version, answer
+        labels.append(record.label)
+        known.append(answer["known"])
+        right.append(answer["known"] and answer["label"] == record.label)
     seconds = time.perf_counter() - started
     labels_a, known_a, right_a = np.array(labels), np.array(known), np.array(right)
     unknown = ~np.isin(labels_a, list(enrolled))
@@ -160,14 +201,19 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--fpir", type=float, default=0.05)
     parser.add_argument("--train-seconds", type=float, default=120.0)
+    parser.add_argument("--unknowns", type=int, default=125,
+                        help="identities in each group of unknowns (calibration, fresh)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="imagefolder",
+                        help="how the gallery and query folders are written and ingested")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="openset_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    folders = build_folders(work)
+    folders = build_folders(work, unknowns=args.unknowns, layout=args.layout)
     trained = train_model(folders["train"], work / "trained", args.train_seconds)
     untrained = untrained_model(work / "untrained")
-    enrolled = {p.name for p in folders["gallery"].iterdir()}
+    # Distractors (Market's identity 0000) are in the gallery, but they are nobody.
+    enrolled = {r.label for r in list_records(folders["gallery"])} - {MARKET_DISTRACTOR}
     data = work / f"service-{time.time_ns()}"
     settings = Settings(data_dir=data, database_url=f"sqlite:///{data}/imgret.db",
                         model=trained, device="cpu", model_roots=[untrained])
@@ -186,6 +232,8 @@ def main() -> None:
         resources.jobs.wait(baseline, timeout=600)
         assert client.post(f"/models/{baseline}/activate").status_code == 200
         results["untrained"] = measure(client, baseline, folders, args.fpir, enrolled)
+    results["setup"] = {"layout": args.layout, "target_fpir": args.fpir,
+                        "unknown_identities_per_group": args.unknowns}
     print(json.dumps(results, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))

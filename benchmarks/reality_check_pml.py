@@ -1,0 +1,245 @@
+"""An independent check of a Reality-Check table: retrain two of its losses with
+pytorch-metric-learning's own trainer and score them with PML's ``AccuracyCalculator``.
+
+For each chosen loss of a finished ``imgret tune --cv-folds K`` output, every final run
+(``runs/<loss>/seed<s>/fold<j>/``) is trained again outside imgret's loop, from the same
+inputs: the same split (imgret's ``make_split`` of the run's config: the same training,
+validation and test images), the same trunk and head (``EmbeddingNet`` of the same spec,
+seeded the same way), the loss and miner built directly from PML with the run's tuned
+parameters, PML's ``MPerClassSampler`` (8 classes x 4, epochs as long as the training split),
+AdamW at the run's learning rate with the same cosine schedule over the epoch cap, and
+early stopping on validation MAP@R with the run's patience (PML's ``end_of_epoch_hook``).
+The test split is embedded here (eval transform, forward pass, no imgret ``Embedder``) and
+scored by PML's ``AccuracyCalculator`` (``k="max_bin_count"``): each fold model alone and the
+K models concatenated, as the table reports them.
+
+What agrees by construction: data, split, architecture, hyper-parameters. What is
+independent: the training loop (batches, steps, early stopping), the embedding of the test
+images and the metric code. The check passes when PML's mean MAP@R over runs lies inside
+imgret's 95% interval for that loss, alone and concatenated.
+
+Run: ``python benchmarks/reality_check_pml.py runs/reality-check --losses
+contrastive,multi_similarity`` (writes ``pml_check.json`` into the run directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tqdm
+from pytorch_metric_learning import losses, miners, samplers, trainers
+from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+from scipy import stats
+
+from imgret.checkpoint import EmbeddingNet
+from imgret.training.config import TrainConfig
+from imgret.training.data import make_split, open_source
+from imgret.training.data.datasets import TrainDataset
+from imgret.training.data.sources import model_spec_for
+from imgret.transforms import eval_transform
+
+METRICS = ("mean_average_precision_at_r", "precision_at_1", "r_precision")
+
+
+def pml_loss(config: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The loss and miner, built from PML's classes with the run's tuned options."""
+    options = dict(config.loss.options)
+    miner_options = dict(config.loss.miner_options)
+    name = config.loss.name
+    if name == "contrastive":
+        loss = losses.ContrastiveLoss(pos_margin=options.get("pos_margin", 0.0),
+                                      neg_margin=options.get("neg_margin", 1.0))
+        miner = None if config.loss.miner in (None, "none") else _unsupported(config)
+    elif name == "multi_similarity":
+        loss = losses.MultiSimilarityLoss(alpha=options.get("alpha", 2.0),
+                                          beta=options.get("beta", 50.0),
+                                          base=options.get("base", 0.5))
+        miner = (miners.MultiSimilarityMiner(epsilon=miner_options.get("epsilon", 0.1))
+                 if config.loss.miner in (None, "multi_similarity") else _unsupported(config))
+    elif name == "triplet":
+        loss = losses.TripletMarginLoss(margin=options.get("margin", 0.2))
+        miner = (miners.TripletMarginMiner(margin=miner_options.get("margin", 0.2),
+                                           type_of_triplets="semihard")
+                 if config.loss.miner in (None, "semihard") else _unsupported(config))
+    else:
+        raise SystemExit(f"this check builds contrastive, multi_similarity and triplet, "
+                         f"not {name!r}")
+    return loss, miner
+
+
+def _unsupported(config: TrainConfig) -> None:
+    raise SystemExit(f"miner {config.loss.miner!r} of {config.loss.name!r} is not built here")
+
+
+def embed(model: EmbeddingNet, dataset: TrainDataset, batch: int = 256) -> np.ndarray:
+    """L2-normalised embeddings of every item of ``dataset``, in order."""
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(dataset), batch):
+            images = torch.stack([dataset[i][0] for i in range(start,
+                                                              min(start + batch, len(dataset)))])
+            out.append(F.normalize(model(images), dim=1).numpy())
+    model.train()
+    return np.concatenate(out)
+
+
+def map_at_r(calculator: AccuracyCalculator, vectors: np.ndarray,
+             labels: np.ndarray) -> dict[str, float]:
+    """PML's metrics with the query set as its own reference (the query itself excluded)."""
+    result = calculator.get_accuracy(torch.from_numpy(vectors), torch.from_numpy(labels),
+                                     ref_includes_query=True)
+    return {k: float(v) for k, v in result.items()}
+
+
+def train_fold(config: TrainConfig, calculator: AccuracyCalculator) -> tuple[EmbeddingNet, dict]:
+    """One fold model, trained by PML's ``MetricLossOnly`` and stopped on validation MAP@R."""
+    source = open_source(config.data)
+    split = make_split(source, config)
+    spec = model_spec_for(config, source)
+    transform = eval_transform(spec)
+    train_set = TrainDataset(source, split.indices["train"], transform)
+    val_set = TrainDataset(source, split.indices["val"], transform)
+    torch.manual_seed(config.seed)
+    model = EmbeddingNet(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.network_lr,
+                                  weight_decay=config.weight_decay)
+    steps_per_epoch = len(train_set) // config.batch_size
+    total = steps_per_epoch * config.epochs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+    loss, miner = pml_loss(config)
+    sampler = samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
+                                        batch_size=config.batch_size,
+                                        length_before_new_iter=len(train_set))
+    val_labels = val_set.targets
+    state = {"best": -1.0, "best_epoch": 0, "weights": None, "since": 0, "curve": []}
+
+    def end_of_epoch(trainer: Any) -> bool:
+        score = map_at_r(calculator, embed(model, val_set),
+                         val_labels)["mean_average_precision_at_r"]
+        state["curve"].append(score)
+        if score > state["best"]:
+            state.update(best=score, best_epoch=trainer.epoch, since=0,
+                         weights=copy.deepcopy(model.state_dict()))
+        else:
+            state["since"] += 1
+        return state["since"] < config.patience  # False stops PML's trainer
+
+    epoch0 = map_at_r(calculator, embed(model, val_set), val_labels)
+    state.update(best=epoch0["mean_average_precision_at_r"], weights=copy.deepcopy(
+        model.state_dict()))
+    trainer = trainers.MetricLossOnly(
+        models={"trunk": model}, optimizers={"trunk_optimizer": optimizer},
+        batch_size=config.batch_size, loss_funcs={"metric_loss": loss},
+        mining_funcs={"tuple_miner": miner} if miner is not None else {},
+        dataset=train_set, sampler=sampler, dataloader_num_workers=0,
+        iterations_per_epoch=steps_per_epoch,
+        lr_schedulers={"trunk_scheduler_by_iteration": schedule},
+        end_of_epoch_hook=end_of_epoch)
+    trainer.train(num_epochs=config.epochs)
+    model.load_state_dict(state["weights"])
+    return model, {"best_epoch": state["best_epoch"], "val_map_at_r": state["best"],
+                   "val_curve": state["curve"]}
+
+
+def test_set(config: TrainConfig) -> TrainDataset:
+    source = open_source(config.data)
+    split = make_split(source, config)
+    return TrainDataset(source, split.indices["test"], eval_transform(model_spec_for(config,
+                                                                                    source)))
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t-interval over runs (imgret's table uses the same)."""
+    a = np.asarray(values, float)
+    if len(a) < 2:
+        return float(a.mean()), float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(a) - 1) * a.std(ddof=1) / math.sqrt(len(a))
+    return float(a.mean()), float(a.mean() - half), float(a.mean() + half)
+
+
+def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict[str, Any]:
+    seeds = sorted((run_dir / "runs" / loss).glob("seed*"), key=lambda p: int(p.name[4:]))
+    if not seeds:
+        raise SystemExit(f"{run_dir}/runs/{loss}: no final runs")
+    rows = []
+    for seed_dir in seeds:
+        folds = sorted(seed_dir.glob("fold*"), key=lambda p: int(p.name[4:]))
+        vectors, alone, info = [], [], []
+        labels = None
+        for fold_dir in folds:
+            record = json.loads((fold_dir / "metrics.json").read_text())
+            config = TrainConfig(**record["config"])
+            start = time.perf_counter()
+            model, fold_info = train_fold(config, calculator)
+            test = test_set(config)
+            labels = test.targets
+            v = embed(model, test)
+            vectors.append(v)
+            alone.append(map_at_r(calculator, v, labels)["mean_average_precision_at_r"])
+            fold_info["seconds"] = round(time.perf_counter() - start, 1)
+            info.append(fold_info)
+            print(f"{loss} {seed_dir.name} {fold_dir.name}: PML MAP@R {alone[-1]:.4f} "
+                  f"(best epoch {fold_info['best_epoch']}, {fold_info['seconds']} s)",
+                  flush=True)
+        concatenated = np.concatenate(vectors, axis=1) / math.sqrt(len(vectors))
+        rows.append({"seed": seed_dir.name, "folds": info, "alone": alone,
+                     "concatenated": map_at_r(calculator, concatenated, labels)})
+    imgret = json.loads((run_dir / "results.json").read_text())
+    row = next(r for r in imgret["rows"] if r["kind"] == "loss" and r["name"] == loss)
+    pml_alone = interval([float(np.mean(r["alone"])) for r in rows])
+    pml_concat = interval([r["concatenated"]["mean_average_precision_at_r"] for r in rows])
+    theirs = {kind: {"mean": m["mean"], "low": m["ci"][0], "high": m["ci"][1]}
+              for kind, m in (("concatenated", row["metrics"]["map_at_r"]),
+                              ("alone", row["separate"]["map_at_r"]))}
+    return {
+        "loss": loss, "runs": rows,
+        "pml": {"alone": pml_alone, "concatenated": pml_concat},
+        "imgret": theirs,
+        "within": {
+            "alone": theirs["alone"]["low"] <= pml_alone[0] <= theirs["alone"]["high"],
+            "concatenated": (theirs["concatenated"]["low"] <= pml_concat[0]
+                             <= theirs["concatenated"]["high"]),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a finished imgret tune --cv-folds output")
+    parser.add_argument("--losses", default="contrastive,multi_similarity")
+    args = parser.parse_args()
+    # PML's trainer draws a progress bar per epoch; this script prints one line per fold.
+    tqdm.tqdm = functools.partial(tqdm.tqdm, disable=True)
+    calculator = AccuracyCalculator(include=METRICS, k="max_bin_count", device=torch.device("cpu"))
+    start = time.perf_counter()
+    checks = [check_loss(args.run_dir, loss, calculator) for loss in args.losses.split(",")]
+    out = {"checks": checks, "seconds": round(time.perf_counter() - start, 1)}
+    (args.run_dir / "pml_check.json").write_text(json.dumps(out, indent=2))
+    print("\nTest MAP@R, mean and 95% t-interval over runs; PML trainer + AccuracyCalculator "
+          "against imgret's table")
+    print("| loss | model | PML | imgret | PML mean inside imgret's interval |")
+    print("|---|---|---|---|---|")
+    for c in checks:
+        for kind in ("concatenated", "alone"):
+            mean, low, high = c["pml"][kind]
+            ours = c["imgret"][kind]
+            print(f"| {c['loss']} | {kind} | {mean:.3f} [{low:.3f}, {high:.3f}] | "
+                  f"{ours['mean']:.3f} [{ours['low']:.3f}, {ours['high']:.3f}] | "
+                  f"{'yes' if c['within'][kind] else 'no'} |")
+    print(f"\n{out['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
