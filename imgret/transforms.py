@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
@@ -28,6 +29,7 @@ class EvalTransform:
         self.grayscale = spec.grayscale
         self.mean = list(spec.mean)
         self.std = list(spec.std)
+        self._grey_table: np.ndarray | None = None
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         x = F.pil_to_tensor(image)
@@ -37,6 +39,41 @@ class EvalTransform:
             x = F.resize(x, list(self.size), antialias=True)
         x = F.to_dtype(x, torch.float32, scale=True)
         return F.normalize(x, mean=self.mean, std=self.std)
+
+    def grey_table(self, height: int, width: int) -> np.ndarray | None:
+        """``(3, 256)`` float32 array: what :meth:`__call__` makes of each grey level of an RGB
+        image of ``height x width`` pixels with R = G = B (an ``L`` image converted to RGB,
+        as greyscale arrays are decoded), or ``None`` when such an image would be resized (a
+        resize mixes neighbouring pixels, so no per-pixel table exists).
+
+        Without a resize every step is per pixel, so ``table[:, grey]`` equals the transform
+        of the image exactly; the table is computed by :meth:`__call__` itself, on one image
+        holding every level, so it cannot drift from it (``tests/unit/test_transforms.py``).
+        In-memory greyscale data sets (the glyphs, Fashion-MNIST) use it to skip the PIL
+        round trip of every image, most of the cost of a small model's epoch on a CPU.
+        """
+        if (height, width) != self.size or height * width < 256:
+            return None
+        if self._grey_table is None:
+            levels = (np.arange(height * width) % 256).astype(np.uint8).reshape(height, width)
+            out = self(Image.fromarray(levels, mode="L").convert("RGB"))
+            self._grey_table = np.ascontiguousarray(out.reshape(3, -1)[:, :256].numpy())
+        return self._grey_table
+
+    def grey_image(self, table: np.ndarray, pixels: np.ndarray) -> torch.Tensor:
+        """One ``(H, W)`` uint8 image through :meth:`grey_table`'s ``table`` (numpy's take:
+        torch's advanced indexing costs a hundred times more on a small image)."""
+        return torch.from_numpy(np.take(table, pixels, axis=1))
+
+    def grey_batch(self, pixels: np.ndarray) -> torch.Tensor | None:
+        """``(n, H, W)`` uint8 greyscale -> ``(n, 3, S, S)`` float32, equal to stacking
+        :meth:`__call__` of each image converted to RGB; ``None`` when :meth:`grey_table`
+        is (the caller falls back to PIL images)."""
+        table = self.grey_table(*pixels.shape[-2:])
+        if table is None:
+            return None
+        return torch.from_numpy(np.ascontiguousarray(np.take(table, pixels, axis=1)
+                                                     .transpose(1, 0, 2, 3)))
 
 
 def eval_transform(spec: ModelSpec) -> EvalTransform:

@@ -30,6 +30,7 @@ from imgret.metrics import per_query_table, retrieval_metrics
 from imgret.stats import BETTER, WORSE, paired_comparison
 from imgret.training.config import TrainConfig
 from imgret.training.data import DataSplit, ImageSource, iter_images, stratified_subset
+from imgret.training.data.sources import grey_pixels
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,14 @@ def embed_split(
     """
     embedder = Embedder.from_model(model, model_version=tag, batch_size=batch_size)
     parts, kept = [], []
+    pixels = grey_pixels(source)
+    if pixels is not None and embedder.transform.grey_table(*pixels.shape[1:]) is not None:
+        # An in-memory greyscale array: the transform's per-pixel table, no PIL images.
+        for start in range(0, len(indices), batch_size):
+            chunk = np.asarray(indices[start : start + batch_size], dtype=np.int64)
+            parts.append(embedder.embed_tensors(embedder.transform.grey_batch(pixels[chunk])))
+            kept.append(chunk)
+        return _embedded(source, parts, kept, model.spec.dim)
     for chunk_indices, images in iter_images(source, indices):
         if images:
             parts.append(embedder.embed(images))

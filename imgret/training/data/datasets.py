@@ -18,8 +18,8 @@ from torchvision.transforms import v2
 from imgret.checkpoint import ModelSpec
 from imgret.datasets import DatasetError
 from imgret.errors import ImageDecodeError
-from imgret.training.data.sources import ImageSource
-from imgret.transforms import eval_transform
+from imgret.training.data.sources import ImageSource, grey_pixels
+from imgret.transforms import EvalTransform, eval_transform
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class TrainDataset(Dataset):
         self.targets = np.array([lookup[x] for x in source.labels[self.indices]], dtype=np.int64)
         self._by_class = {c: np.flatnonzero(self.targets == c) for c in range(len(lookup))}
         self._bad: set[int] = set()
+        pixels = grey_pixels(source)
+        self._grey = (transform.grey_table(*pixels.shape[1:])
+                      if pixels is not None and isinstance(transform, EvalTransform) else None)
 
     def shuffle_labels(self, rng: np.random.Generator) -> None:
         """Permute the labels over the items (the shuffled-labels control): every class keeps
@@ -86,6 +89,9 @@ class TrainDataset(Dataset):
 
     def __getitem__(self, position: int) -> tuple[torch.Tensor, int]:
         label = int(self.targets[position])
+        if self._grey is not None:  # an in-memory greyscale array: per-pixel table, no PIL
+            pixels = self.source.pixels[self.indices[position]]
+            return self.transform.grey_image(self._grey, pixels), label
         candidates = self._by_class[label]
         start = int(np.searchsorted(candidates, position))
         for step in range(len(candidates)):

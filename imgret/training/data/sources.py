@@ -124,6 +124,14 @@ class ArrayImageSource:
         return f"{self.name}[{index}]"
 
 
+def grey_pixels(source: ImageSource) -> np.ndarray | None:
+    """The ``(n, H, W)`` uint8 array behind an in-memory greyscale source, else ``None`` (its
+    images can then be preprocessed in bulk: ``imgret.transforms.EvalTransform.grey_batch``)."""
+    if isinstance(source, ArrayImageSource) and source.pixels.ndim == 3:
+        return source.pixels
+    return None
+
+
 def open_source(data: str) -> ImageSource:
     """Open ``--data``: ``fashion-mnist[:FOLDER]``, ``glyphs[:KEY=VALUE,...]``, a folder, or
     a CSV manifest.

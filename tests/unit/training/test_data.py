@@ -236,3 +236,32 @@ def test_market_folder_keeps_cameras_and_leaves_out_distractors(tmp_path: Path) 
     used = np.concatenate([split.indices[s] for s in ("train", "val", "test")])
     assert "0000" not in set(source.labels[used].tolist())
     assert all(len(_classes(split, source, s)) == 2 for s in ("train", "val", "test"))
+
+
+def test_in_memory_greyscale_items_equal_the_decoded_image_path() -> None:
+    """Arrays (the glyphs, Fashion-MNIST) skip PIL through the transform's grey table: the
+    training items and the evaluation embeddings must be those of the decoded images."""
+    from imgret.checkpoint import EmbeddingNet
+    from imgret.embedder import Embedder
+    from imgret.training.scoring import embed_split
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (40, 32, 32), dtype=np.uint8)
+    labels = np.array([f"c{i % 5}" for i in range(40)], dtype=object)
+    source = ArrayImageSource("arrays", pixels, labels, np.zeros(40, bool), stats=(0.2, 0.3))
+    spec = spec_for(TrainConfig(data="x", backbone="tiny_cnn", image_size=32, dim=16), source)
+    transform = train_transform(spec, "none")
+    dataset = TrainDataset(source, np.arange(40), transform)
+    for position in (0, 17, 39):
+        image, label = dataset[position]
+        assert torch.equal(image, transform(source.image(position)))
+        assert dataset.class_names[label] == labels[position]
+
+    torch.manual_seed(0)
+    model = EmbeddingNet(spec)
+    indices = np.array([3, 1, 4, 15, 9, 26, 5, 35])
+    fast = embed_split(model, source, indices, batch_size=3)
+    decoded = Embedder.from_model(model, model_version="t").embed(
+        [source.image(int(i)) for i in indices])
+    np.testing.assert_allclose(fast.embeddings, decoded, atol=1e-6)
+    assert fast.labels.tolist() == labels[indices].tolist()
