@@ -64,6 +64,7 @@ import json
 import logging
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,10 +266,8 @@ def _class_disjoint(
     order = [classes[i] for i in rng.permutation(n)]
     groups = {"test": order[:n_test], "val": order[n_test : n_test + n_val],
               "train": order[n_test + n_val :]}
-    indices = {
-        split: np.flatnonzero(keep & np.isin(source.labels, np.array(members, dtype=object)))
-        for split, members in groups.items()
-    }
+    indices = {split: np.flatnonzero(keep & member_mask(source.labels, members))
+               for split, members in groups.items()}
     rule = (f"class-disjoint: {n} classes shuffled with seed {config.split_seed}; "
             f"{len(groups['train'])} train / {n_val} val / {n_test} test classes")
     return DataSplit("class-disjoint", indices, rule=rule)
@@ -300,10 +299,8 @@ def _fold_split(
     fold = config.fold or 0
     groups = {"train": [c for j, part in enumerate(folds) if j != fold for c in part],
               "val": folds[fold], "test": test}
-    indices = {
-        split: np.flatnonzero(keep & np.isin(source.labels, np.array(members, dtype=object)))
-        for split, members in groups.items()
-    }
+    indices = {split: np.flatnonzero(keep & member_mask(source.labels, members))
+               for split, members in groups.items()}
     sizes = "/".join(str(len(part)) for part in folds)
     rule = (f"class-disjoint {config.cv_folds}-fold cross-validation, fold {fold}: {origin} "
             f"cut into folds of {sizes} classes (seed {config.split_seed}); train = the other "
@@ -377,6 +374,13 @@ def _per_class_holdout(
     return np.sort(np.concatenate(held)).astype(np.int64) if held else np.zeros(0, np.int64)
 
 
+def member_mask(labels: np.ndarray, members: Sequence[str]) -> np.ndarray:
+    """``(n,)`` bool: which ``labels`` are among ``members`` (``np.isin`` on object arrays
+    sorts them, 0.2 s per call on the 24,000 glyph labels; a set lookup is a hundredth)."""
+    wanted = set(members)
+    return np.fromiter((label in wanted for label in labels), dtype=bool, count=len(labels))
+
+
 def stratified_subset(
     indices: np.ndarray, labels: np.ndarray, cap: int, rng: np.random.Generator
 ) -> np.ndarray:
@@ -390,11 +394,13 @@ def stratified_subset(
     Returns:
         Sorted ``(<= max(cap, 2 * classes),)`` int64 indices.
     """
-    classes = sorted(set(labels[indices].tolist()))
+    by_class: dict[str, list[int]] = {}
+    for index, label in zip(indices.tolist(), labels[indices].tolist(), strict=True):
+        by_class.setdefault(label, []).append(index)
     fraction = cap / len(indices)
     chosen = []
-    for label in classes:
-        members = indices[labels[indices] == label]
+    for label in sorted(by_class):  # one pass, not one comparison of every label per class
+        members = np.array(by_class[label], dtype=np.int64)
         k = min(len(members), max(2, int(math.floor(len(members) * fraction))))
         chosen.append(rng.permutation(members)[:k])
     return np.sort(np.concatenate(chosen)).astype(np.int64)

@@ -265,3 +265,27 @@ def test_in_memory_greyscale_items_equal_the_decoded_image_path() -> None:
         [source.image(int(i)) for i in indices])
     np.testing.assert_allclose(fast.embeddings, decoded, atol=1e-6)
     assert fast.labels.tolist() == labels[indices].tolist()
+
+
+def test_the_fast_split_helpers_equal_their_plain_definitions() -> None:
+    """``member_mask`` is ``np.isin``; ``stratified_subset`` picks, class by class in sorted
+    order, a seeded permutation's first k of the class's members in index order."""
+    import math
+
+    from imgret.training.data.splits import member_mask, stratified_subset
+
+    rng = np.random.default_rng(5)
+    labels = np.array([f"U+{c:04X}" for c in rng.integers(0, 60, 3000)], dtype=object)
+    members = sorted(set(labels[:700].tolist()))[:20]
+    assert np.array_equal(member_mask(labels, members),
+                          np.isin(labels, np.array(members, dtype=object)))
+
+    indices = np.sort(rng.choice(3000, 1800, replace=False)).astype(np.int64)
+    reference_rng, rng_a = np.random.default_rng(9), np.random.default_rng(9)
+    chosen = []
+    for label in sorted(set(labels[indices].tolist())):
+        group = indices[labels[indices] == label]
+        k = min(len(group), max(2, int(math.floor(len(group) * 500 / len(indices)))))
+        chosen.append(reference_rng.permutation(group)[:k])
+    assert np.array_equal(stratified_subset(indices, labels, 500, rng_a),
+                          np.sort(np.concatenate(chosen)))

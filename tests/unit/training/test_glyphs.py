@@ -111,6 +111,16 @@ def test_second_open_reads_the_cache_and_a_change_renders_again(
     assert load_glyphs(dataclasses.replace(SMALL, seed=3), cache=tmp_path).source == "cache"
 
 
+def test_opens_in_one_process_share_one_read_only_copy(cache: Path) -> None:
+    first, second = load_glyphs(SMALL, cache=cache), load_glyphs(SMALL, cache=cache)
+    assert first is second
+    with pytest.raises(ValueError, match="read-only"):
+        first.pixels[0, 0, 0] = 1
+    (cached,) = (cache / "glyphs").glob("*.npz")
+    cached.touch()  # a rewritten file is read again
+    assert load_glyphs(SMALL, cache=cache) is not first
+
+
 def test_a_damaged_cache_is_rendered_again(cache: Path, tmp_path: Path) -> None:
     (cached,) = (cache / "glyphs").glob("*.npz")
     damaged = tmp_path / "glyphs" / cached.name
