@@ -345,6 +345,21 @@ def test_open_set_plots_slider_and_calibration(
         _screenshot(browser, tmp_path, "screenshot_open_set.png",
                     browser.find_element(By.ID, "open-set"))
 
+        # Other operating points from the form; an out-of-range one is the server's 422.
+        status = browser.find_element(By.ID, "eval-status")
+        fpirs = browser.find_element(By.ID, "eval-fpirs")
+        fpirs.send_keys("0.2, 0.05")
+        browser.find_element(By.ID, "evaluate-button").click()
+        wait.until(lambda d: {row.get_attribute("data-fpir") for row in d.find_elements(
+            By.CSS_SELECTOR, ".op-table tbody tr")} == {"0.2", "0.05"})
+        fpirs.clear()
+        fpirs.send_keys("0.1, 1.5")
+        browser.find_element(By.ID, "evaluate-button").click()
+        wait.until(lambda d: "fpirs must each lie in (0, 1)" in status.text)
+        assert {row.get_attribute("data-fpir") for row in browser.find_elements(
+            By.CSS_SELECTOR, ".op-table tbody tr")} == {"0.2", "0.05"}  # the last report stays
+        fpirs.clear()
+
         # Models: not calibrated, then calibrated through the API and shown with its figures.
         browser.get(server.url + "/#models")
 

@@ -10,6 +10,8 @@
   const form = document.getElementById("evaluate-form");
   const setSelect = document.getElementById("eval-query-set");
   const versionSelect = document.getElementById("eval-version");
+  const fpirsInput = document.getElementById("eval-fpirs");
+  const unknownInput = document.getElementById("eval-unknown");
   const button = document.getElementById("evaluate-button");
   const output = document.getElementById("eval-report");
   const setStatus = statusSetter(document.getElementById("eval-status"));
@@ -36,6 +38,12 @@
     event.preventDefault();
     const body = { query_set: setSelect.value, worst: WORST };
     if (versionSelect.value) body.model_version = versionSelect.value;
+    // The server checks the values (each FPIR in (0, 1), each label in the query set) and
+    // its message is shown as it is; the page only splits the lists.
+    const fpirs = listOf(fpirsInput.value);
+    if (fpirs.length) body.fpirs = fpirs.map(Number);
+    const unknown = listOf(unknownInput.value);
+    if (unknown.length) body.unknown_labels = unknown;
     setStatus(`evaluating ${body.query_set}…`);
     button.disabled = true;
     output.setAttribute("aria-busy", "true");
@@ -55,6 +63,10 @@
       output.setAttribute("aria-busy", "false");
     }
   });
+
+  function listOf(text) {
+    return text.split(",").map((part) => part.trim()).filter((part) => part !== "");
+  }
 
   function render(report) {
     output.replaceChildren(
