@@ -46,12 +46,14 @@ from imgret.training.config import TrainConfig
 from imgret.training.data import make_split, open_source
 from imgret.training.data.datasets import TrainDataset
 from imgret.training.data.sources import model_spec_for
+from imgret.training.registry import loss_spec
 from imgret.transforms import eval_transform
 
 METRICS = ("mean_average_precision_at_r", "precision_at_1", "r_precision")
 
 
-def pml_loss(config: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def pml_loss(config: TrainConfig,
+             num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The loss and miner, built from PML's classes with the run's tuned options."""
     options = dict(config.loss.options)
     miner_options = dict(config.loss.miner_options)
@@ -66,14 +68,19 @@ def pml_loss(config: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module | No
                                           base=options.get("base", 0.5))
         miner = (miners.MultiSimilarityMiner(epsilon=miner_options.get("epsilon", 0.1))
                  if config.loss.miner in (None, "multi_similarity") else _unsupported(config))
+    elif name == "proxy_anchor":
+        loss = losses.ProxyAnchorLoss(num_classes=num_classes, embedding_size=config.dim,
+                                      margin=options.get("margin", 0.1),
+                                      alpha=options.get("alpha", 32.0))
+        miner = None if config.loss.miner in (None, "none") else _unsupported(config)
     elif name == "triplet":
         loss = losses.TripletMarginLoss(margin=options.get("margin", 0.2))
         miner = (miners.TripletMarginMiner(margin=miner_options.get("margin", 0.2),
                                            type_of_triplets="semihard")
                  if config.loss.miner in (None, "semihard") else _unsupported(config))
     else:
-        raise SystemExit(f"this check builds contrastive, multi_similarity and triplet, "
-                         f"not {name!r}")
+        raise SystemExit(f"this check builds contrastive, multi_similarity, proxy_anchor and "
+                         f"triplet, not {name!r}")
     return loss, miner
 
 
@@ -116,9 +123,23 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator) -> tuple[Emb
                                   weight_decay=config.weight_decay)
     steps_per_epoch = len(train_set) // config.batch_size
     total = steps_per_epoch * config.epochs
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
-    loss, miner = pml_loss(config)
+
+    def cosine(step: int) -> float:
+        return 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
+    loss, miner = pml_loss(config, len(train_set.class_names))
+    optimizers = {"trunk_optimizer": optimizer}
+    schedules = {"trunk_scheduler_by_iteration": schedule}
+    loss_params = list(loss.parameters())
+    if loss_params:  # proxies: their own AdamW at the run's multiple of the rate, no decay
+        mult = (config.loss.param_lr_mult if config.loss.param_lr_mult is not None
+                else loss_spec(config.loss.name).param_lr_mult)
+        proxy_optimizer = torch.optim.AdamW(loss_params, lr=config.network_lr * mult,
+                                            weight_decay=0.0)
+        optimizers["metric_loss_optimizer"] = proxy_optimizer
+        schedules["metric_loss_scheduler_by_iteration"] = torch.optim.lr_scheduler.LambdaLR(
+            proxy_optimizer, cosine)
     sampler = samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
                                         batch_size=config.batch_size,
                                         length_before_new_iter=len(train_set))
@@ -140,12 +161,12 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator) -> tuple[Emb
     state.update(best=epoch0["mean_average_precision_at_r"], weights=copy.deepcopy(
         model.state_dict()))
     trainer = trainers.MetricLossOnly(
-        models={"trunk": model}, optimizers={"trunk_optimizer": optimizer},
+        models={"trunk": model}, optimizers=optimizers,
         batch_size=config.batch_size, loss_funcs={"metric_loss": loss},
         mining_funcs={"tuple_miner": miner} if miner is not None else {},
         dataset=train_set, sampler=sampler, dataloader_num_workers=0,
         iterations_per_epoch=steps_per_epoch,
-        lr_schedulers={"trunk_scheduler_by_iteration": schedule},
+        lr_schedulers=schedules,
         end_of_epoch_hook=end_of_epoch)
     trainer.train(num_epochs=config.epochs)
     model.load_state_dict(state["weights"])
