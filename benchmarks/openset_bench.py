@@ -5,10 +5,10 @@ each image one font face with one distortion), identities split four ways and ne
 
 - **train**: 200 identities the model learns from (small_cnn, multi_similarity, a short run);
 - **enrolled**: 150 identities in the gallery (8 images each: every face, distortion 0);
-- **calibration unknowns**: 125 identities never enrolled; with 4 images of each enrolled
-  identity (other distortions) they form the calibration set "cal" (600 mated, 500
-  non-mated queries);
-- **fresh unknowns**: 125 more identities never enrolled nor calibrated on; with 4 other
+- **calibration unknowns**: 500 identities never enrolled (``--unknowns``); with 4 images of
+  each enrolled identity (other distortions) they form the calibration set "cal" (600 mated,
+  2,000 non-mated queries);
+- **fresh unknowns**: 500 more identities never enrolled nor calibrated on; with 4 other
   images of each enrolled identity they form "fresh".
 
 Through the service in-process (SQLite, exact index): ``POST /models/{v}/calibrate`` at a
@@ -23,10 +23,10 @@ identities, beside the calibration's in-sample figures. The same for the untrain
 adds 100 distractor identities to the gallery as identity 0000, as Market's own gallery
 holds: people no query shows, who still count as false accepts when a stranger matches them.
 ``--unknowns N`` sets the identities of each unknown group (more of them narrow the interval
-of a small FPIR: at 0.01, 125 identities x 4 images give about 5 false accepts).
+of a small FPIR: at 0.01, 500 identities x 4 images give about 20 false accepts).
 
-Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.05] [--train-seconds 120]
-[--unknowns 125] [--layout imagefolder|market]`` (``--work`` keeps the rendered folders and
+Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.01] [--train-seconds 120]
+[--unknowns 500] [--layout imagefolder|market]`` (``--work`` keeps the rendered folders and
 the trained model between runs).
 """
 
@@ -91,7 +91,7 @@ class FolderWriter:
         return root
 
 
-def build_folders(work: Path, *, unknowns: int = 125,
+def build_folders(work: Path, *, unknowns: int = 500,
                   layout: str = "imagefolder") -> dict[str, Path]:
     """The identity groups as folders of ``layout`` (rendered once per ``work``)."""
     folders = {name: work / name for name in ("train", "gallery", "cal", "fresh")}
@@ -199,9 +199,9 @@ def measure(client: TestClient, version: str, folders: dict[str, Path], fpir: fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=None)
-    parser.add_argument("--fpir", type=float, default=0.05)
+    parser.add_argument("--fpir", type=float, default=0.01)
     parser.add_argument("--train-seconds", type=float, default=120.0)
-    parser.add_argument("--unknowns", type=int, default=125,
+    parser.add_argument("--unknowns", type=int, default=500,
                         help="identities in each group of unknowns (calibration, fresh)")
     parser.add_argument("--layout", choices=LAYOUTS, default="imagefolder",
                         help="how the gallery and query folders are written and ingested")
