@@ -109,14 +109,17 @@ def map_at_r(calculator: AccuracyCalculator, vectors: np.ndarray,
     return {k: float(v) for k, v in result.items()}
 
 
-def train_fold(config: TrainConfig, calculator: AccuracyCalculator) -> tuple[EmbeddingNet, dict]:
-    """One fold model, trained by PML's ``MetricLossOnly`` and stopped on validation MAP@R."""
+def train_fold(config: TrainConfig, calculator: AccuracyCalculator
+               ) -> tuple[EmbeddingNet, dict, TrainDataset]:
+    """One fold model, trained by PML's ``MetricLossOnly`` and stopped on validation MAP@R;
+    also the run's test split, as a data set of the same transform."""
     source = open_source(config.data)
     split = make_split(source, config)
     spec = model_spec_for(config, source)
     transform = eval_transform(spec)
     train_set = TrainDataset(source, split.indices["train"], transform)
     val_set = TrainDataset(source, split.indices["val"], transform)
+    test = TrainDataset(source, split.indices["test"], transform)
     torch.manual_seed(config.seed)
     model = EmbeddingNet(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.network_lr,
@@ -171,14 +174,7 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator) -> tuple[Emb
     trainer.train(num_epochs=config.epochs)
     model.load_state_dict(state["weights"])
     return model, {"best_epoch": state["best_epoch"], "val_map_at_r": state["best"],
-                   "val_curve": state["curve"]}
-
-
-def test_set(config: TrainConfig) -> TrainDataset:
-    source = open_source(config.data)
-    split = make_split(source, config)
-    return TrainDataset(source, split.indices["test"], eval_transform(model_spec_for(config,
-                                                                                    source)))
+                   "val_curve": state["curve"]}, test
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -203,8 +199,7 @@ def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict
             record = json.loads((fold_dir / "metrics.json").read_text())
             config = TrainConfig(**record["config"])
             start = time.perf_counter()
-            model, fold_info = train_fold(config, calculator)
-            test = test_set(config)
+            model, fold_info, test = train_fold(config, calculator)
             labels = test.targets
             v = embed(model, test)
             vectors.append(v)

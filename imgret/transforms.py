@@ -60,20 +60,16 @@ class EvalTransform:
             self._grey_table = np.ascontiguousarray(out.reshape(3, -1)[:, :256].numpy())
         return self._grey_table
 
-    def grey_image(self, table: np.ndarray, pixels: np.ndarray) -> torch.Tensor:
-        """One ``(H, W)`` uint8 image through :meth:`grey_table`'s ``table`` (numpy's take:
-        torch's advanced indexing costs a hundred times more on a small image)."""
-        return torch.from_numpy(np.take(table, pixels, axis=1))
-
-    def grey_batch(self, pixels: np.ndarray) -> torch.Tensor | None:
-        """``(n, H, W)`` uint8 greyscale -> ``(n, 3, S, S)`` float32, equal to stacking
-        :meth:`__call__` of each image converted to RGB; ``None`` when :meth:`grey_table`
-        is (the caller falls back to PIL images)."""
+    def grey_tensor(self, pixels: np.ndarray) -> torch.Tensor | None:
+        """``(H, W)`` or ``(n, H, W)`` uint8 greyscale -> ``(3, S, S)`` or ``(n, 3, S, S)``
+        float32 through :meth:`grey_table`, equal to :meth:`__call__` of each image converted
+        to RGB; ``None`` when there is no table (the caller falls back to PIL images). numpy's
+        take: torch's advanced indexing costs a hundred times more on a small image."""
         table = self.grey_table(*pixels.shape[-2:])
         if table is None:
             return None
-        return torch.from_numpy(np.ascontiguousarray(np.take(table, pixels, axis=1)
-                                                     .transpose(1, 0, 2, 3)))
+        channels_first = np.moveaxis(np.take(table, pixels, axis=1), 0, -3)
+        return torch.from_numpy(np.ascontiguousarray(channels_first))
 
 
 def eval_transform(spec: ModelSpec) -> EvalTransform:

@@ -141,7 +141,7 @@ def embed_split(
         # An in-memory greyscale array: the transform's per-pixel table, no PIL images.
         for start in range(0, len(indices), batch_size):
             chunk = np.asarray(indices[start : start + batch_size], dtype=np.int64)
-            parts.append(embedder.embed_tensors(embedder.transform.grey_batch(pixels[chunk])))
+            parts.append(embedder.embed_tensors(embedder.transform.grey_tensor(pixels[chunk])))
             kept.append(chunk)
         return _embedded(source, parts, kept, model.spec.dim)
     for chunk_indices, images in iter_images(source, indices):

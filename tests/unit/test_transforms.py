@@ -56,15 +56,16 @@ def test_the_grey_table_equals_the_transform_of_every_image(spec) -> None:
     transform = eval_transform(spec)
     pixels = np.random.default_rng(3).integers(0, 256, (6, 32, 32), dtype=np.uint8)
     pixels[0] = np.arange(32 * 32).reshape(32, 32) % 256  # every level once
-    batch = transform.grey_batch(pixels)
+    batch = transform.grey_tensor(pixels)
     expected = torch.stack([transform(Image.fromarray(p, "L").convert("RGB")) for p in pixels])
     assert batch.shape == (6, 3, 32, 32)
     assert torch.equal(batch, expected)
+    assert torch.equal(transform.grey_tensor(pixels[2]), expected[2])
 
 
 def test_no_grey_table_where_the_transform_resizes() -> None:
     spec = ModelSpec(backbone="small_cnn", dim=64, image_size=32, grayscale=True)
     transform = eval_transform(spec)
     assert transform.grey_table(28, 28) is None  # a resize mixes pixels: no per-pixel table
-    assert transform.grey_batch(np.zeros((2, 28, 28), np.uint8)) is None
+    assert transform.grey_tensor(np.zeros((2, 28, 28), np.uint8)) is None
     assert transform.grey_table(32, 32) is not None

@@ -73,8 +73,8 @@ class TrainDataset(Dataset):
         self._by_class = {c: np.flatnonzero(self.targets == c) for c in range(len(lookup))}
         self._bad: set[int] = set()
         pixels = grey_pixels(source)
-        self._grey = (transform.grey_table(*pixels.shape[1:])
-                      if pixels is not None and isinstance(transform, EvalTransform) else None)
+        self._grey = (pixels is not None and isinstance(transform, EvalTransform)
+                      and transform.grey_table(*pixels.shape[1:]) is not None)
 
     def shuffle_labels(self, rng: np.random.Generator) -> None:
         """Permute the labels over the items (the shuffled-labels control): every class keeps
@@ -89,9 +89,8 @@ class TrainDataset(Dataset):
 
     def __getitem__(self, position: int) -> tuple[torch.Tensor, int]:
         label = int(self.targets[position])
-        if self._grey is not None:  # an in-memory greyscale array: per-pixel table, no PIL
-            pixels = self.source.pixels[self.indices[position]]
-            return self.transform.grey_image(self._grey, pixels), label
+        if self._grey:  # an in-memory greyscale array: per-pixel table, no PIL
+            return self.transform.grey_tensor(self.source.pixels[self.indices[position]]), label
         candidates = self._by_class[label]
         start = int(np.searchsorted(candidates, position))
         for step in range(len(candidates)):

@@ -126,7 +126,7 @@ class ArrayImageSource:
 
 def grey_pixels(source: ImageSource) -> np.ndarray | None:
     """The ``(n, H, W)`` uint8 array behind an in-memory greyscale source, else ``None`` (its
-    images can then be preprocessed in bulk: ``imgret.transforms.EvalTransform.grey_batch``)."""
+    images can then be preprocessed in bulk: ``imgret.transforms.EvalTransform.grey_tensor``)."""
     if isinstance(source, ArrayImageSource) and source.pixels.ndim == 3:
         return source.pixels
     return None
