@@ -292,9 +292,10 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
                                                             monkeypatch) -> None:
     """Each chunk plus its throttle pause lasts several times the staleness limit: the
     heartbeat must beat in between, or a second claimer takes the job over."""
-    # 3 s: beats every second, so a loaded CI machine may delay two in a row and still pass;
-    # a heartbeat tied to chunks (the failure this guards against) misses by 9 s.
-    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 3.0)
+    # 6 s: beats every 2 s, so a loaded CI machine may delay two in a row and still pass (at
+    # 3 s, one run of the suite on 2 busy cores saw a gap past the limit); a heartbeat tied
+    # to chunks (the failure this guards against) misses by 18 s.
+    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 6.0)
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = versions.register_checkpoint(runs[0], session_factory=sessions,
@@ -307,7 +308,7 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
 
     class Slow(reembed.Throttle):
         def pause(self, worked_s: float) -> None:
-            time.sleep(9.0)  # 3x the staleness limit after every chunk
+            time.sleep(18.0)  # 3x the staleness limit after every chunk
 
     assert reembed.claim_job(b, session_factory=sessions)
     report: list = []
