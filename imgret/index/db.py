@@ -14,6 +14,8 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import DatabaseError
+from imgret.index.models import DEFAULT_COLLECTION_ID
+from imgret.index.scope import session_info
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +57,12 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
-    """Sessions that keep loaded objects usable after commit (``expire_on_commit=False``)."""
-    return sessionmaker(engine, expire_on_commit=False)
+def make_sessionmaker(
+    engine: Engine, collection_id: int | None = DEFAULT_COLLECTION_ID
+) -> sessionmaker[Session]:
+    """Sessions that keep loaded objects usable after commit (``expire_on_commit=False``) and
+    work in one collection (:mod:`imgret.index.scope`; ``None``: every collection)."""
+    return sessionmaker(engine, expire_on_commit=False, info=session_info(collection_id))
 
 
 def migrations_dir() -> Path:

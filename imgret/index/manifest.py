@@ -114,6 +114,16 @@ def normalise_factory(factory: str) -> str:
     return re.sub(r"\s+", "", factory)
 
 
+def collection_root(data_dir: str | Path, collection_id: int) -> Path:
+    """Where a collection's indexes live: the data dir itself for ``default`` (collection 1,
+    where a single-gallery deployment always kept them), ``<data_dir>/collections/<id>`` for
+    the others. By id, not name: ids are never reused, so a collection created again under a
+    deleted one's name never opens its files."""
+    if collection_id == 1:
+        return Path(data_dir)
+    return Path(data_dir) / "collections" / str(int(collection_id))
+
+
 def index_dir(data_dir: str | Path, model_version: str) -> Path:
     """``<data_dir>/indexes/<model_version>`` (one index per model version: blue/green)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_version)

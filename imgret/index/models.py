@@ -25,6 +25,13 @@ Design decisions:
 - A version's open-set decision threshold lives in ``model_calibrations``, one row per
   calibration (history kept): the newest row of the version is the one served with it, so
   the threshold always travels with the version it was measured on.
+- Everything a gallery owns belongs to one ``collections`` row (:class:`CollectionScoped`):
+  items, query sets, change-log rows, model versions and their activations. A version row is
+  a checkpoint *bound to* a collection, so the same checkpoint serves several collections,
+  each with its own active flag, coverage, re-embedding job, calibration and history. Rows
+  are filtered to the session's collection by :mod:`imgret.index.scope`, in one place, so a
+  query that forgets the collection still cannot read another one. Collection 1 is
+  ``default``: what a deployment with one gallery has always had.
 """
 
 from __future__ import annotations
@@ -81,23 +88,55 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-class ModelVersion(Base):
-    """A checkpoint whose embeddings are stored; at most one is active (served)."""
+DEFAULT_COLLECTION_ID = 1
+DEFAULT_COLLECTION = "default"
+
+
+class Collection(Base):
+    """A named gallery: its own items, query sets, versions, index and keys' roles.
+
+    Ids are never reused, so files named by id (indexes) never outlive their collection into
+    a new one of the same name. ``public``: reads need no key (writes always do, when keys
+    are set).
+    """
+
+    __tablename__ = "collections"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    public: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class CollectionScoped:
+    """The column of every row a collection owns (a mixin); deleting the collection deletes
+    them (the database cascades)."""
+
+    collection_id: Mapped[int] = mapped_column(
+        ForeignKey("collections.id", ondelete="CASCADE"), index=True
+    )
+
+
+class ModelVersion(CollectionScoped, Base):
+    """A checkpoint bound to a collection, with its embeddings; at most one per collection
+    is active (served)."""
 
     __tablename__ = "model_versions"
     __table_args__ = (
         Index(
             "uq_model_versions_one_active",
-            "is_active",
+            "collection_id",
             unique=True,
             sqlite_where=text("is_active"),
             postgresql_where=text("is_active"),
         ),
+        Index("uq_model_versions_collection_version", "collection_id", "version", unique=True),
         {"sqlite_autoincrement": True},
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    version: Mapped[str] = mapped_column(String(128), unique=True)
+    version: Mapped[str] = mapped_column(String(128))
     dim: Mapped[int] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     is_active: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -125,7 +164,7 @@ class ModelVersion(Base):
     last_evaluation: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
 
 
-class ModelActivation(Base):
+class ModelActivation(CollectionScoped, Base):
     """One switch of the served version (activate or rollback), in order: the history that
     ``POST /models/rollback`` walks back."""
 
@@ -158,13 +197,14 @@ class StoredImage:
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class GalleryItem(StoredImage, Base):
+class GalleryItem(CollectionScoped, StoredImage, Base):
     """One searchable image: its FAISS id, content hash, stored file, label and camera."""
 
     __tablename__ = "gallery_items"
     __table_args__ = (
         Index(
             "uq_gallery_items_live_sha256",
+            "collection_id",
             "sha256",
             unique=True,
             sqlite_where=text("deleted_at IS NULL"),
@@ -208,7 +248,7 @@ class Embedding(StoredVector, Base):
     item: Mapped[GalleryItem] = relationship(back_populates="embeddings")
 
 
-class GalleryChange(Base):
+class GalleryChange(CollectionScoped, Base):
     """One gallery write (an item added, or deleted), in commit order; replicas poll it."""
 
     __tablename__ = "gallery_changes"
@@ -225,14 +265,18 @@ class GalleryChange(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class QuerySet(Base):
-    """A named, labelled set of query images (for ``/evaluate`` and ``imgret evaluate``)."""
+class QuerySet(CollectionScoped, Base):
+    """A named, labelled set of query images (for ``/evaluate`` and ``imgret evaluate``);
+    names are unique within a collection."""
 
     __tablename__ = "query_sets"
-    __table_args__ = ({"sqlite_autoincrement": True},)
+    __table_args__ = (
+        Index("uq_query_sets_collection_name", "collection_id", "name", unique=True),
+        {"sqlite_autoincrement": True},
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(255), unique=True)
+    name: Mapped[str] = mapped_column(String(255))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     items: Mapped[list[QueryItem]] = relationship(

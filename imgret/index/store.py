@@ -27,6 +27,7 @@ from imgret.errors import GalleryError
 from imgret.index.models import (
     CHANGE_ADD,
     CHANGE_DELETE,
+    DEFAULT_COLLECTION_ID,
     Embedding,
     GalleryChange,
     GalleryItem,
@@ -36,6 +37,7 @@ from imgret.index.models import (
     QuerySet,
     utcnow,
 )
+from imgret.index.scope import ALL_COLLECTIONS, collection_of
 
 logger = logging.getLogger(__name__)
 
@@ -375,7 +377,9 @@ def insert_items(
     tables = _tables(query_set)
     if query_set is None:
         lock_gallery_writes(session=session)
-    scope = {} if query_set is None else {"query_set_id": query_set.id}
+    # Query items belong to their set's collection; gallery items name theirs.
+    scope = ({"collection_id": collection_of(session)} if query_set is None
+             else {"query_set_id": query_set.id})
     now = utcnow()
     table = tables.item.__table__
     params = [
@@ -487,13 +491,14 @@ def clear_deleted_items(*, connection: Connection | Session) -> int:
         update(GalleryItem)
         .where(GalleryItem.deleted_at.is_not(None), GalleryItem.sha256 != "")
         .values(**_CLEARED)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False, **{ALL_COLLECTIONS: True})
     )
     return int(result.rowcount or 0)
 
 
 def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
-    """The content hashes that no live gallery item and no query item refers to any more.
+    """The content hashes that no live gallery item and no query item refers to any more, in
+    any collection (the media store is shared: the same photo in two collections is one file).
 
     Their files may be removed from the media store, provided the caller holds the gallery
     write lock (:func:`lock_gallery_writes`) until the files are gone: writers store media
@@ -505,16 +510,18 @@ def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
         used.update(session.scalars(
             select(GalleryItem.sha256).where(
                 GalleryItem.sha256.in_(chunk), GalleryItem.deleted_at.is_(None)
-            )
+            ).execution_options(**{ALL_COLLECTIONS: True})
         ))
         used.update(session.scalars(select(QueryItem.sha256).where(QueryItem.sha256.in_(chunk))))
     return set(wanted) - used
 
 
 def referenced_media(*, session: Session) -> set[str]:
-    """Every content hash a live gallery item or a query item refers to (the media sweep)."""
+    """Every content hash a live gallery item or a query item of any collection refers to
+    (the media sweep)."""
     used = set(session.scalars(
         select(GalleryItem.sha256).where(GalleryItem.deleted_at.is_(None))
+        .execution_options(**{ALL_COLLECTIONS: True})
     ))
     used.update(session.scalars(select(QueryItem.sha256)))
     return used
@@ -599,18 +606,23 @@ def changes_after(seq: int, *, session: Session, limit: int = 10_000) -> list[Ch
 
 # Built once: the statement runs before every search batch, so its compiled form is cached.
 _DELETES_AFTER = (
-    select(GalleryChange.seq, GalleryChange.item_id, GalleryChange.op)
+    select(GalleryChange.seq, GalleryChange.item_id, GalleryChange.op,
+           GalleryChange.collection_id)
     .where(GalleryChange.seq > bindparam("after"))
     .where(
-        (GalleryChange.op == CHANGE_DELETE)
+        ((GalleryChange.op == CHANGE_DELETE)
+         & (GalleryChange.collection_id == bindparam("collection_id")))
         | (GalleryChange.seq == select(func.max(GalleryChange.seq)).scalar_subquery())
     )
     .order_by(GalleryChange.seq)
 )
 
 
-def deletes_after(seq: int, *, connection: Connection | Session) -> tuple[list[int], int]:
-    """The ids deleted after change ``seq``, and the newest change sequence number.
+def deletes_after(
+    seq: int, *, connection: Connection | Session, collection_id: int = DEFAULT_COLLECTION_ID
+) -> tuple[list[int], int]:
+    """The ids deleted in a collection after change ``seq``, and the newest change sequence
+    number (of any collection: sequence numbers are shared).
 
     One statement, so both answers come from one snapshot: nothing committed between them
     can be skipped. Cheap enough to run before every search batch (an index range scan over
@@ -620,10 +632,14 @@ def deletes_after(seq: int, *, connection: Connection | Session) -> tuple[list[i
     Returns:
         ``(deleted_ids, last_seq)``; ``last_seq`` is ``seq`` when nothing changed.
     """
-    rows = connection.execute(_DELETES_AFTER, {"after": int(seq)}).all()
+    rows = connection.execute(
+        _DELETES_AFTER, {"after": int(seq), "collection_id": int(collection_id)}
+    ).all()
     if not rows:
         return [], seq
-    deleted = [int(i) for _, i, op in rows if op == CHANGE_DELETE]
+    # The newest row may be another collection's: it only carries the position.
+    deleted = [int(i) for _, i, op, owner in rows
+               if op == CHANGE_DELETE and owner == collection_id]
     return deleted, int(rows[-1][0])
 
 
@@ -769,8 +785,10 @@ def _insert_changes(item_ids: Sequence[int], op: str, session: Session) -> None:
     if not item_ids:
         return
     now = utcnow()
+    collection_id = collection_of(session)
     insert_rows(session, GalleryChange.__table__,
-                [{"item_id": int(i), "op": op, "created_at": now} for i in item_ids])
+                [{"item_id": int(i), "op": op, "created_at": now,
+                  "collection_id": collection_id} for i in item_ids])
 
 
 def _insert_embeddings(tables: _Tables, ids, vectors, session, model_version) -> None:

@@ -177,7 +177,8 @@ def record_activation(row: ModelVersion, *, session: Session, previous: ModelVer
     """Note that ``row`` became the active version (replacing ``previous``), and why."""
     row.activated_at = utcnow()
     session.add(ModelActivation(
-        model_version_id=row.id, previous_version_id=previous.id if previous else None,
+        collection_id=row.collection_id, model_version_id=row.id,
+        previous_version_id=previous.id if previous else None,
         reason=reason, gate=dict(gate) if gate is not None else None,
     ))
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.checkpoint import (
@@ -82,10 +83,11 @@ from imgret.index.evaluation import (
     evaluate_query_set,
     gate,
 )
-from imgret.index.manifest import Manifest, index_dir
+from imgret.index.manifest import Manifest, collection_root, index_dir
 from imgret.index.media import MediaBackend
 from imgret.index.models import ModelVersion, utcnow
 from imgret.index.reembed import EMBED_CHUNK, embed_missing, embed_stored
+from imgret.index.scope import ALL_COLLECTIONS
 from imgret.index.version_store import VersionNotFound as VersionNotFound  # raised here too
 from imgret.index.version_store import as_utc
 
@@ -470,7 +472,7 @@ def _describe(session: Session, row: ModelVersion, data_dir: str | Path,
         size, factory = index_sizes[row.version]
         index = {"state": "built", "size": size, "factory": factory}
     else:
-        index = _saved_index(data_dir, row.version)
+        index = _saved_index(collection_root(data_dir, row.collection_id), row.version)
     return {
         "version": row.version,
         "dim": row.dim,
@@ -784,7 +786,17 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
             raise VersionInUse(f"model version {version} is being re-embedded; wait for the "
                                "job to end")
         version_store.delete_version(row, session=session)
-    for folder in (index_dir(data_dir, version), checkpoint_file(data_dir, version).parent):
+        collection_id = row.collection_id
+        # The local checkpoint copy is shared by the collections that bind these weights.
+        shared = session.scalar(
+            select(func.count()).select_from(ModelVersion)
+            .where(ModelVersion.version == version)
+            .execution_options(**{ALL_COLLECTIONS: True})
+        )
+    folders = [index_dir(collection_root(data_dir, collection_id), version)]
+    if not shared:
+        folders.append(checkpoint_file(data_dir, version).parent)
+    for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
     logger.info("deleted model version %s", version)
 

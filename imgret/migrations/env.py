@@ -59,9 +59,7 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        _configure(connection)
-        with context.begin_transaction():
-            context.run_migrations()
+        _migrate(connection)
         return
 
     from imgret.index.db import make_engine
@@ -69,11 +67,35 @@ def run_migrations_online() -> None:
     engine = make_engine(_database_url())
     try:
         with engine.connect() as connection:
-            _configure(connection)
-            with context.begin_transaction():
-                context.run_migrations()
+            _migrate(connection)
     finally:
         engine.dispose()
+
+
+def _migrate(connection) -> None:
+    """Run the migrations in one transaction.
+
+    SQLite alters a table by copying it (batch mode) and dropping the original; with foreign
+    keys enforced, that DROP would first run the ON DELETE CASCADE actions of every table
+    referring to it (all the embeddings of a recreated ``gallery_items``). So enforcement is
+    off while migrating (sqlite.org's procedure for schema changes; the pragma only takes
+    effect outside a transaction) and the result is checked before the commit.
+    """
+    _configure(connection)
+    sqlite = connection.dialect.name == "sqlite"
+    if sqlite:
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    try:
+        with context.begin_transaction():
+            context.run_migrations()
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise RuntimeError(f"migration left {len(broken)} rows whose foreign key "
+                                       f"points nowhere (first: {tuple(broken[0])})")
+    finally:
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=ON")
 
 
 if context.is_offline_mode():

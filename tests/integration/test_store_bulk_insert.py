@@ -16,7 +16,7 @@ def _row(n: int, now, camera: int | None = 3) -> dict:
     """A gallery item row; rows differ only in their key (sha256, media path, source)."""
     return {"sha256": f"{n:064x}", "media_path": f"00/00/{n:064x}", "content_type": "image/png",
             "label": "shirt", "camera": camera, "metadata": {"k": "v", "é": [1.5, None]},
-            "source": f"s/{n}.png", "created_at": now}
+            "source": f"s/{n}.png", "created_at": now, "collection_id": 1}
 
 
 def test_rows_are_stored_as_sqlalchemy_stores_them(sessions) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import DatabaseError
 from imgret.index import store
+from imgret.index.scope import collection_of_factory
 from imgret.index.store import VectorPage
 
 
@@ -51,6 +52,7 @@ class ChangeLog:
         self.replay_lock = threading.Lock()
         self._deletes_lock = threading.Lock()
         self._deletes_seq = deletes_seq
+        self._collection_id = collection_of_factory(session_factory)
 
     def sync_deletes(self, remove: Callable[[list[int]], object]) -> int:
         """Pass the ids that any process deleted since the last call to ``remove`` (one
@@ -65,8 +67,9 @@ class ChangeLog:
         with self._deletes_lock:
             try:
                 with self.session_factory.kw["bind"].connect() as connection:
-                    deleted, seq = store.deletes_after(self._deletes_seq,
-                                                       connection=connection)
+                    deleted, seq = store.deletes_after(
+                        self._deletes_seq, connection=connection,
+                        collection_id=self._collection_id)
             except SQLAlchemyError as exc:
                 raise DatabaseError(
                     f"cannot read the gallery's deletes from the database: "

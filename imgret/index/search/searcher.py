@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import GalleryError
 from imgret.index.faiss_index import DEFAULT_FACTORY
-from imgret.index.manifest import index_dir, normalise_factory
+from imgret.index.manifest import collection_root, index_dir, normalise_factory
+from imgret.index.scope import collection_of_factory
 from imgret.index.search.changes import ChangeLog
 from imgret.index.search.filters import SearchFilter, group_queries
 from imgret.index.search.lifecycle import (
@@ -99,9 +100,11 @@ class Searcher:
     ) -> Searcher:
         """:meth:`open` with the index settings in force (``IMGRET_DATA_DIR``,
         ``IMGRET_INDEX_FACTORY``, ``IMGRET_INDEX_NPROBE``, ``IMGRET_INDEX_EF_SEARCH``), so the
-        service, ``/evaluate`` and the CLI search the same way."""
+        service, ``/evaluate`` and the CLI search the same way. The index files are the
+        sessions' collection's (:func:`imgret.index.manifest.collection_root`)."""
+        root = collection_root(settings.data_dir, collection_of_factory(session_factory))
         return cls.open(
-            session_factory, settings.data_dir, settings.index_factory, model_version,
+            session_factory, root, settings.index_factory, model_version,
             nprobe=settings.index_nprobe, ef_search=settings.index_ef_search, **kwargs,
         )
 
