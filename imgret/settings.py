@@ -33,6 +33,12 @@ class Settings(BaseSettings):
         None, description="SQLAlchemy URL; default: SQLite file imgret.db under data_dir"
     )
     model: Path | None = Field(None, description="checkpoint: a run directory or its model.pt")
+    # The CLI's `--collection`: which collection the gallery, model and evaluation commands
+    # work in. The service serves every collection (its routes name one).
+    collection: str = Field(
+        "default", min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        description="the collection CLI commands work in",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # What runs the network on the CPU (imgret.embedder.Embedder): eager PyTorch, or ONNX
     # Runtime on the same weights exported at load (the `onnx` extra; torch, with a warning,

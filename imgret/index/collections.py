@@ -69,6 +69,10 @@ class CollectionExists(GalleryError):
     """A collection of that name exists already (409)."""
 
 
+class VersionNotStored(GalleryError):
+    """The version a new collection should serve is not stored in the database (422)."""
+
+
 @dataclass(frozen=True)
 class CollectionInfo:
     """A collection as ``GET /collections`` shows it."""
@@ -150,7 +154,7 @@ def create(name: str, *, session_factory: sessionmaker[Session], version: str | 
     Raises:
         ValueError: an invalid or reserved name.
         CollectionExists: the name is taken.
-        GalleryError: ``version`` is not stored in the database.
+        VersionNotStored: ``version`` is not stored in the database.
     """
     check_name(name)
     if name in RESERVED_NAMES:
@@ -180,7 +184,7 @@ def _source_version(session: Session, version: str | None) -> ModelVersion:
     ).first()
     if row is None or session.get(ModelCheckpoint, row.id) is None:
         what = f"model version {version!r}" if version else "the default collection's version"
-        raise GalleryError(f"{what} is not stored in the database; register it first")
+        raise VersionNotStored(f"{what} is not stored in the database; register it first")
     return row
 
 

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import CheckpointError, DatabaseError, GalleryError
+from imgret.index import collections
 from imgret.index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from imgret.index.ingest import IngestReport
+from imgret.index.models import DEFAULT_COLLECTION
 from imgret.settings import MEDIA_BACKENDS, Settings
 
 if TYPE_CHECKING:  # numpy and the search package load with the command that needs them
@@ -33,15 +35,24 @@ logger = logging.getLogger(__name__)
 
 @contextmanager
 def open_gallery(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    """Sessions on the gallery database of ``settings``, with the schema at head.
+    """Sessions on the gallery database of ``settings``, with the schema at head, scoped to
+    ``settings.collection`` (``IMGRET_COLLECTION``, the CLI's ``--collection``).
 
     A fresh data dir or database just works: the schema is upgraded first (a no-op at head).
     The engine is disposed when the block ends.
+
+    Raises:
+        CollectionNotFound: no collection of that name.
     """
     upgrade_to_head(settings.db_url)
     engine = make_engine(settings.db_url)
     try:
-        yield make_sessionmaker(engine)
+        sessions = make_sessionmaker(engine)
+        if settings.collection != DEFAULT_COLLECTION:
+            with sessions() as session:
+                collection_id = collections.get(settings.collection, session=session).id
+            sessions = make_sessionmaker(engine, collection_id)
+        yield sessions
     finally:
         engine.dispose()
 

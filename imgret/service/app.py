@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
@@ -25,11 +25,13 @@ from imgret.service.auth import (
     is_write,
     normalized_origins,
 )
+from imgret.service.collections import CollectionRegistry
 from imgret.service.errors import install_error_handlers
 from imgret.service.limits import UploadLimitMiddleware
 from imgret.service.resources import follow_changes, load_resources, resume_interrupted_jobs
 from imgret.service.routers import (
     admin,
+    collections,
     evaluate,
     gallery,
     health,
@@ -48,6 +50,9 @@ from imgret.settings import Settings
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+COLLECTION_PREFIX = "/collections/{collection}"
+# The routes every collection has (the default one's at the root).
+COLLECTION_ROUTERS = (search, identify, gallery, evaluate, models, query_sets)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -76,8 +81,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = service_metrics
     install_error_handlers(app)
     for module in (health, search, identify, gallery, evaluate, models, query_sets, metrics,
-                   ui, admin):
+                   ui, admin, collections):
         app.include_router(module.router)
+    # Another collection's routes are the default one's under /collections/{collection}.
+    for module in COLLECTION_ROUTERS:
+        app.include_router(module.router, prefix=COLLECTION_PREFIX,
+                           dependencies=[Depends(collections.collection_path)])
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     # The last one added is the outermost. The write guard runs before the upload limit, so
@@ -120,6 +129,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         serving.release()
         raise
     app.state.resources = resources
+    app.state.collections = CollectionRegistry(resources)
     await resources.batcher.start()
     # A re-embedding whose process died resumes here (it is chunked; nothing is redone).
     await anyio.to_thread.run_sync(resume_interrupted_jobs, resources)
@@ -131,6 +141,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         with frozen_long_lived():
             yield
     finally:
+        await app.state.collections.close_all()
         await cancel_and_wait(follower)
         await resources.batcher.stop()
         await anyio.to_thread.run_sync(resources.close)
@@ -138,9 +149,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def _operation_id(route: APIRoute) -> str:
-    # Stable OpenAPI operation ids for generated clients: "<tag>-<handler name>".
+    # Stable OpenAPI operation ids for generated clients: "<tag>-<handler name>", and
+    # "collection-<tag>-<handler name>" for the routes under /collections/{collection}.
     tag = route.tags[0] if route.tags else "default"
-    return f"{tag}-{route.name}"
+    scope = "collection-" if route.path_format.startswith(COLLECTION_PREFIX) else ""
+    return f"{scope}{tag}-{route.name}"
 
 
 # Responses every operation may give besides its own (documented once, here, so that the

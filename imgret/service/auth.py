@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import secrets
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -65,14 +66,18 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # POST routes that only read (a query image travels in the body).
 READ_ONLY_POSTS = frozenset({"/search", "/search/batch", "/identify"})
 API_KEY_HEADER = "X-API-Key"
+# A collection's routes are the default ones under this prefix (a route template's
+# ``{collection}`` as well as a real name).
+_COLLECTION_PREFIX = re.compile(r"^/collections/[^/]+(?=/)")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def is_write(method: str, path: str) -> bool:
-    """Whether a request is a write (guarded): any unsafe method but the read-only POSTs."""
+    """Whether a request is a write (guarded): any unsafe method but the read-only POSTs, in
+    the default collection or under ``/collections/{name}``."""
     if method.upper() in SAFE_METHODS:
         return False
-    return (path.rstrip("/") or "/") not in READ_ONLY_POSTS
+    return (_COLLECTION_PREFIX.sub("", path).rstrip("/") or "/") not in READ_ONLY_POSTS
 
 
 def is_loopback(host: str | None) -> bool:

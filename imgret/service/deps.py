@@ -16,14 +16,26 @@ from fastapi import Depends, HTTPException, Request, Security, status
 from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session
 
+from imgret.index import collections
 from imgret.service.auth import API_KEY_HEADER, has_api_key
+from imgret.service.request_rules import InvalidRequest
 from imgret.service.resources import Resources
 from imgret.settings import Settings
 
 
 async def get_resources(request: Request) -> Resources:
-    """The resources the lifespan loaded (model, index, sessions, batcher)."""
-    return request.app.state.resources
+    """The resources of the request's collection (model, index, sessions, batcher): the
+    default one's, loaded by the lifespan, or those of ``/collections/{collection}/...``
+    (:class:`imgret.service.collections.CollectionRegistry`; 404 for an unknown name)."""
+    name = request.path_params.get("collection")
+    if name is None:
+        return request.app.state.resources
+    try:
+        # Dependencies run before FastAPI reports the path's own validation errors.
+        collections.check_name(name)
+    except ValueError as exc:
+        raise InvalidRequest(f"collection: {exc}") from None
+    return await request.app.state.collections.resources(name)
 
 
 ResourcesDep = Annotated[Resources, Depends(get_resources)]

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 
 from imgret import errors
+from imgret.index.collections import CollectionNotFound
 from imgret.index.evaluation import EvaluationError
 from imgret.index.versions import VersionNotFound
 from imgret.service import request_rules
@@ -35,6 +36,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (ServiceUnavailable, 503),
     (EvaluationError, 422),
     (VersionNotFound, 404),
+    (CollectionNotFound, 404),
     (request_rules.InvalidRequest, 422),
     (request_rules.PayloadTooLarge, 413),
     (request_rules.MalformedBody, 400),

@@ -28,7 +28,7 @@ from imgret.index import store
 from imgret.index.gc import purge_media
 from imgret.index.ingest import AddedItems, NewItem, add_items
 from imgret.index.media import MediaBackend
-from imgret.index.models import GalleryItem
+from imgret.index.models import DEFAULT_COLLECTION, GalleryItem
 from imgret.index.search import SearchFilter
 from imgret.index.search.rerank import Rerank
 from imgret.process import in_own_thread
@@ -56,9 +56,12 @@ class StoredImage:
     content_type: str
 
 
-def image_uri(item_id: int) -> str:
-    """Where a client fetches an item's image (relative to the API root)."""
-    return f"/gallery/{item_id}/image"
+def image_uri(item_id: int, collection: str = DEFAULT_COLLECTION) -> str:
+    """Where a client fetches an item's image (relative to the API root): under the routes of
+    the item's collection."""
+    if collection == DEFAULT_COLLECTION:
+        return f"/gallery/{item_id}/image"
+    return f"/collections/{collection}/gallery/{item_id}/image"
 
 
 def add(resources: Resources, items: list[NewItem]) -> AddedItems:

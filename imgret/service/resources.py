@@ -24,6 +24,7 @@ from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.index.gc import sweep_media
 from imgret.index.media import MediaBackend
 from imgret.index.media_db import open_media_store
+from imgret.index.models import DEFAULT_COLLECTION, DEFAULT_COLLECTION_ID
 from imgret.index.notify import listen_for_changes
 from imgret.index.search import Searcher
 from imgret.process import in_own_thread
@@ -94,6 +95,9 @@ class Resources:
     searchers: MutableMapping[str, Searcher] = field(default_factory=dict)
     follower: FollowerState = field(default_factory=FollowerState)
     jobs: EmbedJobs | None = None
+    # The collection these are of (:mod:`imgret.service.collections` keeps the others').
+    collection_id: int = DEFAULT_COLLECTION_ID
+    collection: str = DEFAULT_COLLECTION
     loaded: VersionCache = field(init=False)
     _open_lock: threading.RLock = field(default_factory=threading.RLock)
     _switch_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -102,7 +106,10 @@ class Resources:
         self.loaded = VersionCache(
             served=lambda: self.serving.version,
             max_versions=self.settings.max_loaded_versions,
-            max_bytes=self.settings.max_loaded_bytes, registry=self.metrics.registry,
+            max_bytes=self.settings.max_loaded_bytes,
+            # The gauges describe the default collection's versions (one set per process).
+            registry=(self.metrics.registry if self.collection_id == DEFAULT_COLLECTION_ID
+                      else None),
         )
         given = (self.embedders, self.searchers)
         self.embedders = self.loaded.view("embedder")
@@ -379,7 +386,6 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     if active != configured:
         logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
                     configured, active)
-    embedders = {active: embedder}
     logger.info("model %s loaded on %s (%s)", embedder.model_version, embedder.device,
                 embedder.runtime)
     media = open_media_store(settings, sessions)
@@ -387,8 +393,20 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     # committed, temporary files.
     sweep_media(session_factory=sessions, media=media)
     remove_stale_temps(settings.data_dir / "indexes")
-    searcher = Searcher.from_settings(sessions, settings, embedder.model_version)
-    logger.info("index of %s ready: %d vectors", searcher.model_version, searcher.size)
+    resources = _assemble(settings, engine, sessions, media, metrics, active, embedder)
+    metrics.track_index_size(lambda: resources.searcher.size)
+    return resources
+
+
+def _assemble(settings: Settings, engine: Engine, sessions: sessionmaker[Session],
+              media: MediaBackend, metrics: ServiceMetrics, active: str, embedder: Embedder,
+              collection_id: int = DEFAULT_COLLECTION_ID,
+              collection: str = DEFAULT_COLLECTION) -> Resources:
+    """A collection's resources around its served model: its index (loaded or rebuilt),
+    batcher and re-embedding jobs."""
+    searcher = Searcher.from_settings(sessions, settings, active)
+    logger.info("index of %s in collection %s ready: %d vectors", active, collection,
+                searcher.size)
     holder: list[Resources] = []
     batcher = build_search_batcher(settings, serving=lambda: holder[0].serving,
                                    metrics=metrics)
@@ -401,13 +419,41 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
                         calibrations.current(active, session_factory=sessions)),
         batcher=batcher,
         metrics=metrics,
-        embedders=embedders,
+        embedders={active: embedder},
         searchers={active: searcher},
+        collection_id=collection_id,
+        collection=collection,
     )
     holder.append(resources)
     resources.jobs = EmbedJobs(resources)
-    metrics.track_index_size(lambda: resources.searcher.size)
     return resources
+
+
+def load_collection(base: Resources, collection_id: int, name: str,
+                    shared: Callable[[str], Embedder | None]) -> Resources:
+    """Open another collection beside the default one: the same engine, media store and
+    metrics, sessions scoped to it, its own served version, index, batcher and jobs.
+
+    Args:
+        base: the default collection's resources (loaded at start-up).
+        collection_id, name: the collection.
+        shared: an already-open model of a version name, or ``None`` (the same checkpoint
+            bound to several collections is one model in memory).
+
+    Raises:
+        CheckpointError: the collection's active version cannot be loaded.
+    """
+    sessions = make_sessionmaker(base.engine, collection_id)
+    active = versions.active_version(session_factory=sessions)
+    if active is None:
+        raise CheckpointError(f"collection {name} has no active model version")
+    embedder = shared(active)
+    if embedder is None:
+        embedder = versions.load_embedder(
+            active, session_factory=sessions, data_dir=base.settings.data_dir,
+            device=base.settings.device, runtime=base.settings.runtime)
+    return _assemble(base.settings, base.engine, sessions, base.media, base.metrics, active,
+                     embedder, collection_id, name)
 
 
 def resume_interrupted_jobs(resources: Resources) -> list[str]:
@@ -438,10 +484,12 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     """
     interval_s = resources.settings.follow_interval_s if interval_s is None else interval_s
     state = resources.follower
-    resources.metrics.track_follower(
-        lambda: state.lag_seconds(), lambda: resources.searcher.change_seq
-    )
-    resources.metrics.publish_gauges()
+    default = resources.collection_id == DEFAULT_COLLECTION_ID
+    if default:
+        resources.metrics.track_follower(
+            lambda: state.lag_seconds(), lambda: resources.searcher.change_seq
+        )
+        resources.metrics.publish_gauges()
 
     def catch_up() -> int:
         # A switch made by another process first (loads that version's model and index),
@@ -460,9 +508,11 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     def notified(_table: str) -> None:  # on the listener's thread
         loop.call_soon_threadsafe(wake.set)
 
+    # One listening connection per process: the other collections' followers poll (a
+    # hundred open collections must not hold a hundred connections).
     listener = (
         listen_for_changes(resources.engine, notified)
-        if resources.settings.change_notify else None
+        if resources.settings.change_notify and default else None
     )
     try:
         while True:

@@ -956,3 +956,35 @@ class QuerySetInfo(BaseModel):
 
 class QuerySetList(BaseModel):
     query_sets: list[QuerySetInfo]
+
+
+COLLECTION_NAME_RULE = ("1-64 characters: lower-case letters, digits, '-' and '_', starting "
+                        "with a letter or digit")
+
+
+class CollectionCreate(BaseModel):
+    """``POST /collections``: a new, empty collection serving a stored checkpoint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+                      description=COLLECTION_NAME_RULE + "; not 'default' or 'all'")
+    model_version: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="a version stored in any collection (default: the one the default "
+                    "collection serves)")
+    public: bool = Field(True, description="reads need no key")
+
+
+class CollectionInfo(BaseModel):
+    """A collection: its name, whether reads are public, size and served version."""
+
+    name: str
+    public: bool
+    created_at: datetime
+    items: int = Field(description="live gallery items")
+    active_version: str | None = Field(description="the model version it serves")
+
+
+class CollectionList(BaseModel):
+    collections: list[CollectionInfo]

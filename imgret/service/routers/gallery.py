@@ -93,6 +93,7 @@ def _outcomes(added: AddedItems, items: list[NewItem]) -> list[GalleryAddOutcome
 @router.get("")
 def list_gallery_items(
     session: SessionDep,
+    resources: ResourcesDep,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     label: Annotated[SafeText | None, Query(max_length=LABEL_MAX)] = None,
@@ -100,14 +101,16 @@ def list_gallery_items(
     """A page of live gallery items in id order; ``count`` is the total matching ``label``."""
     items, count = gallery.list_items(session=session, offset=offset, limit=limit, label=label)
     return GalleryItemList(
-        data=[_public(item) for item in items], count=count, offset=offset, limit=limit
+        data=[_public(item, resources.collection) for item in items], count=count,
+        offset=offset, limit=limit,
     )
 
 
 @router.get("/{item_id}", responses={404: {"description": "no such item"}})
-def read_gallery_item(item_id: ItemId, session: SessionDep) -> GalleryItemPublic:
+def read_gallery_item(item_id: ItemId, session: SessionDep,
+                      resources: ResourcesDep) -> GalleryItemPublic:
     """One gallery item."""
-    return _public(gallery.get_item(item_id, session=session))
+    return _public(gallery.get_item(item_id, session=session), resources.collection)
 
 
 @router.get(
@@ -136,9 +139,10 @@ def delete_gallery_item(item_id: ItemId, resources: ResourcesDep) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-def _public(item: GalleryItem) -> GalleryItemPublic:
+def _public(item: GalleryItem, collection: str) -> GalleryItemPublic:
     return GalleryItemPublic(
         id=item.id, label=item.label, camera=item.camera, metadata=item.meta or {},
-        content_type=item.content_type, sha256=item.sha256, uri=gallery.image_uri(item.id),
+        content_type=item.content_type, sha256=item.sha256,
+        uri=gallery.image_uri(item.id, collection),
         created_at=item.created_at,
     )

@@ -111,7 +111,7 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
             assert form.image is not None  # the form holds exactly one of them
             query = ImageQuery(await form.image.read(), k, filters, rerank=rerank)
             answer = await resources.batcher.submit(query)
-    hits = _public_hits(answer)
+    hits = _public_hits(answer, resources.collection)
     decided, note = _decision(answer, hits, rerank)
     return SearchResponse(
         results=hits,
@@ -169,7 +169,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
             503, "the served model version changed during this request; send it again",
             headers={"Retry-After": "1"},
         )
-    results = [_public_hits(answer) for answer in answers]
+    results = [_public_hits(answer, resources.collection) for answer in answers]
     decided = [_decision(answer, hits, rerank) for answer, hits in zip(answers, results,
                                                                        strict=True)]
     notes = {note for _, note in decided if note is not None}
@@ -194,7 +194,7 @@ def _decision(answer: Answer, hits: list[SearchHit],
                        known=made.known), None
 
 
-def _public_hits(answer: Answer) -> list[SearchHit]:
+def _public_hits(answer: Answer, collection: str) -> list[SearchHit]:
     """Hits with their label, camera and metadata from the answering index's own map (no
     SQL)."""
     public = []
@@ -205,7 +205,7 @@ def _public_hits(answer: Answer) -> list[SearchHit]:
         public.append(
             SearchHit(
                 id=hit.id, score=hit.score, label=info.label, camera=info.camera,
-                uri=gallery.image_uri(hit.id), metadata=dict(info.metadata or {}),
+                uri=gallery.image_uri(hit.id, collection), metadata=dict(info.metadata or {}),
             )
         )
     return public

@@ -1,0 +1,90 @@
+"""/collections: create, list, describe and delete collections (named galleries).
+
+A collection's own routes are the default collection's under ``/collections/{name}``
+(``/collections/shop/search``, ``.../gallery``, ``.../evaluate``, ``.../models``,
+``.../query-sets``); see :mod:`imgret.service.collections`. HTTP only: the work is
+:mod:`imgret.index.collections`'.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, Path, Request, Response, status
+
+from imgret.index import collections
+from imgret.index.models import DEFAULT_COLLECTION
+from imgret.service.deps import require_api_key
+from imgret.service.request_rules import InvalidRequest
+from imgret.service.schemas import (
+    COLLECTION_NAME_RULE,
+    CollectionCreate,
+    CollectionInfo,
+    CollectionList,
+)
+
+router = APIRouter(prefix="/collections", tags=["collections"])
+
+CollectionName = Annotated[str, Path(min_length=1, max_length=64,
+                                     pattern=collections.NAME_PATTERN,
+                                     description="collection name: " + COLLECTION_NAME_RULE)]
+_NOT_FOUND = {404: {"description": "no such collection"}}
+
+
+async def collection_path(collection: CollectionName) -> str:
+    """Declares (and checks) the ``{collection}`` of the routes a collection shares with the
+    default one."""
+    return collection
+
+
+def _public(info: collections.CollectionInfo) -> CollectionInfo:
+    return CollectionInfo(**info.to_dict())
+
+
+@router.get("")
+def list_collections(request: Request) -> CollectionList:
+    """Every collection, oldest first, with its live item count and served version."""
+    default = request.app.state.resources
+    return CollectionList(collections=[
+        _public(info) for info in collections.describe(session_factory=default.sessions)])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_api_key)],
+             responses={409: {"description": "the name is taken"}})
+def create_collection(body: CollectionCreate, request: Request) -> CollectionInfo:
+    """Create an empty collection serving a stored checkpoint (by default the one the default
+    collection serves). Its routes are ``/collections/{name}/...``."""
+    default = request.app.state.resources
+    if body.name in collections.RESERVED_NAMES:
+        raise InvalidRequest(f"name: {body.name!r} is reserved")
+    try:
+        created = collections.create(body.name, session_factory=default.sessions,
+                                     version=body.model_version, public=body.public)
+    except collections.VersionNotStored as exc:
+        raise InvalidRequest(f"model_version: {exc}") from None
+    return _public(created)
+
+
+@router.get("/{collection}", responses=_NOT_FOUND)
+def read_collection(collection: CollectionName, request: Request) -> CollectionInfo:
+    """One collection."""
+    default = request.app.state.resources
+    return _public(collections.describe(session_factory=default.sessions, name=collection)[0])
+
+
+@router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
+               dependencies=[Depends(require_api_key)],
+               responses={**_NOT_FOUND, 422: {"description": "the default collection"}})
+async def delete_collection(collection: CollectionName, request: Request) -> Response:
+    """Delete a collection and all it holds: items, vectors, image bytes no other collection
+    uses, query sets, versions, calibrations and change log. Every process answers 404 for
+    it afterwards."""
+    default = request.app.state.resources
+    if collection == DEFAULT_COLLECTION:
+        raise InvalidRequest("the default collection cannot be deleted")
+    await request.app.state.collections.close(collection)
+    await anyio.to_thread.run_sync(lambda: collections.delete(
+        collection, session_factory=default.sessions, media=default.media,
+        data_dir=default.settings.data_dir))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
