@@ -8,11 +8,12 @@ the fix, without a traceback.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import typer
 
-from imgret.cli import backup, data, demo, evaluate, gallery, models, serve, train
+from imgret.cli import backup, collections, data, demo, evaluate, gallery, models, serve, train
 from imgret.errors import ImgretError
 
 app = typer.Typer(
@@ -27,8 +28,39 @@ index_app = typer.Typer(help="The FAISS index derived from the gallery.", no_arg
 app.add_typer(db_app, name="db")
 app.add_typer(index_app, name="index")
 
-for module in (train, data, gallery, models, serve, evaluate, demo, backup):
+for module in (train, data, gallery, models, serve, evaluate, demo, backup, collections):
     module.register(app, db_app=db_app, index_app=index_app)
+
+
+@app.callback()
+def _global_options(
+    collection: str = typer.Option(
+        None, "--collection", envvar="IMGRET_COLLECTION", show_default="default",
+        help="the collection the gallery, model and evaluation commands work in "
+             "(may also follow the command: `imgret ingest PATH --collection NAME`)"),
+) -> None:
+    if collection:
+        os.environ["IMGRET_COLLECTION"] = collection
+
+
+def hoist_collection(args: list[str]) -> list[str]:
+    """``args`` with ``--collection NAME`` (or ``--collection=NAME``) moved before the
+    command, wherever it was given: it is one option of the whole CLI."""
+    rest: list[str] = []
+    hoisted: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--collection" and i + 1 < len(args):
+            hoisted += args[i:i + 2]
+            i += 2
+            continue
+        if arg.startswith("--collection="):
+            hoisted.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return hoisted + rest
 
 
 # Options whose value may be left out (`imgret ingest PATH --ray [ADDRESS]`), and the value
@@ -55,7 +87,7 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        app(args=complete_optional_values(sys.argv[1:]))
+        app(args=hoist_collection(complete_optional_values(sys.argv[1:])))
     except ImgretError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)

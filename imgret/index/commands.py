@@ -238,3 +238,28 @@ def migrate_media(settings: Settings, to: str, *, progress: bool = True) -> Medi
                                     sessions),
             session_factory=sessions, on_batch=bar.update,
         )
+
+
+def list_collections(settings: Settings) -> list[collections.CollectionInfo]:
+    """`imgret collections list`: every collection with its size and served version."""
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return collections.describe(session_factory=sessions)
+
+
+def create_collection(settings: Settings, name: str, *, version: str | None = None,
+                      public: bool = True) -> collections.CollectionInfo:
+    """`imgret collections create NAME`: the twin of ``POST /collections``."""
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return collections.create(name, session_factory=sessions, version=version,
+                                  public=public)
+
+
+def delete_collection(settings: Settings, name: str) -> int:
+    """`imgret collections delete NAME`: the twin of ``DELETE /collections/{name}``; returns
+    how many live items it held."""
+    from imgret.index.media_db import open_media_store
+
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return collections.delete(name, session_factory=sessions,
+                                  media=open_media_store(settings, sessions),
+                                  data_dir=settings.data_dir)
