@@ -175,6 +175,18 @@ def create(name: str, *, session_factory: sessionmaker[Session], version: str | 
     return describe(session_factory=session_factory, name=name)[0]
 
 
+def set_public(name: str, public: bool, *,
+               session_factory: sessionmaker[Session]) -> CollectionInfo:
+    """Make a collection's reads public (no key) or private (a key with ``read``).
+
+    Raises:
+        CollectionNotFound: no such collection.
+    """
+    with session_factory.begin() as session:
+        get(name, session=session).public = public
+    return describe(session_factory=session_factory, name=name)[0]
+
+
 def _source_version(session: Session, version: str | None) -> ModelVersion:
     where = ([ModelVersion.version == version] if version is not None
              else [ModelVersion.is_active, ModelVersion.collection_id == 1])

@@ -370,3 +370,43 @@ class ModelCalibration(Base):
     # The rest of the operating point: intervals, counts, rank-1 identification, depth.
     details: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+ROLES = ("read", "write", "admin")
+
+
+class ApiKey(Base):
+    """An API key: only a salted, memory-hard hash of its secret is kept (scrypt; the secret
+    is shown once, at creation). ``is_admin``: every role on every collection, and the
+    collections, keys and backups themselves. A revoked key keeps its row (the audit trail:
+    who had it, until when) and is refused everywhere."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    salt: Mapped[bytes] = mapped_column(VectorType)
+    digest: Mapped[bytes] = mapped_column(VectorType)
+    # The KDF and its parameters, so they can be raised later without locking anyone out.
+    kdf: Mapped[str] = mapped_column(String(64))
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ApiKeyRole(Base):
+    """One key's role on one collection (``read`` < ``write`` < ``admin``)."""
+
+    __tablename__ = "api_key_roles"
+    __table_args__ = (
+        CheckConstraint("role IN ('read', 'write', 'admin')", name="role"),
+    )
+
+    key_id: Mapped[int] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True
+    )
+    collection_id: Mapped[int] = mapped_column(
+        ForeignKey("collections.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    role: Mapped[str] = mapped_column(String(8))

@@ -18,9 +18,11 @@ from fastapi.staticfiles import StaticFiles
 
 from imgret.index.serving import hold_for_serving
 from imgret.process import frozen_long_lived, in_own_thread
+from imgret.service.access import KeyRing
 from imgret.service.auth import (
     API_KEY_HEADER,
     WriteGuardMiddleware,
+    bootstrap_key,
     has_api_key,
     is_write,
     normalized_origins,
@@ -36,6 +38,7 @@ from imgret.service.routers import (
     gallery,
     health,
     identify,
+    keys,
     metrics,
     models,
     query_sets,
@@ -79,9 +82,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = service_metrics
+    app.state.keyring = KeyRing(bootstrap_key(settings))
     install_error_handlers(app)
     for module in (health, search, identify, gallery, evaluate, models, query_sets, metrics,
-                   ui, admin, collections):
+                   ui, admin, collections, keys):
         app.include_router(module.router)
     # Another collection's routes are the default one's under /collections/{collection}.
     for module in COLLECTION_ROUTERS:
@@ -93,7 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # an unauthorised write is refused before one byte of its body is read; the access log
     # sees both refusals.
     app.add_middleware(UploadLimitMiddleware, max_bytes=settings.max_upload_bytes)
-    app.add_middleware(WriteGuardMiddleware, settings=settings)
+    app.add_middleware(WriteGuardMiddleware, settings=settings, keyring=app.state.keyring)
     app.add_middleware(AccessLogMiddleware, metrics=service_metrics)
     if settings.allowed_origins:
         # Origins allowed to write may also read the answers and send the key (preflight).
@@ -130,11 +134,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         raise
     app.state.resources = resources
     app.state.collections = CollectionRegistry(resources)
+    await anyio.to_thread.run_sync(app.state.keyring.attach, resources.sessions)
     await resources.batcher.start()
     # A re-embedding whose process died resumes here (it is chunked; nothing is redone).
     await anyio.to_thread.run_sync(resume_interrupted_jobs, resources)
     # Other API processes on the same database add and delete items too: follow them.
     follower = asyncio.create_task(follow_changes(resources), name="follow-gallery-changes")
+    # Keys revoked and collections made private by any process: refused here within the
+    # follower interval.
+    key_follower = asyncio.create_task(app.state.keyring.follow(settings.follow_interval_s),
+                                       name="follow-api-keys")
     try:
         # Started: what exists now lives as long as the app; full collections under load
         # stopped every request for ~200 ms scanning it (imgret.process).
@@ -142,6 +151,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             yield
     finally:
         await app.state.collections.close_all()
+        await cancel_and_wait(key_follower)
         await cancel_and_wait(follower)
         await resources.batcher.stop()
         await anyio.to_thread.run_sync(resources.close)

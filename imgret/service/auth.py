@@ -53,13 +53,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import secrets
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgret.errors import ImgretError
+from imgret.service.access import GLOBAL, Caller, KeyRing, Need, need
 from imgret.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -122,20 +122,20 @@ def check_write_exposure(settings: Settings, host: str) -> None:
     )
 
 
-def may_see_details(scope: Scope, settings: Settings) -> bool:
+def may_see_details(scope: Scope, settings: Settings, keys_in_use: bool | None = None) -> bool:
     """Whether a request may read internal error text (``/health``'s ``follower_error``).
 
-    With ``IMGRET_API_KEY`` set: only with the right ``X-API-Key`` (a wrong or missing key is
-    not refused, the text is only withheld). Without a key: only a request that may also
-    write keylessly (:func:`is_local_request`; ``IMGRET_ALLOW_ANONYMOUS_WRITES`` does not
-    widen this, database messages are no help to anonymous writers).
+    With keys in use: only a global admin caller (a wrong or missing key is not refused, the
+    text is only withheld). Without: only a request that may also write keylessly
+    (:func:`is_local_request`; ``IMGRET_ALLOW_ANONYMOUS_WRITES`` does not widen this,
+    database messages are no help to anonymous writers).
     """
-    headers = _headers(scope)
-    if has_api_key(settings):
-        assert settings.api_key is not None
-        return secrets.compare_digest(headers.get(b"x-api-key", b""),
-                                      settings.api_key.get_secret_value().encode())
-    return is_local_request(scope, headers)
+    if keys_in_use is None:
+        keys_in_use = has_api_key(settings)
+    if keys_in_use:
+        caller = scope.get("state", {}).get("caller")
+        return caller is not None and caller.is_admin
+    return is_local_request(scope, _headers(scope))
 
 
 def normalize_origin(origin: str) -> str | None:
@@ -157,45 +157,65 @@ def normalize_origin(origin: str) -> str | None:
 
 
 class WriteGuardMiddleware:
-    """Refuse unauthorised, exposed or cross-origin writes before any of their body is read.
+    """Refuse unauthorised, exposed or cross-origin requests before any of their body is read.
+
+    With keys in use (:class:`imgret.service.access.KeyRing`), every request's key is checked
+    against the role its route needs (:func:`imgret.service.access.need`) and the caller is
+    left in ``scope["state"]["caller"]`` for the routes; without, writes follow the keyless
+    rules of this module's docstring. The ``Origin`` rule applies to writes either way.
 
     Args:
         app: the wrapped ASGI app.
         settings: ``api_key``, ``allow_anonymous_writes`` and ``allowed_origins`` are read.
+        keyring: the stored keys (default: ``IMGRET_API_KEY`` alone, no stored keys).
     """
 
-    def __init__(self, app: ASGIApp, *, settings: Settings):
+    def __init__(self, app: ASGIApp, *, settings: Settings, keyring: KeyRing | None = None):
         self.app = app
-        self.api_key = (
-            settings.api_key.get_secret_value().encode() if has_api_key(settings) else None
-        )
+        self.keyring = keyring if keyring is not None else KeyRing(bootstrap_key(settings))
         self.allow_anonymous = settings.allow_anonymous_writes
         self.allowed_origins = normalized_origins(settings.allowed_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and is_write(scope["method"], _route_path(scope)):
-            refusal = self.refusal(scope)
+        if scope["type"] == "http":
+            refusal = await self.refusal(scope)
             if refusal is not None:
                 status, detail, headers = refusal
                 await _answer(send, status, detail, headers)
                 return
         await self.app(scope, receive, send)
 
-    def refusal(self, scope: Scope) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
-        """``(status, detail, extra headers)`` for a write to refuse, ``None`` to let it in."""
+    async def refusal(self, scope: Scope) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
+        """``(status, detail, extra headers)`` for a request to refuse, ``None`` to let it in
+        (with its caller in ``scope["state"]``)."""
         headers = _headers(scope)
-        if self.api_key is not None:
-            given = headers.get(b"x-api-key", b"")
-            if not secrets.compare_digest(given, self.api_key):
-                return (401, f"missing or wrong {API_KEY_HEADER} header",
+        method, path = scope["method"], _route_path(scope)
+        write = is_write(method, path)
+        required = need(method, path)
+        if required is not None and required.collection is not None:
+            await self.keyring.learn(required.collection)
+        if self.keyring.in_use:
+            caller = await self.keyring.identify(headers.get(b"x-api-key"))
+            if caller is None:
+                return _UNAUTHORISED
+            refused = self._role_refusal(caller, required)
+            if refused is not None:
+                return refused
+        else:
+            caller = Caller()
+            if write and not self.allow_anonymous and not is_local_request(scope, headers):
+                return (403, "writes are refused: this server has no IMGRET_API_KEY, so it "
+                             "accepts writes only from this machine, addressed by a loopback "
+                             "name (localhost, 127.0.0.1, [::1]) and not through a proxy; set "
+                             "IMGRET_API_KEY and send it as the X-API-Key header", [])
+            if (required is not None and required.role == "read" and required.collection
+                    and self.keyring.public.get(required.collection) is False):
+                return (401, f"collection {required.collection!r} is private: reads need a "
+                             f"key with the read role on it ({API_KEY_HEADER} header)",
                         [(b"www-authenticate", API_KEY_HEADER.encode())])
-        elif not self.allow_anonymous and not is_local_request(scope, headers):
-            return (403, "writes are refused: this server has no IMGRET_API_KEY, so it accepts "
-                         "writes only from this machine, addressed by a loopback name "
-                         "(localhost, 127.0.0.1, [::1]) and not through a proxy; set "
-                         "IMGRET_API_KEY and send it as the X-API-Key header", [])
+        scope.setdefault("state", {})["caller"] = caller
         origin = headers.get(b"origin")
-        if origin is not None:
+        if write and origin is not None:
             text = origin.decode("latin-1")
             normalized = normalize_origin(text)
             if normalized is None or normalized not in self._accepted(scope, headers):
@@ -205,9 +225,40 @@ class WriteGuardMiddleware:
                         [])
         return None
 
+    def _role_refusal(self, caller: Caller, required: Need | None
+                      ) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
+        if required is None:
+            return None
+        if required.role == GLOBAL:
+            if caller.is_admin:
+                return None
+            return _UNAUTHORISED if caller.anonymous else (
+                403, "this needs a global admin key", [])
+        assert required.collection is not None
+        if (caller.anonymous and required.role == "read" and required.anonymous
+                and self.keyring.is_public(required.collection)):
+            return None
+        if caller.may(required.role, required.collection):
+            return None
+        if caller.anonymous:
+            return _UNAUTHORISED
+        # The key is good but its roles do not cover this: say which role, not which names
+        # exist (a collection the key knows nothing of gets the same answer).
+        return (403, f"this key has no {required.role} role on collection "
+                     f"{required.collection!r}", [])
+
     def _accepted(self, scope: Scope, headers: dict[bytes, bytes]) -> frozenset[str]:
         own = _own_origin(scope, headers)
         return self.allowed_origins | {own} if own else self.allowed_origins
+
+
+_UNAUTHORISED = (401, f"missing or wrong {API_KEY_HEADER} header",
+                 [(b"www-authenticate", API_KEY_HEADER.encode())])
+
+
+def bootstrap_key(settings: Settings) -> bytes | None:
+    """``IMGRET_API_KEY`` as the bytes a client sends, ``None`` when unset or empty."""
+    return settings.api_key.get_secret_value().encode() if has_api_key(settings) else None
 
 
 def normalized_origins(origins: Iterable[str]) -> frozenset[str]:

@@ -8,7 +8,6 @@ more than the work itself (they delay every request of a batch).
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -17,7 +16,7 @@ from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session
 
 from imgret.index import collections
-from imgret.service.auth import API_KEY_HEADER, has_api_key
+from imgret.service.auth import API_KEY_HEADER
 from imgret.service.request_rules import InvalidRequest
 from imgret.service.resources import Resources
 from imgret.settings import Settings
@@ -57,27 +56,27 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 _API_KEY = APIKeyHeader(
     name=API_KEY_HEADER, auto_error=False,
-    description="required on writes (POST/DELETE /gallery, POST /evaluate) when IMGRET_API_KEY "
-                "is set",
+    description="an API key (`imgret keys create`, or IMGRET_API_KEY): required on writes and "
+                "POST /evaluate once keys are in use, and on reads of a private collection",
 )
 
 
 async def require_api_key(
-    settings: SettingsDep, x_api_key: Annotated[str | None, Security(_API_KEY)]
+    request: Request, x_api_key: Annotated[str | None, Security(_API_KEY)]
 ) -> None:
-    """Refuse with 401 unless ``X-API-Key`` equals ``IMGRET_API_KEY`` (when one is set).
+    """Refuse with 401 a request that no key let in, once keys are in use.
 
-    The check that counts runs earlier, in :class:`imgret.service.auth.WriteGuardMiddleware`, before
-    any of the body is read (FastAPI parses a form before it solves dependencies). This
-    dependency documents the key in the OpenAPI schema (a security scheme) and repeats the
-    check, so a write route the middleware would not classify as a write is still guarded.
-    The comparison takes the same time wherever the strings differ (no timing oracle).
+    The check that counts runs earlier, in :class:`imgret.service.auth.WriteGuardMiddleware`,
+    before any of the body is read (FastAPI parses a form before it solves dependencies): it
+    checks the key against the role the route needs and leaves the caller in the request's
+    state. This dependency documents the key in the OpenAPI schema (a security scheme) and
+    refuses an anonymous caller again, so a keyed route the middleware would let through
+    without a key is still guarded.
     """
-    if not has_api_key(settings):
-        return  # no key configured: the write guard decides (loopback or explicit opt-in)
-    expected = settings.api_key.get_secret_value().encode()
-    # Starlette decodes headers as latin-1: this gives back the bytes the client sent.
-    if not secrets.compare_digest((x_api_key or "").encode("latin-1"), expected):
+    del x_api_key  # checked by the middleware (a stored key needs the KDF, off this path)
+    keyring = request.app.state.keyring
+    caller = request.scope.get("state", {}).get("caller")
+    if keyring.in_use and (caller is None or caller.anonymous):
         raise HTTPException(
             status_code=status.HTTP_401_UNAUTHORIZED,
             detail=f"missing or wrong {API_KEY_HEADER} header",

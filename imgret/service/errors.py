@@ -24,6 +24,7 @@ from sqlalchemy import exc as sa_exc
 from imgret import errors
 from imgret.index.collections import CollectionNotFound
 from imgret.index.evaluation import EvaluationError
+from imgret.index.keys import KeyNotFound
 from imgret.index.versions import VersionNotFound
 from imgret.service import request_rules
 from imgret.service.unavailable import RETRY_AFTER_S, ServiceUnavailable
@@ -37,6 +38,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (EvaluationError, 422),
     (VersionNotFound, 404),
     (CollectionNotFound, 404),
+    (KeyNotFound, 404),
     (request_rules.InvalidRequest, 422),
     (request_rules.PayloadTooLarge, 413),
     (request_rules.MalformedBody, 400),

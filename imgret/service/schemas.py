@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     field_validator,
     model_validator,
@@ -973,7 +974,7 @@ class CollectionCreate(BaseModel):
         None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$",
         description="a version stored in any collection (default: the one the default "
                     "collection serves)")
-    public: bool = Field(True, description="reads need no key")
+    public: bool = Field(True, strict=True, description="reads need no key")
 
 
 class CollectionInfo(BaseModel):
@@ -988,3 +989,50 @@ class CollectionInfo(BaseModel):
 
 class CollectionList(BaseModel):
     collections: list[CollectionInfo]
+
+
+class CollectionUpdate(BaseModel):
+    """``PATCH /collections/{name}``: what may change about a collection."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    public: bool = Field(strict=True,
+                         description="reads need no key (true) or a key with the read role")
+
+
+ROLE_NAMES = Literal["read", "write", "admin"]
+
+
+class KeyCreate(BaseModel):
+    """``POST /keys``: a new API key with roles per collection, or a global admin key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$",
+                      description="who or what holds it (letters, digits, space, . _ @ -)")
+    roles: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")],
+                ROLE_NAMES] = Field(
+        default_factory=dict, max_length=1000,
+        description="collection name -> read, write or admin")
+    admin: bool = Field(False, strict=True,
+                        description="every role on every collection, and collections, keys "
+                                    "and backups")
+
+
+class KeyInfo(BaseModel):
+    """A stored key (never its secret)."""
+
+    id: int
+    name: str
+    admin: bool
+    roles: dict[str, str]
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreated(KeyInfo):
+    key: str = Field(description="the key: shown once, send it as the X-API-Key header")
+
+
+class KeyList(BaseModel):
+    keys: list[KeyInfo]

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response, status
 
 from imgret.index import collections
 from imgret.index.models import DEFAULT_COLLECTION
+from imgret.service.access import Caller
 from imgret.service.deps import require_api_key
 from imgret.service.request_rules import InvalidRequest
 from imgret.service.schemas import (
@@ -22,6 +23,7 @@ from imgret.service.schemas import (
     CollectionCreate,
     CollectionInfo,
     CollectionList,
+    CollectionUpdate,
 )
 
 router = APIRouter(prefix="/collections", tags=["collections"])
@@ -44,10 +46,14 @@ def _public(info: collections.CollectionInfo) -> CollectionInfo:
 
 @router.get("")
 def list_collections(request: Request) -> CollectionList:
-    """Every collection, oldest first, with its live item count and served version."""
+    """The collections the caller may read, oldest first, with their live item count and
+    served version: every one for a global admin key, the public ones and those its roles
+    name for another key, the public ones without a key."""
     default = request.app.state.resources
+    caller = request.scope.get("state", {}).get("caller") or Caller()
     return CollectionList(collections=[
-        _public(info) for info in collections.describe(session_factory=default.sessions)])
+        _public(info) for info in collections.describe(session_factory=default.sessions)
+        if info.public or caller.may("read", info.name)])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Depends(require_api_key)],
@@ -63,6 +69,7 @@ def create_collection(body: CollectionCreate, request: Request) -> CollectionInf
                                      version=body.model_version, public=body.public)
     except collections.VersionNotStored as exc:
         raise InvalidRequest(f"model_version: {exc}") from None
+    request.app.state.keyring.refresh()
     return _public(created)
 
 
@@ -71,6 +78,17 @@ def read_collection(collection: CollectionName, request: Request) -> CollectionI
     """One collection."""
     default = request.app.state.resources
     return _public(collections.describe(session_factory=default.sessions, name=collection)[0])
+
+
+@router.patch("/{collection}", responses=_NOT_FOUND, dependencies=[Depends(require_api_key)])
+def update_collection(collection: CollectionName, body: CollectionUpdate,
+                      request: Request) -> CollectionInfo:
+    """Make a collection's reads public or private (a key with the read role needed). Every
+    process follows within its follower interval."""
+    default = request.app.state.resources
+    info = collections.set_public(collection, body.public, session_factory=default.sessions)
+    request.app.state.keyring.refresh()
+    return _public(info)
 
 
 @router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
@@ -87,4 +105,5 @@ async def delete_collection(collection: CollectionName, request: Request) -> Res
     await anyio.to_thread.run_sync(lambda: collections.delete(
         collection, session_factory=default.sessions, media=default.media,
         data_dir=default.settings.data_dir))
+    await anyio.to_thread.run_sync(request.app.state.keyring.refresh)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -43,6 +43,7 @@ def read_health(request: Request, resources: ResourcesDep) -> HealthStatus:
 
 
 def _follower_error(error: str | None, request: Request) -> str | None:
-    if error is None or may_see_details(request.scope, request.app.state.settings):
+    if error is None or may_see_details(request.scope, request.app.state.settings,
+                                        request.app.state.keyring.in_use):
         return error
     return FOLLOWER_ERROR_HIDDEN

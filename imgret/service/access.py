@@ -1,0 +1,260 @@
+"""Who may call what: the role each route needs, and the key ring a process checks keys
+against.
+
+:func:`need` reads the role a request needs from its method and path alone (no body, no
+route table), so the guard middleware decides before a byte of the body is read, and the
+role × route table in ``docs/api.md`` is generated from the app's routes through the same
+function (``python -m imgret.service.access``; a test walks it).
+
+- Public: ``/health``, the web page, ``/static``, the OpenAPI docs. ``GET /collections``
+  answers anyone, listing what the caller may read.
+- In a collection (``/collections/{name}/...``; the root routes are ``default``'s): reads
+  (``GET``, ``POST /search``, ``/search/batch``, ``/identify``, ``/evaluate``) need ``read``
+  (``/evaluate`` always with a key: it costs a search per query);
+  ``GET /models`` too; other ``/models`` requests need ``admin``; any other write needs
+  ``write`` (an unknown write route is a write: fail closed). ``GET /metrics`` is a read of
+  ``default``.
+- Everything else (``/keys``, ``/admin``, creating, changing and deleting collections) needs
+  a global admin key: a stored key marked admin, or ``IMGRET_API_KEY``.
+
+Keys are in use once ``IMGRET_API_KEY`` is set or a key is stored. Then a write needs a key
+with the role; a read of a public collection needs none, and of a private one
+(``public: false``) it needs a key with ``read``. A wrong, unknown or revoked key is 401
+everywhere (even where no key is needed: a client must hear that its key is bad), a key
+without the role 403. Without keys, reads are anonymous and writes follow the keyless rules
+of :mod:`imgret.service.auth`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio.to_thread
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from imgret.index import keys
+from imgret.index.models import DEFAULT_COLLECTION, Collection
+
+logger = logging.getLogger(__name__)
+
+GLOBAL = "global admin"
+_PUBLIC_PATHS = ("/health", "/", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
+                 "/collections")
+_READ_POSTS = frozenset({"/search", "/search/batch", "/identify", "/evaluate"})
+_SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+_IN_COLLECTION = re.compile(r"^/collections/([^/]+)(/.*)?$")
+# KDF checks at once (each takes 16 MiB and tens of milliseconds): a flood of made-up keys
+# queues here instead of taking every core and a gigabyte.
+KDF_CONCURRENCY = 2
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a request needs: ``role`` on ``collection``, or a global admin key
+    (``role == GLOBAL``, ``collection`` None). ``anonymous``: a ``read`` that a public
+    collection answers without a key (not ``/evaluate``: its cost calls for a key)."""
+
+    role: str
+    collection: str | None = None
+    anonymous: bool = True
+
+    def __str__(self) -> str:
+        return self.role if self.collection is None else f"{self.role} on {self.collection}"
+
+
+def need(method: str, path: str) -> Need | None:
+    """The role a request needs; ``None`` for a public route (see the module docstring)."""
+    method = method.upper()
+    path = path.rstrip("/") or "/"
+    if path.startswith("/static/") or (method in _SAFE and path in _PUBLIC_PATHS):
+        return None
+    if path == "/metrics":
+        return Need("read", DEFAULT_COLLECTION)
+    match = _IN_COLLECTION.match(path)
+    if match is None:
+        if path.startswith(("/keys", "/admin", "/collections")):
+            return Need(GLOBAL)
+        return _in_collection(method, path, DEFAULT_COLLECTION)
+    name, rest = match.group(1), match.group(2) or ""
+    if not rest:  # the collection itself
+        return Need("read", name) if method in _SAFE else Need(GLOBAL)
+    return _in_collection(method, rest, name)
+
+
+def _in_collection(method: str, rest: str, collection: str) -> Need:
+    if rest.startswith("/models"):
+        return Need("read" if method in _SAFE else "admin", collection)
+    if method in _SAFE or rest in _READ_POSTS:
+        return Need("read", collection, anonymous=rest != "/evaluate")
+    return Need("write", collection)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a request was let in as: a stored key, the environment's key, or nobody."""
+
+    key: keys.KeyRecord | None = None
+    bootstrap: bool = False
+
+    @property
+    def anonymous(self) -> bool:
+        return self.key is None and not self.bootstrap
+
+    def may(self, role: str, collection: str) -> bool:
+        if self.bootstrap:
+            return True
+        return self.key is not None and self.key.allows(collection, role)
+
+    @property
+    def is_admin(self) -> bool:
+        return self.bootstrap or (self.key is not None and self.key.is_admin
+                                  and self.key.revoked_at is None)
+
+
+class KeyRing:
+    """This process's view of the stored keys and which collections are public, refreshed
+    from SQL every ``interval_s`` (the follower interval: a key revoked by any process is
+    refused here within it) and at once after a change made here.
+
+    Args:
+        bootstrap: ``IMGRET_API_KEY`` (bytes), or ``None``.
+    """
+
+    def __init__(self, bootstrap: bytes | None):
+        self.bootstrap = bootstrap
+        self.keys: dict[int, keys.KeyRecord] = {}
+        self.public: dict[str, bool] = {DEFAULT_COLLECTION: True}
+        self.loaded = False
+        self._sessions: sessionmaker[Session] | None = None
+        self._verified: dict[int, bytes] = {}  # key id -> SHA-256 of the secret checked
+        self._lock = threading.Lock()
+        self._kdf = asyncio.Semaphore(KDF_CONCURRENCY)
+        self._learned_at = 0.0
+
+    @property
+    def in_use(self) -> bool:
+        """Whether requests are checked against keys (a bootstrap key or a stored one)."""
+        return self.bootstrap is not None or bool(self.keys)
+
+    def attach(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the keys and the collections' public flags again (on a worker thread)."""
+        if self._sessions is None:
+            return
+        loaded = keys.load(session_factory=self._sessions)
+        with self._sessions() as session:
+            public = dict(session.execute(select(Collection.name, Collection.public)).all())
+        with self._lock:
+            for key_id, record in loaded.items():
+                old = self.keys.get(key_id)
+                if old is None or old.digest != record.digest:
+                    self._verified.pop(key_id, None)
+            self.keys, self.public, self.loaded = loaded, public, True
+
+    async def follow(self, interval_s: float) -> None:
+        """Refresh every ``interval_s`` until cancelled (errors are logged and retried)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await anyio.to_thread.run_sync(self.refresh)
+            except Exception:  # noqa: BLE001 - the last good view stays; retried next time
+                logger.exception("could not refresh the API keys")
+
+    async def learn(self, collection: str) -> None:
+        """Read the flags again if ``collection`` is not known here yet (created by another
+        process since the last refresh), at most every quarter second whatever the
+        requests name."""
+        if collection in self.public or self._sessions is None:
+            return
+        now = time.monotonic()
+        if now - self._learned_at < 0.25:
+            return
+        self._learned_at = now
+        await anyio.to_thread.run_sync(self.refresh)
+
+    def is_public(self, collection: str) -> bool:
+        """Whether anonymous reads of ``collection`` are allowed (an unknown name: no, so a
+        missing key does not tell which names exist)."""
+        return self.public.get(collection, False)
+
+    async def identify(self, presented: bytes | None) -> Caller | None:
+        """The caller a key belongs to; ``Caller()`` without a key; ``None`` for a wrong,
+        unknown or revoked key."""
+        if presented is None:
+            return Caller()
+        if self.bootstrap is not None and hmac.compare_digest(presented, self.bootstrap):
+            return Caller(bootstrap=True)
+        try:
+            parsed = keys.parse(presented.decode("ascii"))
+        except UnicodeDecodeError:
+            return None
+        if parsed is None:
+            return None
+        key_id, secret = parsed
+        record = self.keys.get(key_id)
+        if record is None or record.revoked_at is not None:
+            return None
+        fingerprint = hashlib.sha256(secret.encode()).digest()
+        seen = self._verified.get(key_id)
+        if seen is not None and hmac.compare_digest(seen, fingerprint):
+            return Caller(key=record)
+        async with self._kdf:
+            good = await anyio.to_thread.run_sync(keys.matches, record, secret)
+        if not good:
+            return None
+        with self._lock:
+            if self.keys.get(key_id) is record:
+                self._verified[key_id] = fingerprint
+        return Caller(key=record)
+
+
+def route_table(openapi: dict) -> list[tuple[str, str, str]]:
+    """``(method, path, who)`` for every operation of an app's OpenAPI schema (generated from
+    its routes), in its order: the table ``docs/api.md`` shows, decided by :func:`need`."""
+    rows = []
+    for path, operations in openapi.get("paths", {}).items():
+        for method in operations:
+            if method.upper() in _METHODS:
+                required = need(method, path)
+                rows.append((method.upper(), path, _who(required, path)))
+    return rows
+
+
+def _who(required: Need | None, path: str) -> str:
+    if required is None:
+        return "anyone (lists what the caller may read)" if path == "/collections" else "anyone"
+    where = "the collection" if "{collection}" in path else "default"
+    if required.role == GLOBAL:
+        return "global admin"
+    public = "anyone if public, else " if required.role == "read" and required.anonymous else ""
+    return f"{public}{required.role} on {where}"
+
+
+def markdown_table(openapi: dict) -> str:
+    """The role × route table, as Markdown."""
+    lines = ["| method | path | who may call it |", "|---|---|---|"]
+    lines += [f"| {m} | `{p}` | {who} |" for m, p, who in route_table(openapi)]
+    return "\n".join(lines) + "\n"
+
+
+def main(print_: Callable[[str], None] = print) -> None:
+    from imgret.service.app import create_app
+
+    print_(markdown_table(create_app().openapi()))
+
+
+if __name__ == "__main__":
+    main()
