@@ -13,7 +13,18 @@ import sys
 
 import typer
 
-from imgret.cli import backup, collections, data, demo, evaluate, gallery, models, serve, train
+from imgret.cli import (
+    backup,
+    collections,
+    data,
+    demo,
+    evaluate,
+    gallery,
+    keys,
+    models,
+    serve,
+    train,
+)
 from imgret.errors import ImgretError
 
 app = typer.Typer(
@@ -28,7 +39,8 @@ index_app = typer.Typer(help="The FAISS index derived from the gallery.", no_arg
 app.add_typer(db_app, name="db")
 app.add_typer(index_app, name="index")
 
-for module in (train, data, gallery, models, serve, evaluate, demo, backup, collections):
+for module in (train, data, gallery, models, serve, evaluate, demo, backup, collections,
+               keys):
     module.register(app, db_app=db_app, index_app=index_app)
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import CheckpointError, DatabaseError, GalleryError
-from imgret.index import collections
+from imgret.index import collections, keys
 from imgret.index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from imgret.index.ingest import IngestReport
 from imgret.index.models import DEFAULT_COLLECTION
@@ -263,3 +263,22 @@ def delete_collection(settings: Settings, name: str) -> int:
         return collections.delete(name, session_factory=sessions,
                                   media=open_media_store(settings, sessions),
                                   data_dir=settings.data_dir)
+
+
+def create_key(settings: Settings, name: str, *, roles: dict[str, str],
+               admin: bool = False) -> tuple[keys.KeyRecord, str]:
+    """`imgret keys create`: the twin of ``POST /keys``; returns the record and the key."""
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return keys.create(name, session_factory=sessions, roles=roles, is_admin=admin)
+
+
+def list_keys(settings: Settings) -> list[keys.KeyRecord]:
+    """`imgret keys list`: every key, revoked ones included (never a secret)."""
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return list(keys.load(session_factory=sessions).values())
+
+
+def revoke_key(settings: Settings, key_id: int) -> keys.KeyRecord:
+    """`imgret keys revoke ID`: the twin of ``DELETE /keys/{id}``."""
+    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+        return keys.revoke(key_id, session_factory=sessions)

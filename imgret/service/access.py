@@ -177,10 +177,13 @@ class KeyRing:
         """Read the flags again if ``collection`` is not known here yet (created by another
         process since the last refresh), at most every quarter second whatever the
         requests name."""
-        if collection in self.public or self._sessions is None:
-            return
+        if collection not in self.public:
+            await self._refresh_soon()
+
+    async def _refresh_soon(self) -> None:
+        # Whatever names or ids requests make up, at most four reads a second.
         now = time.monotonic()
-        if now - self._learned_at < 0.25:
+        if self._sessions is None or now - self._learned_at < 0.25:
             return
         self._learned_at = now
         await anyio.to_thread.run_sync(self.refresh)
@@ -204,6 +207,8 @@ class KeyRing:
         if parsed is None:
             return None
         key_id, secret = parsed
+        if key_id not in self.keys:
+            await self._refresh_soon()  # created by another process since the last refresh
         record = self.keys.get(key_id)
         if record is None or record.revoked_at is not None:
             return None
