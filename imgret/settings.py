@@ -146,6 +146,15 @@ class Settings(BaseSettings):
         2, ge=0, description="versions besides the served one whose model and index stay "
                              "loaded (0: load them for each request)",
     )
+    # Collections other than default open in one process (imgret.service.collections): each
+    # holds its index in memory; the least recently used are closed beyond this many, and any
+    # idle this long, and opened again from SQL on their next request.
+    max_open_collections: int = Field(
+        100, ge=1, description="collections besides default kept open (index in memory)"
+    )
+    collection_idle_s: float = Field(
+        900.0, gt=0, description="seconds unused after which a collection's index is unloaded"
+    )
     max_loaded_bytes: int = Field(
         2 * 1024**3, ge=0,
         description="estimated bytes those may hold: model parameters plus index vectors "

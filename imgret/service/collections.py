@@ -4,7 +4,14 @@ The default collection is loaded at start-up (:func:`imgret.service.resources.lo
 and its routes are today's (``/search``, ``/gallery``, ...). Every other collection is served
 under ``/collections/{name}/...`` by the same routers: the request's resources are the
 collection's, opened on its first request (model, index, batcher, a follower that polls its
-change log) and kept open.
+change log).
+
+Memory is planned per collection: an open collection holds its index (``size x dim x 4``
+bytes of vectors, reported by ``GET /collections/{name}``); at most
+``IMGRET_MAX_OPEN_COLLECTIONS`` stay open (the least recently used is closed to open
+another), and one unused for ``IMGRET_COLLECTION_IDLE_S`` is closed. A closed collection's
+next request opens it again: its saved index file is loaded (or rebuilt from SQL), and the
+change log brings it up to date.
 
 Every request to a named collection looks its name up in SQL first (one indexed read), so a
 collection deleted by any process answers 404 in every process from then on, and one created
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import anyio.to_thread
 
@@ -26,6 +34,7 @@ from imgret.index.models import DEFAULT_COLLECTION
 from imgret.process import in_own_thread
 from imgret.service.resources import Resources, follow_changes, load_collection
 from imgret.service.tasks import cancel_and_wait
+from imgret.service.version_cache import index_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +51,11 @@ class CollectionRegistry:
         self.default = default
         self._open: dict[str, Resources] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
+        self._used: dict[str, float] = {}  # name -> time.monotonic() of its last request
         self._opening = asyncio.Lock()
+        settings = default.settings
+        self.max_open = settings.max_open_collections
+        self.idle_s = settings.collection_idle_s
 
     def names(self) -> list[str]:
         """The collections open here besides ``default``."""
@@ -60,6 +73,7 @@ class CollectionRegistry:
         collection_id = await anyio.to_thread.run_sync(self._lookup, name)
         opened = self._open.get(name)
         if opened is not None and opened.collection_id == collection_id:
+            self._used[name] = time.monotonic()
             return opened
         if opened is not None:  # deleted, or deleted and created again
             await self.close(name)
@@ -68,6 +82,8 @@ class CollectionRegistry:
         async with self._opening:
             opened = self._open.get(name)
             if opened is None:
+                while len(self._open) >= self.max_open:
+                    await self.close(min(self._open, key=lambda n: self._used.get(n, 0.0)))
                 opened = await anyio.to_thread.run_sync(
                     in_own_thread, load_collection, self.default, collection_id, name,
                     self._shared_model)
@@ -77,7 +93,33 @@ class CollectionRegistry:
                     follow_changes(opened), name=f"follow-collection-{name}")
                 logger.info("opened collection %s (%d vectors of %s)", name,
                             opened.searcher.size, opened.serving.version)
+            self._used[name] = time.monotonic()
         return opened
+
+    def memory(self, name: str) -> dict | None:
+        """What collection ``name`` holds in this process: ``None`` if it is not open."""
+        opened = self.default if name == DEFAULT_COLLECTION else self._open.get(name)
+        if opened is None:
+            return None
+        searcher = opened.searcher
+        used = self._used.get(name)
+        return {"vectors": searcher.size, "bytes": index_bytes(searcher),
+                "idle_s": None if used is None else round(time.monotonic() - used, 3)}
+
+    async def close_idle(self) -> list[str]:
+        """Close the collections unused for ``idle_s``; returns their names."""
+        now = time.monotonic()
+        idle = [n for n in self._open if now - self._used.get(n, now) >= self.idle_s]
+        for name in idle:
+            await self.close(name)
+            logger.info("closed collection %s: unused for %.0f s", name, self.idle_s)
+        return idle
+
+    async def reap(self) -> None:
+        """Close idle collections until cancelled (checks every tenth of ``idle_s``)."""
+        while True:
+            await asyncio.sleep(max(0.05, self.idle_s / 10))
+            await self.close_idle()
 
     def _lookup(self, name: str) -> int | None:
         with self.default.sessions() as session:
@@ -95,6 +137,7 @@ class CollectionRegistry:
         """Close collection ``name`` here (its follower, batcher and jobs); a no-op if it is
         not open. The next request opens it again from SQL."""
         opened = self._open.pop(name, None)
+        self._used.pop(name, None)
         follower = self._followers.pop(name, None)
         if follower is not None:
             await cancel_and_wait(follower)

@@ -977,6 +977,15 @@ class CollectionCreate(BaseModel):
     public: bool = Field(True, strict=True, description="reads need no key")
 
 
+class CollectionMemory(BaseModel):
+    """What an open collection holds in the answering process."""
+
+    vectors: int = Field(description="vectors in its index")
+    bytes: int = Field(description="estimated index memory: vectors x dim x 4")
+    idle_s: float | None = Field(description="seconds since its last request (null: default, "
+                                             "never closed)")
+
+
 class CollectionInfo(BaseModel):
     """A collection: its name, whether reads are public, size and served version."""
 
@@ -985,6 +994,9 @@ class CollectionInfo(BaseModel):
     created_at: datetime
     items: int = Field(description="live gallery items")
     active_version: str | None = Field(description="the model version it serves")
+    index: CollectionMemory | None = Field(
+        None, description="its index in the answering process; null: not open there (the next "
+                          "request opens it)")
 
 
 class CollectionList(BaseModel):

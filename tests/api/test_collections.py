@@ -85,3 +85,26 @@ def test_bad_collection_requests_are_refused_and_change_nothing(client: TestClie
     assert client.get("/collections/UPPER/gallery").status_code == 422
     assert client.get("/collections/nope/gallery").status_code == 404
     assert client.get("/collections/nope").status_code == 404
+
+
+def test_idle_and_least_used_collections_unload_and_reopen_from_sql(make_client) -> None:
+    import time
+
+    with make_client(max_open_collections=2, collection_idle_s=1.0) as client:
+        ids = {}
+        for name in ("a", "b", "c"):
+            assert client.post("/collections", json={"name": name}).status_code == 201
+            ids[name] = _add(client, f"/collections/{name}", [(ord(name) % 3, 0)])
+        opened = {c["name"]: c["index"] for c in client.get("/collections").json()["collections"]}
+        # At most two besides default: "a", used least recently, was closed to open "c".
+        assert opened["a"] is None and opened["b"]["vectors"] == 1
+        assert opened["c"]["bytes"] == 16 * 4 and opened["default"]["idle_s"] is None
+        # Reopened from SQL on its next request, with its own item.
+        found = client.post("/collections/a/search", files={"image": ("q.png", png(0, 0),
+                                                                     "image/png")}).json()
+        assert [h["id"] for h in found["results"]] == ids["a"]
+        assert client.get("/collections/b").json()["index"] is None  # now the least used
+        time.sleep(1.5)  # idle: every collection but default is closed
+        listed = {c["name"]: c["index"] for c in client.get("/collections").json()["collections"]}
+        assert [n for n, index in listed.items() if index is not None] == ["default"]
+        assert client.get("/collections/c/gallery").json()["count"] == 1

@@ -40,8 +40,9 @@ async def collection_path(collection: CollectionName) -> str:
     return collection
 
 
-def _public(info: collections.CollectionInfo) -> CollectionInfo:
-    return CollectionInfo(**info.to_dict())
+def _public(info: collections.CollectionInfo, request: Request) -> CollectionInfo:
+    return CollectionInfo(**info.to_dict(),
+                          index=request.app.state.collections.memory(info.name))
 
 
 @router.get("")
@@ -52,7 +53,7 @@ def list_collections(request: Request) -> CollectionList:
     default = request.app.state.resources
     caller = request.scope.get("state", {}).get("caller") or Caller()
     return CollectionList(collections=[
-        _public(info) for info in collections.describe(session_factory=default.sessions)
+        _public(info, request) for info in collections.describe(session_factory=default.sessions)
         if info.public or caller.may("read", info.name)])
 
 
@@ -70,14 +71,15 @@ def create_collection(body: CollectionCreate, request: Request) -> CollectionInf
     except collections.VersionNotStored as exc:
         raise InvalidRequest(f"model_version: {exc}") from None
     request.app.state.keyring.refresh()
-    return _public(created)
+    return _public(created, request)
 
 
 @router.get("/{collection}", responses=_NOT_FOUND)
 def read_collection(collection: CollectionName, request: Request) -> CollectionInfo:
     """One collection."""
     default = request.app.state.resources
-    return _public(collections.describe(session_factory=default.sessions, name=collection)[0])
+    return _public(collections.describe(session_factory=default.sessions, name=collection)[0],
+                   request)
 
 
 @router.patch("/{collection}", responses=_NOT_FOUND, dependencies=[Depends(require_api_key)])
@@ -88,7 +90,7 @@ def update_collection(collection: CollectionName, body: CollectionUpdate,
     default = request.app.state.resources
     info = collections.set_public(collection, body.public, session_factory=default.sessions)
     request.app.state.keyring.refresh()
-    return _public(info)
+    return _public(info, request)
 
 
 @router.delete("/{collection}", status_code=status.HTTP_204_NO_CONTENT,
