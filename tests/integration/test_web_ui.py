@@ -443,3 +443,55 @@ def _fill_gallery(base: str, folder: Path, headers: dict[str, str] | None = None
     response = httpx.post(f"{base}/gallery", files=files, data={"labels": labels}, headers=headers,
                           timeout=60)
     assert response.status_code == 201, response.text
+
+
+def test_the_collection_picker_searches_the_chosen_collection(
+    browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """Two collections with other labels: picking one in the header makes the search, its
+    thumbnails and the status line that collection's."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
+           "IMGRET_DEVICE": TEST_DEVICE}
+    with running_server(env, log_path=tmp_path / "server.log") as server:
+        _fill_gallery(server.url, tmp_path / "gallery")
+        created = httpx.post(f"{server.url}/collections", json={"name": "shop"}, timeout=60)
+        assert created.status_code == 201, created.text
+        files = [("images", (f"{c}.png", _png_bytes(c), "image/png")) for c in range(3)]
+        added = httpx.post(f"{server.url}/collections/shop/gallery", files=files, timeout=60,
+                           data={"labels": [f"shop-{c}" for c in range(3)]})
+        assert added.status_code == 201, added.text
+        query = tmp_path / "query.png"
+        class_image(1, 999, size=SIZE).save(query)
+
+        browser.get(server.url + "/")
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda d: len(Select(d.find_element(By.ID, "collection")).options) == 2)
+        Select(browser.find_element(By.ID, "collection")).select_by_value("shop")
+        wait.until(ec.text_to_be_present_in_element((By.ID, "health"), "3 images in shop"))
+        browser.find_element(By.ID, "file-input").send_keys(str(query))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .result")) == 3)
+        labels = browser.execute_script(
+            "return [...document.querySelectorAll('#results .result .label')]"
+            ".map(l => l.textContent)")
+        assert sorted(labels) == ["shop-0", "shop-1", "shop-2"]
+        wait.until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#results img')]"
+            ".every(i => i.complete && i.naturalWidth > 0 && "
+            "i.src.includes('/collections/shop/gallery/'))"))
+        # Back to default: its gallery again.
+        Select(browser.find_element(By.ID, "collection")).select_by_value("default")
+        wait.until(ec.text_to_be_present_in_element((By.ID, "health"), "images indexed"))
+        browser.find_element(By.ID, "file-input").send_keys(str(query))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#results .result")) == 12)
+
+
+def _png_bytes(c: int) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    class_image(c, 500, size=SIZE).save(buffer, format="PNG")
+    return buffer.getvalue()

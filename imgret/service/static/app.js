@@ -29,12 +29,32 @@ const imgret = (() => {
     return `${response.status} ${response.statusText}`;
   }
 
-  /** fetch() with the API key header (when given) and a JSON or form body.
-   *  Resolves to {ok, status, body, error}: error is the API's message when not ok. */
+  // The collection picker: the routes of a collection other than "default" are the same ones
+  // under /collections/{name}; the choice is kept for this tab like the key.
+  const collectionSelect = document.getElementById("collection");
+  const COLLECTION_STORE = "imgret.collection";
+  const GLOBAL_ROUTES = ["/collections", "/keys", "/health", "/admin", "/metrics"];
+  let collection = "default";
+  try {
+    collection = sessionStorage.getItem(COLLECTION_STORE) || "default";
+  } catch (_) {
+    // storage disabled
+  }
+
+  function scoped(path) {
+    if (collection === "default" || GLOBAL_ROUTES.some((r) => path.startsWith(r))) return path;
+    return `/collections/${encodeURIComponent(collection)}${path}`;
+  }
+
+  /** fetch() with the API key header (when given) and a JSON or form body, on the chosen
+   *  collection's routes. Resolves to {ok, status, body, error}: error is the API's message
+   *  when not ok. */
   async function api(path, { method = "GET", json, form } = {}) {
     const headers = {};
     const key = keyInput.value.trim();
-    if (key && method !== "GET") headers["X-API-Key"] = key;
+    // Reads of a private collection need the key too.
+    if (key) headers["X-API-Key"] = key;
+    path = scoped(path);
     let body;
     if (json !== undefined) {
       headers["Content-Type"] = "application/json";
@@ -108,11 +128,38 @@ const imgret = (() => {
     try {
       const response = await fetch("/health");
       const body = await response.json();
-      health.textContent = `${body.index_size} images indexed · model ${body.model_version} · ${body.device}`;
+      if (collection === "default") {
+        health.textContent = `${body.index_size} images indexed · model ${body.model_version} · ${body.device}`;
+        return;
+      }
+      const answer = await api(`/collections/${encodeURIComponent(collection)}`);
+      health.textContent = answer.ok
+        ? `${answer.body.items} images in ${collection} · model ${answer.body.active_version} · ${body.device}`
+        : answer.error;
     } catch (err) {
       health.textContent = "service unreachable";
     }
   }
+
+  async function loadCollections() {
+    const answer = await api("/collections");
+    const names = answer.ok ? answer.body.collections.map((c) => c.name) : ["default"];
+    if (!names.includes(collection)) names.push(collection);
+    fillSelect(collectionSelect, names, { selected: collection });
+  }
+
+  collectionSelect.addEventListener("change", () => {
+    collection = collectionSelect.value || "default";
+    try {
+      sessionStorage.setItem(COLLECTION_STORE, collection);
+    } catch (_) {
+      // ignore
+    }
+    loadHealth();
+    // The open view reads its data again from the chosen collection.
+    if (current && views[current] && views[current].show) views[current].show();
+  });
+  keyInput.addEventListener("change", loadCollections);
 
   // Router: one view visible at a time; a view may register show()/hide() hooks.
   const views = {};
@@ -137,7 +184,8 @@ const imgret = (() => {
   }
   window.addEventListener("hashchange", route);
 
-  return { api, statusSetter, el, fmt, fillSelect, querySets, models, loadHealth, register, route };
+  return { api, scoped, statusSetter, el, fmt, fillSelect, querySets, models, loadHealth,
+           loadCollections, register, route };
 })();
 
 // ---------------------------------------------------------------------------- Search view
@@ -204,7 +252,7 @@ const imgret = (() => {
 
   /** Search with a stored gallery item (its stored vector; the item itself is left out). */
   function searchById(id) {
-    showPreview(`/gallery/${encodeURIComponent(id)}/image`, `query: item ${id}`);
+    showPreview(imgret.scoped(`/gallery/${encodeURIComponent(id)}/image`), `query: item ${id}`);
     const form = searchForm();
     form.append("id", String(id));
     return run(form, ` of item #${id}`);
@@ -215,7 +263,7 @@ const imgret = (() => {
     for (const hit of hits) {
       const card = el("button", { cls: "result", attrs: { type: "button", title: `search with item ${hit.id}` } });
       card.dataset.id = String(hit.id);
-      const img = el("img", { attrs: { src: `/gallery/${encodeURIComponent(hit.id)}/image`, alt: `item ${hit.id}, label ${hit.label}`, loading: "lazy" } });
+      const img = el("img", { attrs: { src: imgret.scoped(`/gallery/${encodeURIComponent(hit.id)}/image`), alt: `item ${hit.id}, label ${hit.label}`, loading: "lazy" } });
       // textContent: labels are user data, never HTML
       card.append(img, el("div", { cls: "label", text: hit.label }),
         el("div", { cls: "score", text: `score ${hit.score.toFixed(3)} · #${hit.id}` }));
@@ -246,6 +294,7 @@ const imgret = (() => {
   });
 })();
 
+imgret.loadCollections();
 imgret.loadHealth();
 // The other views register themselves in evaluate.js and models.js (loaded after this file):
 // route once the page has parsed them all.

@@ -170,13 +170,13 @@
     for (const query of worst) {
       const rank = query.first_relevant_rank === null ? "none relevant ranked" : `first relevant: rank ${query.first_relevant_rank}`;
       const src = query.query_id === null || query.query_id === undefined ? ""
-        : `/query-sets/${encodeURIComponent(report.query_set)}/items/${encodeURIComponent(query.query_id)}/image`;
+        : imgret.scoped(`/query-sets/${encodeURIComponent(report.query_set)}/items/${encodeURIComponent(query.query_id)}/image`);
       const row = el("li", { cls: "worst-row" },
         thumb(src, `query ${query.query_id ?? query.index}, label ${query.label}`,
           `${query.label} · AP@R ${fmt(query.average_precision_at_r, 2)} · ${rank}`, "query"));
       const neighbours = el("div", { cls: "neighbours", attrs: { role: "list", "aria-label": "its top neighbours" } });
       query.neighbours.forEach((n, i) => {
-        const figure = thumb(`/gallery/${encodeURIComponent(n.id)}/image`,
+        const figure = thumb(imgret.scoped(`/gallery/${encodeURIComponent(n.id)}/image`),
           `rank ${i + 1}: item ${n.id}, label ${n.label}, ${n.relevant ? "relevant" : "not relevant"}`,
           `${n.relevant ? "✓" : "✗"} ${n.label}`, n.relevant ? "relevant" : "irrelevant");
         figure.setAttribute("role", "listitem");

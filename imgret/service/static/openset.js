@@ -152,7 +152,7 @@
     const cells = rows.map(({ q, mated }) => {
       const picture = q.query_id === null || report.query_set === null ? el("span", { text: `#${q.index}` })
         : el("img", { cls: "mini", attrs: { alt: `query ${q.query_id}, label ${q.label}`, loading: "lazy",
-          src: `/query-sets/${encodeURIComponent(report.query_set)}/items/${encodeURIComponent(q.query_id)}/image` } });
+          src: imgret.scoped(`/query-sets/${encodeURIComponent(report.query_set)}/items/${encodeURIComponent(q.query_id)}/image`) } });
       const decided = el("td"), outcome = el("td");
       const row = el("tr", {}, el("td", {}, picture),
         el("td", { text: mated ? "mated" : "non-mated" }),
