@@ -19,10 +19,11 @@ function (``python -m imgret.service.access``; a test walks it).
 
 Keys are in use once ``IMGRET_API_KEY`` is set or a key is stored. Then a write needs a key
 with the role; a read of a public collection needs none, and of a private one
-(``public: false``) it needs a key with ``read``. A wrong, unknown or revoked key is 401
-everywhere (even where no key is needed: a client must hear that its key is bad), a key
-without the role 403. Without keys, reads are anonymous and writes follow the keyless rules
-of :mod:`imgret.service.auth`.
+(``public: false``) it needs a key with ``read``. A wrong, unknown or revoked key is 401 on
+every route that names a collection or needs an admin (even a public read: a client must
+hear that its key is bad), a key without the role 403; the public routes (``/health``, the
+page, the docs, the list of collections) answer as if no key was sent. Without keys, reads
+are anonymous and writes follow the keyless rules of :mod:`imgret.service.auth`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from imgret.index.serving import hold_for_serving
 from imgret.process import frozen_long_lived, in_own_thread
-from imgret.service.access import KeyRing
+from imgret.service.access import KeyRing, need
 from imgret.service.auth import (
     API_KEY_HEADER,
     WriteGuardMiddleware,
@@ -182,9 +182,13 @@ _ERROR_SCHEMA = {
     },
 }
 _WRITE_ERRORS = {
-    "401": f"missing or wrong {API_KEY_HEADER} header (when IMGRET_API_KEY is set)",
-    "403": "cross-origin browser write, or a keyless server reached from beyond this "
-           "machine, by a non-loopback name or through a proxy",
+    "401": f"missing or wrong {API_KEY_HEADER} header (once keys are in use)",
+    "403": "a key without the role this needs, a cross-origin browser write, or a keyless "
+           "server reached from beyond this machine, by a non-loopback name or through a proxy",
+}
+_KEYED_ERRORS = {
+    "401": f"missing or wrong {API_KEY_HEADER} header: a private collection, or a bad key",
+    "403": "a key without the role this needs",
 }
 _BODY_ERRORS = {
     "400": "malformed body (multipart or JSON that cannot be parsed)",
@@ -213,8 +217,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             _describe_multipart_as_sent(schema, operation)
             responses = operation.setdefault("responses", {})
             extra = dict(_COMMON_ERRORS)
+            if need(method, path) is not None:
+                extra.update(_KEYED_ERRORS)
             if is_write(method, path):
                 extra.update(_WRITE_ERRORS)
+            if path.startswith(COLLECTION_PREFIX):
+                extra["404"] = "no such collection (or no such item in it)"
             if "requestBody" in operation:
                 extra.update(_BODY_ERRORS)
             if "parameters" in operation or "requestBody" in operation:
