@@ -55,8 +55,10 @@ def check_revision_known(config: Any, revision: str) -> None:
 
 
 def copy_tables(source: Connection, target: Connection) -> dict[str, int]:
-    """Copy every table (but ``alembic_version``) from ``source`` into the same, empty tables
-    of ``target``, in foreign-key order, page by page; timestamps are carried in UTC.
+    """Copy every table (but ``alembic_version``) from ``source`` into the same tables of
+    ``target``, in foreign-key order, page by page; timestamps are carried in UTC. ``target``
+    is freshly migrated: the rows its migrations put there (the ``default`` collection) are
+    replaced by the snapshot's.
 
     Returns:
         table -> rows copied.
@@ -80,6 +82,8 @@ def copy_tables(source: Connection, target: Connection) -> dict[str, int]:
         result = source.execution_options(yield_per=_COPY_PAGE).execute(
             select(src).order_by(*order))
         total = 0
+        # Nothing refers to a seeded row yet: the tables that would come later in this order.
+        target.execute(table.delete())
         for page in result.mappings().partitions(_COPY_PAGE):
             rows = [dict(row) for row in page]
             for row in rows:
