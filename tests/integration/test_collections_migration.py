@@ -1,0 +1,98 @@
+"""Migration 0007 on a populated gallery, both ways, on both databases.
+
+A gallery filled by today's code (items with vectors, deletes, a query set, a second version,
+a calibration) plus a second collection is downgraded to 0006, the single-gallery schema:
+the default gallery's rows all stay, the other collection's go, and no foreign key points
+nowhere. Upgraded again, that single-gallery database becomes ``default`` with every item
+still found by search (each live item's own vector finds it first) and nothing else
+changed."""
+
+from __future__ import annotations
+
+import numpy as np
+from sqlalchemy import inspect, text
+
+from imgret.index import collections, store, versions
+from imgret.index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
+from imgret.index.media import MediaStore, sha256_hex
+from imgret.index.search import Searcher
+
+COUNTED = ("gallery_items", "embeddings", "gallery_changes", "model_versions",
+           "model_activations", "query_sets", "query_items", "query_embeddings",
+           "model_checkpoints")
+
+
+def _counts(engine) -> dict[str, int]:
+    with engine.connect() as connection:
+        return {t: connection.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
+                for t in COUNTED}
+
+
+def _fill(sessions, media: MediaStore, n: int, label: str, seed: int,
+          query_set: str | None = None) -> list[int]:
+    rows, vectors = [], np.random.default_rng(seed).normal(size=(n, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    for i in range(n):
+        blob = f"{label}-{i}".encode()
+        rows.append(store.NewRow(sha256_hex(blob), media.put(blob), "image/png",
+                                 f"{label}{i % 5}"))
+    with sessions.begin() as session:
+        version = store.active_model_version(session=session)
+        qs = store.get_or_create_query_set(query_set, session=session) if query_set else None
+        return store.insert_items(rows, vectors, session=session, model_version=version,
+                                  query_set=qs)
+
+
+def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
+    db_url: str, tmp_path, tiny_checkpoint
+) -> None:
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    default = make_sessionmaker(engine)
+    media = MediaStore(tmp_path / "media")
+    versions.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
+    ids = _fill(default, media, 60, "a", 0)
+    _fill(default, media, 8, "q", 1, query_set="queries")
+    with default.begin() as session:
+        store.delete_items(ids[:5], session=session)
+    live = ids[5:]
+    shop = make_sessionmaker(engine, collections.create("shop", session_factory=default).id)
+    _fill(shop, media, 30, "s", 2, query_set="shop-queries")
+    with_shop = _counts(engine)
+    engine.dispose()
+
+    # Down: one gallery, the default one's rows exactly.
+    downgrade(db_url, "0006")
+    engine = make_engine(db_url)
+    single = _counts(engine)
+    assert with_shop["gallery_items"] == 90 and with_shop["model_versions"] == 2
+    assert single == {"gallery_items": 60, "embeddings": 55,
+                      "gallery_changes": 65, "model_versions": 1, "model_activations": 1,
+                      "query_sets": 1, "query_items": 8, "query_embeddings": 8,
+                      "model_checkpoints": 1}
+    with engine.connect() as connection:
+        assert "collection_id" not in {
+            c["name"] for c in inspect(connection).get_columns("gallery_items")}
+        if engine.dialect.name == "sqlite":
+            assert connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall() == []
+    engine.dispose()
+
+    # Up: the single gallery becomes ``default``, every row kept, every live item found.
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    assert _counts(engine) == single
+    default = make_sessionmaker(engine)
+    assert [c.name for c in collections.describe(session_factory=default)] == ["default"]
+    with default() as session:
+        assert [i.id for i in store.list_items(session=session, limit=100)[0]] == live
+        version = store.active_model_version(session=session)
+        page = store.fetch_vectors(live, session=session, model_version=version)
+        items, _ = store.load_query_set("queries", session=session, model_version=version)
+        assert len(items) == 8
+    searcher = Searcher.open(default, tmp_path / "indexes", "Flat", version.version)
+    hits = searcher.search(page.vectors, k=1)
+    assert [h[0].id for h in hits] == [int(i) for i in page.ids] == live
+    # Writes work in the migrated gallery, and a collection can be added again.
+    assert len(_fill(default, media, 3, "new", 3)) == 3
+    assert collections.create("shop", session_factory=default).items == 0
+    engine.dispose()
