@@ -57,7 +57,8 @@ def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
         store.delete_items(ids[:5], session=session)
     live = ids[5:]
     shop = make_sessionmaker(engine, collections.create("shop", session_factory=default).id)
-    _fill(shop, media, 30, "s", 2, query_set="shop-queries")
+    _fill(shop, media, 30, "s", 2)
+    _fill(shop, media, 4, "sq", 4, query_set="shop-queries")
     with_shop = _counts(engine)
     engine.dispose()
 
