@@ -46,6 +46,34 @@ def _partial_indexes(scoped: bool) -> list[tuple[str, str, list[str], str]]:
     ]
 
 
+def _sqlite_sequences() -> dict[str, int]:
+    """SQLite's AUTOINCREMENT positions: a rebuilt table's restarts at its largest id, which
+    would hand out again the ids of rows deleted at the top (ids are never reused)."""
+    bind = op.get_bind()
+    if bind.dialect.name != "sqlite":
+        return {}
+    return dict(bind.execute(sa.text("SELECT name, seq FROM sqlite_sequence")).all())
+
+
+def _restore_sequences(before: dict[str, int]) -> None:
+    bind = op.get_bind()
+    for name, seq in before.items():
+        now = bind.execute(sa.text("SELECT seq FROM sqlite_sequence WHERE name = :n"),
+                           {"n": name}).scalar()
+        if now is None:
+            bind.execute(sa.text("INSERT INTO sqlite_sequence (name, seq) VALUES (:n, :s)"),
+                         {"n": name, "s": seq})
+        elif now < seq:
+            bind.execute(sa.text("UPDATE sqlite_sequence SET seq = :s WHERE name = :n"),
+                         {"n": name, "s": seq})
+
+
+def _batch(table: str):
+    # The rebuilt table keeps AUTOINCREMENT (every scoped table has it; batch mode would
+    # otherwise drop it and ids could be reused).
+    return op.batch_alter_table(table, table_kwargs={"sqlite_autoincrement": True})
+
+
 def _create_partial(name: str, table: str, columns: list[str], where: str) -> None:
     op.create_index(name, table, columns, unique=True, sqlite_where=sa.text(where),
                     postgresql_where=sa.text(where))
@@ -69,8 +97,9 @@ def upgrade() -> None:
         op.execute(sa.text("SELECT setval(pg_get_serial_sequence('collections', 'id'), 1)"))
     for name, table, _columns, _where in _partial_indexes(scoped=False):
         op.drop_index(name, table_name=table)
+    sequences = _sqlite_sequences()
     for table in _SCOPED:
-        with op.batch_alter_table(table) as batch:
+        with _batch(table) as batch:
             # The server default fills the existing rows; it goes again below, so an insert
             # that forgets its collection fails instead of landing in ``default``.
             batch.add_column(sa.Column("collection_id", sa.Integer(), nullable=False,
@@ -82,8 +111,9 @@ def upgrade() -> None:
             for constraint_table, constraint, _ in _UNIQUE_BEFORE:
                 if constraint_table == table:
                     batch.drop_constraint(constraint, type_="unique")
-        with op.batch_alter_table(table) as batch:
+        with _batch(table) as batch:
             batch.alter_column("collection_id", server_default=None)
+    _restore_sequences(sequences)
     for table, name, columns in _UNIQUE_AFTER:
         op.create_index(name, table, columns, unique=True)
     for name, table, columns, where in _partial_indexes(scoped=True):
@@ -116,8 +146,9 @@ def downgrade() -> None:
         op.drop_index(name, table_name=table)
     for table, name, _columns in _UNIQUE_AFTER:
         op.drop_index(name, table_name=table)
+    sequences = _sqlite_sequences()
     for table in _SCOPED:
-        with op.batch_alter_table(table) as batch:
+        with _batch(table) as batch:
             batch.drop_index(op.f(f"ix_{table}_collection_id"))
             batch.drop_constraint(op.f(f"fk_{table}_collection_id_collections"),
                                   type_="foreignkey")
@@ -125,6 +156,7 @@ def downgrade() -> None:
             for constraint_table, constraint, columns in _UNIQUE_BEFORE:
                 if constraint_table == table:
                     batch.create_unique_constraint(constraint, columns)
+    _restore_sequences(sequences)
     for name, table, columns, where in _partial_indexes(scoped=False):
         _create_partial(name, table, columns, where)
     op.drop_table("collections")
