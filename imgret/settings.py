@@ -35,9 +35,10 @@ class Settings(BaseSettings):
     model: Path | None = Field(None, description="checkpoint: a run directory or its model.pt")
     # The CLI's `--collection`: which collection the gallery, model and evaluation commands
     # work in. The service serves every collection (its routes name one).
-    collection: str = Field(
-        "default", min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
-        description="the collection CLI commands work in",
+    # Unset: the default collection, and every collection for `imgret backup`.
+    collection: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        description="the collection CLI commands work in (default: default; backups: all)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # What runs the network on the CPU (imgret.embedder.Embedder): eager PyTorch, or ONNX

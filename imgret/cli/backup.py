@@ -30,6 +30,7 @@ def register(app: typer.Typer, **_groups: typer.Typer) -> None:
     ) -> None:
         """Back up the database, the media files it refers to, the model checkpoints and the
         indexes, consistently, while the service keeps serving (writes pause for milliseconds).
+        Every collection, or with --collection NAME that one alone (and an empty default).
 
         Refused, with nothing written, when the volume would keep less than
         IMGRET_BACKUP_FREE_MARGIN_BYTES free."""

@@ -48,7 +48,7 @@ def open_gallery(settings: Settings) -> Iterator[sessionmaker[Session]]:
     engine = make_engine(settings.db_url)
     try:
         sessions = make_sessionmaker(engine)
-        if settings.collection != DEFAULT_COLLECTION:
+        if settings.collection not in (None, DEFAULT_COLLECTION):
             with sessions() as session:
                 collection_id = collections.get(settings.collection, session=session).id
             sessions = make_sessionmaker(engine, collection_id)

@@ -47,8 +47,14 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
                   ) -> BackupReport:
     """Back up the gallery of ``settings`` into the new folder ``dest`` while it is served.
 
+    Every collection, or only ``settings.collection`` when it is set (``imgret backup DEST
+    --collection NAME``): the snapshot is then pruned to that collection (and an empty
+    ``default``, see :meth:`Snapshot.keep_only`), holds only its images, and no index files
+    (another collection's would ride along; a restored one rebuilds them from SQL).
+
     Args:
-        settings: the database (``IMGRET_DATABASE_URL``) and data dir in force.
+        settings: the database (``IMGRET_DATABASE_URL``), the data dir and the collection in
+            force.
         dest: a folder that does not exist yet (its parent is created).
         on_phase: called with ``"pinned"`` (snapshot taken, writers released),
             ``"database"``, ``"media"``, ``"models"``, ``"indexes"``, ``"done"``.
@@ -85,6 +91,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
             # Pinned: a consistent snapshot, and every file it refers to hard-linked.
             phase("pinned")
             snap.write_sqlite(temp / DATABASE_FILE)
+        if settings.collection is not None:
+            snap.keep_only(temp / DATABASE_FILE, settings.collection)
         clear_personal_leftovers(temp / DATABASE_FILE)
         phase("database")
         check_media(snap, pinned)
@@ -112,7 +120,8 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
                 )
             files[rel] = {"sha256": digest, "size": size}
         phase("models")
-        indexes = backup_indexes(snap, data_dir, temp, settings)
+        indexes = ([] if settings.collection is not None
+                   else backup_indexes(snap, data_dir, temp, settings))
         phase("indexes")
         for path in sorted((temp / INDEXES_DIR).rglob("*")) + [temp / DATABASE_FILE]:
             if path.is_file():

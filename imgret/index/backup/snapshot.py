@@ -39,6 +39,7 @@ from imgret.index.backup.errors import BackupError
 from imgret.index.backup.layout import MODELS_DIR
 from imgret.index.backup.pins import Pins
 from imgret.index.backup.tables import carry_pg_sequences, copy_tables, migrate_to
+from imgret.index.collections import CollectionNotFound
 from imgret.index.db import make_sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,50 @@ class Snapshot:
                 self.checkpoints[version] = sha
             if active:
                 self.active = version
+
+    def keep_only(self, path: Path, collection: str) -> None:
+        """Prune the snapshot file at ``path`` to one collection, and read its facts again
+        from it: the other collections go with everything they own (the database cascades),
+        ``default`` stays as an empty shell when it is not the one kept (a restored database
+        needs it), keys keep only if they hold a role on the kept collection, image blobs
+        only if a kept row refers to them. SQLite's secure delete and a VACUUM leave no trace
+        of what was pruned in the file.
+
+        Raises:
+            CollectionNotFound: no collection of that name in the snapshot.
+        """
+        connection = sqlite3.connect(path)
+        try:
+            found = connection.execute("SELECT id FROM collections WHERE name = ?",
+                                       (collection,)).fetchone()
+            if found is None:
+                raise CollectionNotFound(f"no collection named {collection!r} to back up")
+            kept = int(found[0])
+            connection.execute("PRAGMA foreign_keys = ON")
+            connection.execute("PRAGMA secure_delete = ON")
+            with connection:
+                connection.execute("DELETE FROM collections WHERE id NOT IN (1, ?)", (kept,))
+                if kept != 1:
+                    for table in ("gallery_items", "query_sets"):
+                        connection.execute(f"DELETE FROM {table} WHERE collection_id = 1")
+                connection.execute("DELETE FROM api_keys WHERE id NOT IN (SELECT key_id FROM "
+                                   "api_key_roles WHERE collection_id = ?)", (kept,))
+                if connection.execute(BLOBS_TABLE_SQL["sqlite"]).fetchone()[0]:
+                    connection.execute(
+                        "DELETE FROM media_blobs WHERE sha256 NOT IN (SELECT sha256 FROM "
+                        "gallery_items UNION SELECT sha256 FROM query_items)")
+            connection.execute("VACUUM")
+            pruned = Snapshot("sqlite", self.url, connection)
+            pruned.read_facts()
+            active = connection.execute(
+                "SELECT version FROM model_versions WHERE is_active AND collection_id = ?",
+                (kept,)).fetchone()
+        finally:
+            connection.close()
+        for name in ("change_seq", "gallery_items", "query_items", "media", "checkpoints",
+                     "versions"):
+            setattr(self, name, getattr(pruned, name))
+        self.active = active[0] if active else None
 
     def write_sqlite(self, path: Path) -> None:
         """The snapshot as an imgret SQLite database at :attr:`revision`."""

@@ -52,6 +52,10 @@ class BackupRequest(BaseModel):
         description=f"folder name under <data_dir>/{ADMIN_BACKUPS_DIR}/: 1-100 letters, "
                     "digits, '.', '_' or '-', starting with a letter or digit",
     )
+    collection: str | None = Field(
+        None, min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        description="back up this collection alone (default: every collection)",
+    )
 
 
 @pydantic_dataclass(frozen=True)
@@ -71,9 +75,12 @@ class BackupCreated(BackupReport):
 def create_admin_backup(
     resources: ResourcesDep, request: Annotated[BackupRequest | None, Body()] = None,
 ) -> BackupCreated:
-    """Back up the gallery consistently while serving, into ``<data_dir>/backups/<name>``;
-    restore it with `imgret restore` (into an empty data dir and database)."""
-    settings = resources.settings
+    """Back up the gallery consistently while serving, into ``<data_dir>/backups/<name>``:
+    every collection, or ``collection`` alone (with an empty ``default``); restore it with
+    `imgret restore` (into an empty data dir and database)."""
+    # The server's own IMGRET_COLLECTION (if any) never narrows a backup: the request does.
+    settings = resources.settings.model_copy(
+        update={"collection": request.collection if request else None})
     dest = admin_backup_path(settings, request.name if request else None)
     if not _RUNNING.acquire(blocking=False):
         raise HTTPException(status.HTTP_409_CONFLICT,
