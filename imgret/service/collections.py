@@ -22,8 +22,10 @@ to several collections is one model in memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import anyio.to_thread
 
@@ -52,6 +54,7 @@ class CollectionRegistry:
         self._open: dict[str, Resources] = {}
         self._followers: dict[str, asyncio.Task[None]] = {}
         self._used: dict[str, float] = {}  # name -> time.monotonic() of its last request
+        self._held: dict[str, int] = {}  # name -> requests holding it now
         self._opening = asyncio.Lock()
         settings = default.settings
         self.max_open = settings.max_open_collections
@@ -82,8 +85,7 @@ class CollectionRegistry:
         async with self._opening:
             opened = self._open.get(name)
             if opened is None:
-                while len(self._open) >= self.max_open:
-                    await self.close(min(self._open, key=lambda n: self._used.get(n, 0.0)))
+                await self._make_room()
                 opened = await anyio.to_thread.run_sync(
                     in_own_thread, load_collection, self.default, collection_id, name,
                     self._shared_model)
@@ -109,7 +111,8 @@ class CollectionRegistry:
     async def close_idle(self) -> list[str]:
         """Close the collections unused for ``idle_s``; returns their names."""
         now = time.monotonic()
-        idle = [n for n in self._open if now - self._used.get(n, now) >= self.idle_s]
+        idle = [n for n, r in self._open.items()
+                if now - self._used.get(n, now) >= self.idle_s and self._idle(n, r)]
         for name in idle:
             await self.close(name)
             logger.info("closed collection %s: unused for %.0f s", name, self.idle_s)
@@ -120,6 +123,33 @@ class CollectionRegistry:
         while True:
             await asyncio.sleep(max(0.05, self.idle_s / 10))
             await self.close_idle()
+
+    @contextlib.contextmanager
+    def holding(self, name: str) -> Iterator[None]:
+        """Mark collection ``name`` in use by a request while the block runs."""
+        self._held[name] = self._held.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._held[name] -= 1
+            if not self._held[name]:
+                del self._held[name]
+
+    def _idle(self, name: str, resources: Resources) -> bool:
+        return not self._held.get(name) and not resources.search_busy()
+
+    async def _make_room(self) -> None:
+        """Close the least recently used collections until one more fits, skipping those a
+        request holds or whose searches are queued or running (closing one would fail them);
+        when every open one is busy the bound is exceeded for a moment rather than a request
+        failed."""
+        while len(self._open) >= self.max_open:
+            idle = [n for n, r in self._open.items() if self._idle(n, r)]
+            if not idle:
+                logger.warning("every open collection is busy: %d open, bound %d",
+                               len(self._open), self.max_open)
+                return
+            await self.close(min(idle, key=lambda n: self._used.get(n, 0.0)))
 
     def _lookup(self, name: str) -> int | None:
         with self.default.sessions() as session:

@@ -8,7 +8,7 @@ more than the work itself (they delay every request of a batch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, Security, status
@@ -22,19 +22,25 @@ from imgret.service.resources import Resources
 from imgret.settings import Settings
 
 
-async def get_resources(request: Request) -> Resources:
+async def get_resources(request: Request) -> AsyncIterator[Resources]:
     """The resources of the request's collection (model, index, sessions, batcher): the
     default one's, loaded by the lifespan, or those of ``/collections/{collection}/...``
-    (:class:`imgret.service.collections.CollectionRegistry`; 404 for an unknown name)."""
+    (:class:`imgret.service.collections.CollectionRegistry`; 404 for an unknown name), held
+    open until the response is sent (an idle collection is closed only when no request
+    holds it)."""
     name = request.path_params.get("collection")
     if name is None:
-        return request.app.state.resources
+        yield request.app.state.resources
+        return
     try:
         # Dependencies run before FastAPI reports the path's own validation errors.
         collections.check_name(name)
     except ValueError as exc:
         raise InvalidRequest(f"collection: {exc}") from None
-    return await request.app.state.collections.resources(name)
+    registry = request.app.state.collections
+    resources = await registry.resources(name)
+    with registry.holding(name):
+        yield resources
 
 
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
