@@ -29,6 +29,7 @@ from imgret.errors import GalleryError
 from imgret.index import store
 from imgret.index.models import (
     Embedding,
+    GalleryChange,
     GalleryItem,
     ModelActivation,
     ModelCalibration,
@@ -38,6 +39,7 @@ from imgret.index.models import (
     QueryItem,
     utcnow,
 )
+from imgret.index.scope import ALL_COLLECTIONS
 
 # A running job whose heartbeat is older than this was interrupted (crash, kill).
 HEARTBEAT_STALE_S = 30.0
@@ -167,6 +169,35 @@ def served_state(*, session: Session) -> tuple[str | None, int | None]:
     newest = session.scalar(select(func.max(ModelCalibration.id))
                             .where(ModelCalibration.model_version_id == active.id))
     return active.version, newest
+
+
+def served_states(*, session: Session) -> dict[int, tuple[str, int | None]]:
+    """:func:`served_state` of every collection at once: collection id -> (active version,
+    id of its newest calibration); one statement (the shared follower asks every interval)."""
+    newest = (select(func.max(ModelCalibration.id))
+              .where(ModelCalibration.model_version_id == ModelVersion.id)
+              .scalar_subquery())
+    rows = session.execute(
+        select(ModelVersion.collection_id, ModelVersion.version, newest)
+        .where(ModelVersion.is_active).execution_options(**{ALL_COLLECTIONS: True}))
+    return {int(c): (v, n) for c, v, n in rows}
+
+
+def newest_change_seq(*, session: Session) -> int:
+    """The newest change-log sequence number of any collection (0 for an empty log)."""
+    return int(session.scalar(select(func.max(GalleryChange.seq))
+                              .execution_options(**{ALL_COLLECTIONS: True})) or 0)
+
+
+def collections_changed_after(seq: int, *, session: Session) -> tuple[dict[int, int], int]:
+    """The collections with change-log rows after ``seq`` (id -> their newest seq), and the
+    newest seq of all (``seq`` when none)."""
+    rows = session.execute(
+        select(GalleryChange.collection_id, func.max(GalleryChange.seq))
+        .where(GalleryChange.seq > seq).group_by(GalleryChange.collection_id)
+        .execution_options(**{ALL_COLLECTIONS: True})).all()
+    changed = {int(c): int(s) for c, s in rows}
+    return changed, max(changed.values(), default=seq)
 
 
 # --------------------------------------------------------------------------- activations

@@ -145,12 +145,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     key_follower = asyncio.create_task(app.state.keyring.follow(settings.follow_interval_s),
                                        name="follow-api-keys")
     reaper = asyncio.create_task(app.state.collections.reap(), name="close-idle-collections")
+    collections_follower = asyncio.create_task(app.state.collections.follow(),
+                                               name="follow-collections")
     try:
         # Started: what exists now lives as long as the app; full collections under load
         # stopped every request for ~200 ms scanning it (imgret.process).
         with frozen_long_lived():
             yield
     finally:
+        await cancel_and_wait(collections_follower)
         await cancel_and_wait(reaper)
         await app.state.collections.close_all()
         await cancel_and_wait(key_follower)

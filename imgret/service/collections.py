@@ -3,8 +3,8 @@
 The default collection is loaded at start-up (:func:`imgret.service.resources.load_resources`)
 and its routes are today's (``/search``, ``/gallery``, ...). Every other collection is served
 under ``/collections/{name}/...`` by the same routers: the request's resources are the
-collection's, opened on its first request (model, index, batcher, a follower that polls its
-change log).
+collection's, opened on its first request (model, index, batcher), and kept up to date by
+one shared follower (:meth:`CollectionRegistry.follow`).
 
 Memory is planned per collection: an open collection holds its index (``size x dim x 4``
 bytes of vectors, reported by ``GET /collections/{name}``); at most
@@ -30,12 +30,11 @@ from collections.abc import Iterator
 import anyio.to_thread
 
 from imgret.embedder import Embedder
-from imgret.index import collections
+from imgret.index import collections, version_store
 from imgret.index.collections import CollectionNotFound
 from imgret.index.models import DEFAULT_COLLECTION
 from imgret.process import in_own_thread
-from imgret.service.resources import Resources, follow_changes, load_collection
-from imgret.service.tasks import cancel_and_wait
+from imgret.service.resources import Resources, catch_up_once, load_collection
 from imgret.service.version_cache import index_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,6 @@ class CollectionRegistry:
     def __init__(self, default: Resources):
         self.default = default
         self._open: dict[str, Resources] = {}
-        self._followers: dict[str, asyncio.Task[None]] = {}
         self._used: dict[str, float] = {}  # name -> time.monotonic() of its last request
         self._held: dict[str, int] = {}  # name -> requests holding it now
         self._opening = asyncio.Lock()
@@ -91,8 +89,6 @@ class CollectionRegistry:
                     self._shared_model)
                 await opened.batcher.start()
                 self._open[name] = opened
-                self._followers[name] = asyncio.create_task(
-                    follow_changes(opened), name=f"follow-collection-{name}")
                 logger.info("opened collection %s (%d vectors of %s)", name,
                             opened.searcher.size, opened.serving.version)
             self._used[name] = time.monotonic()
@@ -168,13 +164,48 @@ class CollectionRegistry:
         not open. The next request opens it again from SQL."""
         opened = self._open.pop(name, None)
         self._used.pop(name, None)
-        follower = self._followers.pop(name, None)
-        if follower is not None:
-            await cancel_and_wait(follower)
         if opened is not None:
             await opened.batcher.stop()
             if opened.jobs is not None:
                 await anyio.to_thread.run_sync(opened.jobs.stop)
+
+    async def follow(self, interval_s: float | None = None) -> None:
+        """Keep every open collection up to date with what other processes commit, until
+        cancelled: one poll for all of them every ``interval_s`` (the follower interval) asks
+        which collections have new change-log rows and what each serves (version and
+        calibration), and only those that changed catch up. A hundred open collections cost
+        two small queries a second, not two hundred."""
+        interval_s = interval_s or self.default.settings.follow_interval_s
+        sessions = self.default.sessions
+        seq = await anyio.to_thread.run_sync(self._newest_seq)
+        while True:
+            await asyncio.sleep(interval_s)
+            if not self._open:
+                continue
+            try:
+                changed, newest, served = await anyio.to_thread.run_sync(
+                    self._poll, sessions, seq)
+            except Exception:  # noqa: BLE001 - retried at the next interval
+                logger.exception("could not poll the collections' changes")
+                continue
+            for opened in list(self._open.values()):
+                version = opened.serving.version
+                calibration = opened.serving.calibration
+                state = (version, calibration.id if calibration is not None else None)
+                if (opened.collection_id in changed
+                        or served.get(opened.collection_id, state) != state):
+                    await catch_up_once(opened)
+            seq = newest
+
+    def _newest_seq(self) -> int:
+        with self.default.sessions() as session:
+            return version_store.newest_change_seq(session=session)
+
+    @staticmethod
+    def _poll(sessions, seq: int) -> tuple[dict[int, int], int, dict]:
+        with sessions() as session:
+            changed, newest = version_store.collections_changed_after(seq, session=session)
+            return changed, newest, version_store.served_states(session=session)
 
     async def close_all(self) -> None:
         for name in list(self._open):

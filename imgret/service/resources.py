@@ -491,17 +491,7 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
         )
         resources.metrics.publish_gauges()
 
-    def catch_up() -> int:
-        # A switch made by another process first (loads that version's model and index),
-        # then the served index's changes, even when the switch failed (a missing
-        # checkpoint): the failure is reported, and /health turns degraded if it lasts.
-        try:
-            resources.follow_active()
-        except Exception:
-            resources.searcher.refresh_from_changes()
-            raise
-        return resources.searcher.refresh_from_changes()
-
+    catch_up = catch_up_with(resources)
     wake = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -526,6 +516,28 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     finally:
         if listener is not None:
             await anyio.to_thread.run_sync(listener.stop)
+
+
+def catch_up_with(resources: Resources) -> Callable[[], int]:
+    """One catch-up of ``resources`` with the database (run on a worker thread): a switch
+    made by another process first (loads that version's model and index), then the served
+    index's changes, even when the switch failed (a missing checkpoint): the failure is
+    reported, and /health turns degraded if it lasts. Returns the change rows applied."""
+
+    def catch_up() -> int:
+        try:
+            resources.follow_active()
+        except Exception:
+            resources.searcher.refresh_from_changes()
+            raise
+        return resources.searcher.refresh_from_changes()
+
+    return catch_up
+
+
+async def catch_up_once(resources: Resources) -> None:
+    """:func:`catch_up_with` once, on a worker thread; a failure is counted and logged."""
+    await _catch_up_once(resources, catch_up_with(resources))
 
 
 async def sleep_until_woken(wake: asyncio.Event, timeout_s: float) -> None:

@@ -93,12 +93,17 @@ class Client:
         response = self.http.post(f"{url}{_prefix(collection)}/gallery", files=files,
                                   data={"labels": [f"{collection}:{c}" for c, _ in picks]})
         if response.status_code == 409:
-            return  # the same bytes are live in this collection already
+            return  # a concurrent upload of the same bytes: the API asks for a retry
         if self._ok(response, f"add {collection}", (201,)):
+            body = response.json()
             with self.ledger.lock:
-                for item_id, pick in zip(response.json()["ids"], picks, strict=True):
+                for item_id, created, pick in zip(body["ids"], body["created"], picks,
+                                                  strict=True):
                     self.ledger.owner[item_id] = collection
-                    self.ledger.live[collection][item_id] = pick
+                    # An "existing" answer names a live item another client owns (and may
+                    # be deleting): only the creator tracks it.
+                    if created:
+                        self.ledger.live[collection][item_id] = pick
 
     def search(self, url: str, collection: str) -> None:
         c, i = self.rng.choice(POOL)
