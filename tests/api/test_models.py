@@ -351,3 +351,37 @@ def test_a_deleted_version_is_gone_from_the_database_disk_and_this_process(
         assert again["version"] == version_b and again["coverage"]["embedded"] == 0
         assert again["index"]["state"] == "missing"
         assert client.post(f"/models/{version_b}/activate").status_code == 409
+
+
+def test_a_collection_switches_its_version_and_leaves_the_others(make_client,
+                                                                 other_checkpoint: Path) -> None:
+    """Register, re-embed and activate a second version in one collection: its searches use
+    the new version; the default collection keeps serving its own, with the same name
+    registered nowhere else."""
+    with make_client(embed_duty=1.0) as client:
+        add_gallery(client, classes=2, per_class=3)
+        a = client.get("/health").json()["model_version"]
+        assert client.post("/collections", json={"name": "shop"}).status_code == 201
+        shop = "/collections/shop"
+        files = [("images", (f"{i}.png", png(3, i), "image/png")) for i in range(4)]
+        assert client.post(f"{shop}/gallery", files=files,
+                           data={"labels": ["s"] * 4}).status_code == 201
+        registered = client.post(f"{shop}/models", json={"path": str(other_checkpoint)})
+        assert registered.status_code == 201, registered.text
+        b = registered.json()["version"]
+        assert client.post(f"{shop}/models/{b}/embed").status_code == 202
+        deadline = time.monotonic() + 60
+        info = client.get(f"{shop}/models/{b}").json()
+        while info["embedding"]["state"] != "done" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            info = client.get(f"{shop}/models/{b}").json()
+        assert info["coverage"] == {"embedded": 4, "live": 4, "fraction": 1.0, "complete": True}
+        switched = client.post(f"{shop}/models/{b}/activate")
+        assert switched.status_code == 200, switched.text
+        found = client.post(f"{shop}/search", files={"image": ("q.png", png(3, 0),
+                                                               "image/png")}).json()
+        assert found["model_version"] == b and len(found["results"]) == 4
+        assert search(client, png(0, 0)).json()["model_version"] == a
+        assert [m["version"] for m in client.get("/models").json()["models"]] == [a]
+        assert client.get(f"/models/{b}").status_code == 404
+        assert client.get("/collections/shop").json()["active_version"] == b
