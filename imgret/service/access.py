@@ -4,7 +4,7 @@ against.
 :func:`need` reads the role a request needs from its method and path alone (no body, no
 route table), so the guard middleware decides before a byte of the body is read, and the
 role × route table in ``docs/api.md`` is generated from the app's routes through the same
-function (``python -m imgret.service.access``; a test walks it).
+function (``python tools/role_table.py``; a test walks it).
 
 - Public: ``/health``, the web page, ``/static``, the OpenAPI docs. ``GET /collections``
   answers anyone, listing what the caller may read.
@@ -35,7 +35,6 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -254,13 +253,3 @@ def markdown_table(openapi: dict) -> str:
     lines = ["| method | path | who may call it |", "|---|---|---|"]
     lines += [f"| {m} | `{p}` | {who} |" for m, p, who in route_table(openapi)]
     return "\n".join(lines) + "\n"
-
-
-def main(print_: Callable[[str], None] = print) -> None:
-    from imgret.service.app import create_app
-
-    print_(markdown_table(create_app().openapi()))
-
-
-if __name__ == "__main__":
-    main()

@@ -132,7 +132,7 @@ def test_the_docs_show_the_table_the_app_generates(local_client: TestClient) -> 
     text_ = DOC.read_text()
     shown = text_.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
     assert shown == markdown_table(local_client.app.openapi()).strip(), (
-        "docs/api.md is out of date: regenerate it with python -m imgret.service.access")
+        "docs/api.md is out of date: regenerate it with python tools/role_table.py")
 
 
 @pytest.mark.parametrize("body", [
