@@ -240,16 +240,22 @@ def migrate_media(settings: Settings, to: str, *, progress: bool = True) -> Medi
         )
 
 
+def _default_gallery(settings: Settings):
+    """:func:`open_gallery` on ``default`` whatever ``--collection`` says: collections and
+    keys belong to no collection, and are managed from there."""
+    return open_gallery(settings.model_copy(update={"collection": None}))
+
+
 def list_collections(settings: Settings) -> list[collections.CollectionInfo]:
     """`imgret collections list`: every collection with its size and served version."""
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return collections.describe(session_factory=sessions)
 
 
 def create_collection(settings: Settings, name: str, *, version: str | None = None,
                       public: bool = True) -> collections.CollectionInfo:
     """`imgret collections create NAME`: the twin of ``POST /collections``."""
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return collections.create(name, session_factory=sessions, version=version,
                                   public=public)
 
@@ -259,7 +265,7 @@ def delete_collection(settings: Settings, name: str) -> int:
     how many live items it held."""
     from imgret.index.media_db import open_media_store
 
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return collections.delete(name, session_factory=sessions,
                                   media=open_media_store(settings, sessions),
                                   data_dir=settings.data_dir)
@@ -268,17 +274,17 @@ def delete_collection(settings: Settings, name: str) -> int:
 def create_key(settings: Settings, name: str, *, roles: dict[str, str],
                admin: bool = False) -> tuple[keys.KeyRecord, str]:
     """`imgret keys create`: the twin of ``POST /keys``; returns the record and the key."""
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return keys.create(name, session_factory=sessions, roles=roles, is_admin=admin)
 
 
 def list_keys(settings: Settings) -> list[keys.KeyRecord]:
     """`imgret keys list`: every key, revoked ones included (never a secret)."""
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return list(keys.load(session_factory=sessions).values())
 
 
 def revoke_key(settings: Settings, key_id: int) -> keys.KeyRecord:
     """`imgret keys revoke ID`: the twin of ``DELETE /keys/{id}``."""
-    with open_gallery(settings.model_copy(update={"collection": DEFAULT_COLLECTION})) as sessions:
+    with _default_gallery(settings) as sessions:
         return keys.revoke(key_id, session_factory=sessions)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from imgret.files import file_sha256, fsync_dir
+from imgret.index import collections
 from imgret.index.backup.errors import BackupError, BackupExists
 from imgret.index.backup.files import copy_hashing, make_durable
 from imgret.index.backup.indexes import backup_indexes
@@ -36,7 +37,7 @@ from imgret.index.backup.layout import (
 from imgret.index.backup.pins import PINS_DIR, Pins, remove_dead_pins
 from imgret.index.backup.snapshot import check_media, clear_personal_leftovers, pin_snapshot
 from imgret.index.backup.space import check_free_space, estimate_backup_bytes
-from imgret.index.db import make_engine, safe_url, upgrade_to_head
+from imgret.index.db import make_engine, make_sessionmaker, safe_url, upgrade_to_head
 from imgret.index.media import MediaStore
 from imgret.settings import Settings
 
@@ -82,6 +83,9 @@ def create_backup(settings: Settings, dest: str | Path, *, on_phase: Phase | Non
     upgrade_to_head(settings.db_url)  # a service does this at start; a fresh one just works
     engine = make_engine(settings.db_url)
     try:
+        if settings.collection is not None:
+            with make_sessionmaker(engine)() as session:
+                collections.get(settings.collection, session=session)  # 404 before any work
         check_free_space(dest.parent, estimate_backup_bytes(engine, settings.db_url, data_dir),
                          margin=settings.backup_free_margin_bytes)
         temp.mkdir()

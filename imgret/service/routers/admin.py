@@ -69,6 +69,7 @@ class BackupCreated(BackupReport):
 @router.post(
     "/backup", status_code=status.HTTP_201_CREATED,
     responses={401: {"description": "missing or wrong X-API-Key"},
+               404: {"description": "no such collection"},
                409: {"description": "a backup of that name exists, or one is running"},
                507: {"description": "too little free space for the backup (nothing written)"}},
 )
