@@ -49,8 +49,10 @@ logger = logging.getLogger(__name__)
 GLOBAL = "global admin"
 _PUBLIC_PATHS = ("/health", "/", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
                  "/collections")
-_READ_POSTS = frozenset({"/search", "/search/batch", "/identify", "/evaluate"})
-_SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# POST routes that only read (a query image travels in the body), in any collection.
+READ_ONLY_POSTS = frozenset({"/search", "/search/batch", "/identify"})
+_READ_POSTS = READ_ONLY_POSTS | {"/evaluate"}
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 _IN_COLLECTION = re.compile(r"^/collections/([^/]+)(/.*)?$")
 # KDF checks at once (each takes 16 MiB and tens of milliseconds): a flood of made-up keys
@@ -68,33 +70,38 @@ class Need:
     collection: str | None = None
     anonymous: bool = True
 
-    def __str__(self) -> str:
-        return self.role if self.collection is None else f"{self.role} on {self.collection}"
+
+def split_collection(path: str) -> tuple[str | None, str]:
+    """``(collection, rest)`` of a path under ``/collections/{name}`` (``rest`` is ``""`` for
+    the collection itself), ``(None, path)`` for any other path."""
+    match = _IN_COLLECTION.match(path)
+    if match is None:
+        return None, path
+    return match.group(1), match.group(2) or ""
 
 
 def need(method: str, path: str) -> Need | None:
     """The role a request needs; ``None`` for a public route (see the module docstring)."""
     method = method.upper()
     path = path.rstrip("/") or "/"
-    if path.startswith("/static/") or (method in _SAFE and path in _PUBLIC_PATHS):
+    if path.startswith("/static/") or (method in SAFE_METHODS and path in _PUBLIC_PATHS):
         return None
     if path == "/metrics":
         return Need("read", DEFAULT_COLLECTION)
-    match = _IN_COLLECTION.match(path)
-    if match is None:
+    name, rest = split_collection(path)
+    if name is None:
         if path.startswith(("/keys", "/admin", "/collections")):
             return Need(GLOBAL)
         return _in_collection(method, path, DEFAULT_COLLECTION)
-    name, rest = match.group(1), match.group(2) or ""
     if not rest:  # the collection itself
-        return Need("read", name) if method in _SAFE else Need(GLOBAL)
+        return Need("read", name) if method in SAFE_METHODS else Need(GLOBAL)
     return _in_collection(method, rest, name)
 
 
 def _in_collection(method: str, rest: str, collection: str) -> Need:
     if rest.startswith("/models"):
-        return Need("read" if method in _SAFE else "admin", collection)
-    if method in _SAFE or rest in _READ_POSTS:
+        return Need("read" if method in SAFE_METHODS else "admin", collection)
+    if method in SAFE_METHODS or rest in _READ_POSTS:
         return Need("read", collection, anonymous=rest != "/evaluate")
     return Need("write", collection)
 
@@ -134,7 +141,6 @@ class KeyRing:
         self.bootstrap = bootstrap
         self.keys: dict[int, keys.KeyRecord] = {}
         self.public: dict[str, bool] = {DEFAULT_COLLECTION: True}
-        self.loaded = False
         self._sessions: sessionmaker[Session] | None = None
         self._verified: dict[int, bytes] = {}  # key id -> SHA-256 of the secret checked
         self._lock = threading.Lock()
@@ -162,7 +168,7 @@ class KeyRing:
                 old = self.keys.get(key_id)
                 if old is None or old.digest != record.digest:
                     self._verified.pop(key_id, None)
-            self.keys, self.public, self.loaded = loaded, public, True
+            self.keys, self.public = loaded, public
 
     async def follow(self, interval_s: float) -> None:
         """Refresh every ``interval_s`` until cancelled (errors are logged and retried)."""

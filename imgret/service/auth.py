@@ -52,23 +52,25 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgret.errors import ImgretError
-from imgret.service.access import GLOBAL, Caller, KeyRing, Need, need
+from imgret.service.access import (
+    GLOBAL,
+    READ_ONLY_POSTS,
+    SAFE_METHODS,
+    Caller,
+    KeyRing,
+    Need,
+    need,
+    split_collection,
+)
 from imgret.settings import Settings
 
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-# POST routes that only read (a query image travels in the body).
-READ_ONLY_POSTS = frozenset({"/search", "/search/batch", "/identify"})
 API_KEY_HEADER = "X-API-Key"
-# A collection's routes are the default ones under this prefix (a route template's
-# ``{collection}`` as well as a real name).
-_COLLECTION_PREFIX = re.compile(r"^/collections/[^/]+(?=/)")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -77,7 +79,9 @@ def is_write(method: str, path: str) -> bool:
     the default collection or under ``/collections/{name}``."""
     if method.upper() in SAFE_METHODS:
         return False
-    return (_COLLECTION_PREFIX.sub("", path).rstrip("/") or "/") not in READ_ONLY_POSTS
+    collection, rest = split_collection(path)
+    within = rest if collection is not None and rest else path
+    return (within.rstrip("/") or "/") not in READ_ONLY_POSTS
 
 
 def is_loopback(host: str | None) -> bool:

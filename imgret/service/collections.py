@@ -58,10 +58,6 @@ class CollectionRegistry:
         self.max_open = settings.max_open_collections
         self.idle_s = settings.collection_idle_s
 
-    def names(self) -> list[str]:
-        """The collections open here besides ``default``."""
-        return sorted(self._open)
-
     async def resources(self, name: str) -> Resources:
         """The resources of collection ``name``, opened if needed.
 
