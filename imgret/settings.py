@@ -19,6 +19,11 @@ _DRIVERS = ("sqlite", "postgresql")
 MediaBackendName = Literal["files", "database"]
 MEDIA_BACKENDS: tuple[str, ...] = get_args(MediaBackendName)
 
+# What a collection name may be (imgret.index.collections says why); here because the CLI's
+# IMGRET_COLLECTION is checked by these settings.
+COLLECTION_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+
+
 class Settings(BaseSettings):
     """Everything the service, the CLI and the indexer read from the environment.
 
@@ -37,7 +42,7 @@ class Settings(BaseSettings):
     # work in. The service serves every collection (its routes name one).
     # Unset: the default collection, and every collection for `imgret backup`.
     collection: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        None, min_length=1, max_length=64, pattern=COLLECTION_NAME_PATTERN,
         description="the collection CLI commands work in (default: default; backups: all)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -52,10 +52,11 @@ from imgret.index.models import (
     utcnow,
 )
 from imgret.index.scope import ALL_COLLECTIONS
+from imgret.settings import COLLECTION_NAME_PATTERN
 
 logger = logging.getLogger(__name__)
 
-NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
+NAME_PATTERN = COLLECTION_NAME_PATTERN
 RESERVED_NAMES = frozenset({DEFAULT_COLLECTION, "all"})
 _NAME = re.compile(NAME_PATTERN)
 _EVERY = {ALL_COLLECTIONS: True}

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from imgret.index.evaluation import MIN_EFFECT
+from imgret.index.keys import KEY_NAME_PATTERN
 from imgret.index.open_set import OpenSetRequest
 from imgret.index.search import SearchFilter
 from imgret.index.search.rerank import (
@@ -48,6 +49,7 @@ from imgret.service.request_rules import (
     text_problem,
     validation_message,
 )
+from imgret.settings import COLLECTION_NAME_PATTERN
 
 K_MAX = 1000
 WORST_MAX = 100
@@ -968,7 +970,7 @@ class CollectionCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+    name: str = Field(min_length=1, max_length=64, pattern=COLLECTION_NAME_PATTERN,
                       description=COLLECTION_NAME_RULE + "; not 'default' or 'all'")
     model_version: str | None = Field(
         None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$",
@@ -1020,9 +1022,9 @@ class KeyCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$",
+    name: str = Field(min_length=1, max_length=64, pattern=KEY_NAME_PATTERN,
                       description="who or what holds it (letters, digits, space, . _ @ -)")
-    roles: dict[Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$")],
+    roles: dict[Annotated[str, StringConstraints(pattern=COLLECTION_NAME_PATTERN)],
                 ROLE_NAMES] = Field(
         default_factory=dict, max_length=1000,
         description="collection name -> read, write or admin")

@@ -36,6 +36,7 @@ from imgret.index.backup import (
     prune_backups,
 )
 from imgret.service.deps import ResourcesDep, require_api_key
+from imgret.settings import COLLECTION_NAME_PATTERN
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_api_key)])
 
@@ -53,7 +54,7 @@ class BackupRequest(BaseModel):
                     "digits, '.', '_' or '-', starting with a letter or digit",
     )
     collection: str | None = Field(
-        None, min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]{0,63}$",
+        None, min_length=1, max_length=64, pattern=COLLECTION_NAME_PATTERN,
         description="back up this collection alone (default: every collection)",
     )
 
