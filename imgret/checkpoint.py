@@ -24,8 +24,11 @@ an order where nothing large is allocated before it is known to fit, and every r
    exactly its tensor names and shapes, floating-point dtypes where it has them, and only
    finite values (a NaN or infinite weight makes every embedding NaN, which no index can
    rank, so such a model is refused rather than served).
-7. Only then the real model is built and loaded, and ``model_version`` must be the version
-   its weights and spec hash to.
+7. A quantised version's graph (optional ``quantized``: ``scheme`` and ``graph``, the ONNX
+   bytes as a uint8 tensor) passes :func:`imgret.onnx_graph.graph_problem`: no external
+   data, allowed operators only, the spec's input and output shapes.
+8. Only then the real model is built and loaded, and ``model_version`` must be the version
+   its weights, spec (and graph) hash to.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ MAX_ARCHIVE_ENTRIES = 4096
 MAX_DIRECTORY_BYTES = 1 * MIB
 # The pickle holds tensor names and ``extra`` (config, metrics): a few KB to a few hundred.
 MAX_PICKLE_BYTES = 4 * MIB
-PAYLOAD_KEYS = ("format", "spec", "model_version", "state_dict", "extra")
+PAYLOAD_KEYS = ("format", "spec", "model_version", "state_dict", "extra", "quantized")
+# How a quantised version's own graph was made (:mod:`imgret.quantize`); part of its name.
+QUANT_SCHEMES = ("int8",)
 
 _Mean = Annotated[float, Field(allow_inf_nan=False)]
 _Std = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -126,6 +131,17 @@ class EmbeddingNet(nn.Module):
         return F.normalize(self.head(self.trunk(images)).float(), dim=1)
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """A quantised version's network: an ONNX graph made from the checkpoint's weights
+    (:mod:`imgret.quantize`), run by ONNX Runtime in place of the float network. The float
+    weights stay in the checkpoint: they are what the graph was made from, and what the
+    spec, the weight checks and the lineage of the version rest on."""
+
+    scheme: str
+    graph: bytes
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the model (eval mode, CPU), its spec and version, and the rest."""
@@ -136,12 +152,14 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
     # The full SHA-256 of config + weights (:func:`content_digest`); the version is its prefix.
     digest: str = ""
+    # A quantised version's own graph; None for a float version (the network is the model).
+    quantized: Quantized | None = None
 
 
-def content_digest(model: nn.Module, spec: ModelSpec) -> str:
-    """The full SHA-256 (hex) of the config and the weights: a model's identity. The version
-    name carries only its first 12 digits, so two different models may share a name; the
-    full digest tells them apart."""
+def content_digest(model: nn.Module, spec: ModelSpec, quantized: Quantized | None = None) -> str:
+    """The full SHA-256 (hex) of the config and the weights (and a quantised version's
+    scheme and graph): a model's identity. The version name carries only its first 12
+    digits, so two different models may share a name; the full digest tells them apart."""
     digest = hashlib.sha256(json.dumps(spec.to_dict(), sort_keys=True).encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
@@ -149,17 +167,22 @@ def content_digest(model: nn.Module, spec: ModelSpec) -> str:
         if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16
             tensor = tensor.float()
         digest.update(tensor.numpy().tobytes())
+    if quantized is not None:
+        digest.update(f"quantized:{quantized.scheme}:".encode())
+        digest.update(quantized.graph)
     return digest.hexdigest()
 
 
-def version_name(spec: ModelSpec, digest: str) -> str:
-    """The model version: backbone, dimension and the first 12 digits of the content digest."""
-    return f"{spec.backbone}-d{spec.dim}-{digest[:12]}"
+def version_name(spec: ModelSpec, digest: str, scheme: str | None = None) -> str:
+    """The model version: backbone, dimension, a quantised version's scheme and the first 12
+    digits of the content digest (``resnet18-d128-3f9a…``, ``resnet18-d128-int8-b71c…``)."""
+    return f"{spec.backbone}-d{spec.dim}-{scheme + '-' if scheme else ''}{digest[:12]}"
 
 
-def model_version_of(model: nn.Module, spec: ModelSpec) -> str:
+def model_version_of(model: nn.Module, spec: ModelSpec, quantized: Quantized | None = None) -> str:
     """A content hash of the weights and config: same weights + config, same version."""
-    return version_name(spec, content_digest(model, spec))
+    return version_name(spec, content_digest(model, spec, quantized),
+                        quantized.scheme if quantized else None)
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
@@ -189,17 +212,35 @@ def save_checkpoint(
     if path.is_dir() or path.suffix != ".pt":
         path.mkdir(parents=True, exist_ok=True)
         path = path / CHECKPOINT_FILE
-    version = model_version_of(model, model.spec)
-    state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-    payload = {
+    version, payload = _payload(model, extra, None)
+    write_atomic_with(path, lambda handle: torch.save(payload, handle))
+    return version
+
+
+def checkpoint_bytes(model: EmbeddingNet, extra: dict[str, Any] | None = None,
+                     quantized: Quantized | None = None) -> tuple[str, bytes]:
+    """The version and the bytes :func:`save_checkpoint` would write; with ``quantized``, a
+    quantised version's checkpoint (its graph beside the float weights)."""
+    version, payload = _payload(model, extra, quantized)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return version, buffer.getvalue()
+
+
+def _payload(model: EmbeddingNet, extra: dict[str, Any] | None,
+             quantized: Quantized | None) -> tuple[str, dict[str, Any]]:
+    version = model_version_of(model, model.spec, quantized)
+    payload: dict[str, Any] = {
         "format": FORMAT,
         "spec": model.spec.to_dict(),
         "model_version": version,
-        "state_dict": state,
+        "state_dict": {k: v.detach().to("cpu") for k, v in model.state_dict().items()},
         "extra": extra or {},
     }
-    write_atomic_with(path, lambda handle: torch.save(payload, handle))
-    return version
+    if quantized is not None:
+        graph = torch.frombuffer(bytearray(quantized.graph), dtype=torch.uint8)
+        payload["quantized"] = {"scheme": quantized.scheme, "graph": graph}
+    return version, payload
 
 
 def load_checkpoint(
@@ -253,18 +294,42 @@ def _load(handle: IO[bytes], label: str, max_bytes: int) -> Checkpoint:
     problem = _weights_problem(spec, state, max_bytes)
     if problem:
         raise refuse(problem)
+    quantized = _quantized(payload.get("quantized"), spec, refuse)
     model = EmbeddingNet(spec)
     try:
         model.load_state_dict(state)
     except Exception:  # names, shapes and dtypes are checked: not expected to happen
         raise refuse("weights do not match the config (a tensor's data is corrupt)") from None
     model.eval()
-    digest = content_digest(model, spec)
-    version = version_name(spec, digest)
+    digest = content_digest(model, spec, quantized)
+    version = version_name(spec, digest, quantized.scheme if quantized else None)
     if payload["model_version"] != version:
         raise refuse(f"model_version is not the hash of its weights and config ({version}); "
                      "save it again with imgret.checkpoint.save_checkpoint")
-    return Checkpoint(model, spec, version, payload.get("extra", {}), digest=digest)
+    return Checkpoint(model, spec, version, payload.get("extra", {}), digest=digest,
+                      quantized=quantized)
+
+
+def _quantized(entry: Any, spec: ModelSpec, refuse: Any) -> Quantized | None:
+    """A quantised version's graph, checked (:func:`imgret.onnx_graph.graph_problem`);
+    None when the checkpoint has none."""
+    from imgret.onnx_graph import graph_problem
+
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or set(entry) != {"scheme", "graph"}:
+        raise refuse("quantized should be a dict of exactly scheme and graph")
+    if entry["scheme"] not in QUANT_SCHEMES:
+        raise refuse(f"quantized.scheme must be one of {', '.join(QUANT_SCHEMES)}")
+    graph = entry["graph"]
+    if (not isinstance(graph, torch.Tensor) or graph.dtype != torch.uint8 or graph.dim() != 1
+            or graph.layout != torch.strided or graph.device.type != "cpu"):
+        raise refuse("quantized.graph should be a 1-d uint8 CPU tensor (the ONNX bytes)")
+    data = graph.contiguous().numpy().tobytes()
+    problem = graph_problem(data, image_size=spec.image_size, dim=spec.dim)
+    if problem:
+        raise refuse(f"quantized.graph: {problem}")
+    return Quantized(entry["scheme"], data)
 
 
 def _archive_problem(handle: IO[bytes], max_bytes: int) -> str | None:

@@ -15,7 +15,16 @@ import torch
 from PIL import Image
 
 from imgret import onnx_runtime
-from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, model_version_of
+from imgret.checkpoint import (
+    Checkpoint,
+    EmbeddingNet,
+    ModelSpec,
+    Quantized,
+    load_checkpoint,
+    model_version_of,
+)
+from imgret.errors import CheckpointError
+from imgret.onnx_export import onnx_bytes
 from imgret.onnx_runtime import OnnxRuntimeModel
 from imgret.settings import resolve_device
 from imgret.transforms import eval_transform
@@ -57,18 +66,24 @@ class Embedder:
     ``torch.inference_mode``. The model's train/eval mode is restored after each call, so a
     training loop can validate through ``Embedder.from_model`` without side effects.
 
-    ``runtime`` (``IMGRET_RUNTIME``) picks what runs the network on the CPU: ``torch`` (eager
-    PyTorch) or ``onnxruntime`` (the same network exported to ONNX in memory at load,
-    :mod:`imgret.onnx_runtime`). Inputs, preprocessing and outputs are the same, and the
-    vectors agree within 1e-4, so a version's served vectors do not depend on it. ONNX
-    Runtime falls back to torch, with a warning, where it cannot run: not installed (the
-    ``onnx`` extra), a CUDA device (the CPU wheel; CUDA keeps torch's bf16 path), or a graph
+    ``runtime`` (``IMGRET_RUNTIME``) picks what runs the network: ``torch`` (eager PyTorch)
+    or ``onnxruntime`` (the same network exported to ONNX in memory at load,
+    :mod:`imgret.onnx_runtime`; on a CUDA device with ONNX Runtime's CUDA or TensorRT
+    provider). Inputs, preprocessing and outputs are the same, and the vectors agree within
+    1e-4, so a version's served vectors do not depend on it. ONNX Runtime falls back to
+    torch, with a warning, where it cannot run: not installed (the ``onnx`` extra), a CUDA
+    device without a GPU provider (the CPU wheel; torch's bf16 path runs there), or a graph
     it cannot export or load. :attr:`runtime` says which one runs.
+
+    A quantised version (``quantized``, :mod:`imgret.quantize`) runs its own graph with ONNX
+    Runtime whatever ``runtime`` says: its vectors are that graph's, so torch cannot stand in
+    for it, and without onnxruntime it does not load at all.
     """
 
     def __init__(
         self, model: EmbeddingNet, spec: ModelSpec, *, device: str = "auto",
         model_version: str | None = None, batch_size: int = 64, runtime: str = "torch",
+        quantized: Quantized | None = None,
     ):
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, not {runtime!r}")
@@ -77,7 +92,9 @@ class Embedder:
         self.model = model.to(self.device)
         if self.device == "cuda":
             self.model = self.model.to(memory_format=torch.channels_last)
-        self.model_version = model_version or model_version_of(model, spec)
+        self.model_version = model_version or model_version_of(model, spec, quantized)
+        # "int8" for a quantised version, None for the float network.
+        self.scheme = quantized.scheme if quantized else None
         self.batch_size = batch_size
         self.transform = eval_transform(spec)
         # One forward pass at a time, whatever the number of threads (search batches, gallery
@@ -87,33 +104,52 @@ class Embedder:
         # would queue on the device anyway. Taken per chunk of ``batch_size``, so a large
         # upload interleaves with the search batches instead of holding them up.
         self._forward_lock = threading.Lock()
-        self._onnx = self._onnx_runtime() if runtime == "onnxruntime" else None
+        if quantized is not None:
+            self._onnx: OnnxRuntimeModel | None = self._quantized_runtime(quantized)
+        elif runtime == "onnxruntime":
+            self._onnx = self._onnx_runtime()
+        else:
+            self._onnx = None
         self.runtime = "onnxruntime" if self._onnx is not None else "torch"
         _EMBEDDERS.add(self)
 
+    def _providers(self) -> list[str]:
+        return onnx_runtime.providers_for(self.device, onnx_runtime.installed_providers())
+
+    def _quantized_runtime(self, quantized: Quantized) -> OnnxRuntimeModel:
+        if not onnx_runtime.available():
+            raise CheckpointError(
+                f"{self.model_version} is a {quantized.scheme} version: it runs with "
+                "onnxruntime only, which is not installed (pip install 'imgret[onnx]')")
+        return OnnxRuntimeModel(quantized.graph, self._providers())
+
     def _onnx_runtime(self) -> OnnxRuntimeModel | None:
         """The ONNX Runtime model, or None (logged) where torch has to run instead."""
-        if self.device != "cpu":
-            logger.warning("IMGRET_RUNTIME=onnxruntime runs on the CPU only; %s runs with "
-                           "torch on %s", self.model_version, self.device)
-            return None
         if not onnx_runtime.available():
             logger.warning("IMGRET_RUNTIME=onnxruntime but onnxruntime is not installed "
                            "(pip install 'imgret[onnx]'); running %s with torch",
                            self.model_version)
             return None
+        providers = self._providers()
+        if self.device != "cpu" and providers == [onnx_runtime.CPU_PROVIDER]:
+            logger.warning("IMGRET_RUNTIME=onnxruntime: the installed onnxruntime has no "
+                           "provider for %s; %s runs with torch there", self.device,
+                           self.model_version)
+            return None
         try:
-            return OnnxRuntimeModel(self.model, self.spec)
+            return OnnxRuntimeModel(onnx_bytes(self.model, self.spec), providers)
         except Exception as exc:  # export or session errors of many types
             logger.warning("%s cannot run with onnxruntime (%s: %s); running it with torch",
                            self.model_version, type(exc).__name__, exc)
             return None
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, *, device: str = "auto", **kwargs) -> Embedder:
-        """Load ``model.pt`` (or its run directory) and wrap it."""
-        ckpt = load_checkpoint(path)
-        return cls(ckpt.model, ckpt.spec, device=device, model_version=ckpt.model_version, **kwargs)
+    def from_checkpoint(cls, source: str | Path | Checkpoint, *, device: str = "auto",
+                        **kwargs) -> Embedder:
+        """Wrap a loaded checkpoint, or load ``model.pt`` (or its run directory) first."""
+        ckpt = source if isinstance(source, Checkpoint) else load_checkpoint(source)
+        return cls(ckpt.model, ckpt.spec, device=device, model_version=ckpt.model_version,
+                   quantized=ckpt.quantized, **kwargs)
 
     @classmethod
     def from_model(cls, model: EmbeddingNet, spec: ModelSpec | None = None, **kwargs) -> Embedder:
@@ -122,11 +158,16 @@ class Embedder:
         return cls(model, spec or model.spec, **kwargs)
 
     @property
+    def onnx_graph(self) -> bytes | None:
+        """The ONNX graph ONNX Runtime runs; None when torch runs the network."""
+        return self._onnx.graph if self._onnx is not None else None
+
+    @property
     def runtime_bytes(self) -> int:
         """Memory the runtime holds besides the torch model: with ONNX Runtime, the graph
         (kept to open sessions) and the session's copy of the weights, about its size
         again."""
-        return 2 * len(self._onnx.graph) if self._onnx is not None else 0
+        return 2 * len(self.onnx_graph or b"")
 
     @property
     def dim(self) -> int:
@@ -166,6 +207,7 @@ class Embedder:
         return torch.cat(out).numpy().astype(np.float32, copy=False)
 
     def _embed_onnx(self, batch: torch.Tensor) -> np.ndarray:
+        assert self._onnx is not None
         out = []
         for start in range(0, len(batch), self.batch_size):
             chunk = batch[start : start + self.batch_size].detach().cpu().numpy()

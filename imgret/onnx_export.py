@@ -168,11 +168,15 @@ class OnnxExport:
 
 
 def export_onnx(model: EmbeddingNet, spec: ModelSpec, out_dir: str | Path, *,
-                model_version: str) -> OnnxExport:
+                model_version: str, graph: bytes | None = None) -> OnnxExport:
     """Write ``model.onnx``, ``preprocessing.json`` and a Triton model repository
-    (``triton/<name>/config.pbtxt``, ``triton/<name>/1/model.onnx``) into ``out_dir``."""
+    (``triton/<name>/config.pbtxt``, ``triton/<name>/1/model.onnx``) into ``out_dir``.
+
+    Args:
+        graph: the graph to write (a quantised version's own); default: ``model`` exported.
+    """
     out = Path(out_dir)
-    graph = onnx_bytes(model, spec)
+    graph = graph if graph is not None else onnx_bytes(model, spec)
     name = triton_name(model_version)
     files = OnnxExport(
         model=out / MODEL_FILE, preprocessing=out / PREPROCESSING_FILE,

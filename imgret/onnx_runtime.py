@@ -1,15 +1,21 @@
 """The network run by ONNX Runtime: the Embedder's second runtime (``IMGRET_RUNTIME``).
 
-The graph is exported in memory from the loaded model (:func:`imgret.onnx_export.onnx_bytes`)
-when the Embedder is built, so a version needs no file besides its checkpoint, and the graph
-is the checkpoint's weights: the vectors are those of the PyTorch network (within 1e-4,
-``tests/unit/core/test_onnx_runtime.py``).
+For a float version the graph is exported in memory from the loaded model
+(:func:`imgret.onnx_export.onnx_bytes`) when the Embedder is built, so a version needs no file
+besides its checkpoint, and the graph is the checkpoint's weights: the vectors are those of
+the PyTorch network (within 1e-4, ``tests/unit/core/test_onnx_runtime.py``). A quantised
+version brings its own graph (:mod:`imgret.quantize`), and ONNX Runtime is the only thing
+that runs it.
 
 Threads follow torch's: a session's intra-op pool has ``torch.get_num_threads()`` threads, the
 number the process gave the model (one per core by default; fewer while ingest workers run;
 one in a forked worker). When that number or the process changes, the next run opens a new
 session: ONNX Runtime's pool threads are created with the session and do not exist in a
 forked child, so a child (an ingest worker) opens its own rather than rely on the parent's.
+
+Execution providers (:func:`providers_for`): on a CUDA device, TensorRT then CUDA where the
+installed ONNX Runtime has them (the ``onnxruntime-gpu`` wheel), the CPU after them for any
+operator they do not take; on the CPU, the CPU provider only.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgret.checkpoint import EmbeddingNet, ModelSpec
-from imgret.onnx_export import INPUT_NAME, onnx_bytes
+from imgret.onnx_export import INPUT_NAME
+
+# Tried in this order on a CUDA device; the CPU provider is always last.
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+CPU_PROVIDER = "CPUExecutionProvider"
 
 
 def available() -> bool:
@@ -34,11 +43,29 @@ def available() -> bool:
     return True
 
 
-class OnnxRuntimeModel:
-    """``run((n, 3, S, S) float32) -> (n, dim) float32`` with ONNX Runtime on the CPU."""
+def installed_providers() -> list[str]:
+    """The execution providers of the installed ONNX Runtime ([] when it is not installed)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return []
+    return list(ort.get_available_providers())
 
-    def __init__(self, model: EmbeddingNet, spec: ModelSpec):
-        self.graph = onnx_bytes(model, spec)
+
+def providers_for(device: str, installed: list[str]) -> list[str]:
+    """The providers a session on ``device`` uses, best first: on CUDA, those of
+    :data:`GPU_PROVIDERS` that are installed, then the CPU; elsewhere the CPU only."""
+    gpu = [p for p in GPU_PROVIDERS if p in installed] if device == "cuda" else []
+    return [*gpu, CPU_PROVIDER]
+
+
+class OnnxRuntimeModel:
+    """``run((n, 3, S, S) float32) -> (n, dim) float32``: one ONNX graph run by ONNX Runtime
+    with ``providers`` (:func:`providers_for`)."""
+
+    def __init__(self, graph: bytes, providers: list[str] | None = None):
+        self.graph = graph
+        self.providers = providers or [CPU_PROVIDER]
         self._session: Any = None
         self._key: tuple[int, int] | None = None
         self._lock = threading.Lock()
@@ -50,7 +77,7 @@ class OnnxRuntimeModel:
         key = (os.getpid(), torch.get_num_threads())
         with self._lock:
             if self._key != key:
-                self._session = _open(self.graph, threads=key[1])
+                self._session = _open(self.graph, threads=key[1], providers=self.providers)
                 self._key = key
             return self._session
 
@@ -65,7 +92,7 @@ class OnnxRuntimeModel:
         return np.asarray(out, dtype=np.float32)
 
 
-def _open(graph: bytes, *, threads: int) -> Any:
+def _open(graph: bytes, *, threads: int, providers: list[str]) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -74,4 +101,4 @@ def _open(graph: bytes, *, threads: int) -> Any:
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(graph, options, providers=providers)

@@ -1,7 +1,7 @@
 """CLI commands: `imgret models list|register|embed|compare|calibrate|activate|rollback|
 delete`, the twins of ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one
 function of ``imgret.index.model_commands`` (which calls the same ``imgret.index.versions``
-code as the service); and `imgret export VERSION --format onnx --out DIR`.
+code as the service); and `imgret export VERSION --format onnx --out DIR [--quantize int8]`.
 """
 
 from __future__ import annotations
@@ -229,13 +229,69 @@ def export_command(
     version: str = typer.Argument(..., help="a registered model version"),
     fmt: str = typer.Option("onnx", "--format", help="onnx (the one format)"),
     out: Path = typer.Option(..., "--out", help="folder to write into (created)"),
+    quantize: str | None = typer.Option(
+        None, "--quantize", help="int8: register VERSION's int8 version (ONNX Runtime static "
+                                 "quantisation calibrated on stored gallery images) and "
+                                 "export that"),
+    calibration_images: int = typer.Option(256, "--calibration-images", min=1, max=10_000,
+                                           help="stored gallery images to calibrate on"),
+    query_set: str | None = typer.Option(
+        None, "--query-set", help="with --quantize: re-embed the int8 version and compare it "
+                                  "with VERSION on this stored query set"),
+    speed_seconds: float = typer.Option(5.0, "--speed-seconds", min=0.0, max=600.0,
+                                        help="with --quantize: time spent measuring images/s"),
 ) -> None:
     """Export VERSION: model.onnx (the network, dynamic batch), preprocessing.json (how an
-    image becomes its input) and a Triton model repository (triton/NAME/)."""
+    image becomes its input) and a Triton model repository (triton/NAME/). With --quantize
+    int8, first register VERSION's int8 version and export that; with --query-set too, its
+    report (speed beside the MAP@R difference and its interval) is printed and written to
+    int8_report.json."""
     from imgret.index import model_commands
 
     if fmt != "onnx":
         raise typer.BadParameter("onnx", param_hint="--format")
-    files = model_commands.export(_settings(), version, out, fmt=fmt)
+    if quantize not in (None, "int8"):
+        raise typer.BadParameter("int8", param_hint="--quantize")
+    if query_set is not None and quantize is None:
+        raise typer.BadParameter("--query-set needs --quantize", param_hint="--query-set")
+    settings = _settings()
+    if quantize:
+        made = model_commands.quantize(settings, version, images=calibration_images,
+                                       speed_seconds=speed_seconds)
+        typer.echo(f"registered {made.version}, the int8 version of {version} (calibrated on "
+                   f"{made.calibration_images} stored images; cosine with {version}'s vectors "
+                   f"mean {made.cosine_mean:.5f}, min {made.cosine_min:.5f})")
+        report: dict[str, Any] = made.to_dict()
+        if query_set is not None:
+            model_commands.embed(settings, made.version, progress=lambda *_: None)
+            report["comparison"] = model_commands.compare(settings, version, made.version,
+                                                          query_set)
+        _print_int8_report(report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "int8_report.json").write_text(json.dumps(report, default=str, indent=2) + "\n")
+        version = made.version
+    files = model_commands.export(settings, version, out, fmt=fmt)
     for path in files.to_dict().values():
         typer.echo(path)
+    if quantize and query_set is None:
+        typer.echo(f"next: imgret models embed {version}, then imgret models activate {version} "
+                   "--require not_worse --query-set NAME")
+
+
+def _print_int8_report(report: dict[str, Any]) -> None:
+    speed = report.get("speed") or {}
+    if speed:
+        base = speed["torch eager"]["images_per_s"]
+        typer.echo(f"| runtime | images/s (batch {speed['torch eager']['batch']}) | "
+                   "× torch eager |")
+        typer.echo("|---|---:|---:|")
+        for name, row in speed.items():
+            typer.echo(f"| {name} | {row['images_per_s']:.1f} | "
+                       f"{row['images_per_s'] / base:.2f} |")
+    comparison = report.get("comparison")
+    if comparison:
+        _print_comparison(comparison)
+        verdict = comparison.get("verdict", {}).get("map_at_r", "")
+        typer.echo(f"MAP@R, int8 − float: {verdict}; activate with imgret models activate "
+                   f"{report['version']} --require not_worse --query-set "
+                   f"{comparison['a'].get('query_set')}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from imgret.index import calibration as calibrations
-from imgret.index import reembed, versions
+from imgret.index import quantization, reembed, versions
 from imgret.index.commands import open_gallery
 from imgret.index.media_db import open_media_store
 from imgret.onnx_export import OnnxExport, export_onnx
@@ -65,14 +65,26 @@ def embed(settings: Settings, version: str, *,
 def export(settings: Settings, version: str, out: str | Path, *,
            fmt: str = "onnx") -> OnnxExport:
     """`imgret export VERSION --format onnx --out DIR`: the version's stored checkpoint (checked
-    to be its weights) as ``model.onnx``, ``preprocessing.json`` and a Triton model
-    repository under ``triton/`` (:func:`imgret.onnx_export.export_onnx`)."""
+    to be its weights) as ``model.onnx`` (a quantised version's own graph), ``preprocessing.json``
+    and a Triton model repository under ``triton/`` (:func:`imgret.onnx_export.export_onnx`)."""
     if fmt != "onnx":
         raise ValueError(f"unknown export format {fmt!r}; known: onnx")
     with open_gallery(settings) as sessions:
         loaded = versions.load_version_checkpoint(version, session_factory=sessions,
                                                   data_dir=settings.data_dir)
-    return export_onnx(loaded.model, loaded.spec, out, model_version=version)
+    return export_onnx(loaded.model, loaded.spec, out, model_version=version,
+                       graph=loaded.quantized.graph if loaded.quantized else None)
+
+
+def quantize(settings: Settings, version: str, *, images: int = quantization.CALIBRATION_IMAGES,
+             speed_seconds: float = 5.0) -> quantization.Int8Version:
+    """`imgret export VERSION --quantize int8`: the int8 version of ``version``, calibrated
+    on stored gallery images and registered (:func:`imgret.index.quantization.quantize_version`)."""
+    with open_gallery(settings) as sessions:
+        return quantization.quantize_version(
+            version, session_factory=sessions, data_dir=settings.data_dir,
+            media=open_media_store(settings, sessions), max_pixels=settings.max_image_pixels,
+            images=images, speed_seconds=speed_seconds)
 
 
 def compare(settings: Settings, a: str, b: str, query_set: str, *,

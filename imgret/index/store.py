@@ -576,6 +576,20 @@ def list_items(
     return list(items), int(total)
 
 
+def spread_items(n: int, *, session: Session) -> list[tuple[int, str]]:
+    """Up to ``n`` live gallery items spread evenly over the id order, as ``(id,
+    media_path)``: a sample of the gallery across its whole history (ingest order often
+    follows classes or sources), the same on every run over the same gallery."""
+    ids = session.scalars(select(GalleryItem.id).where(GalleryItem.deleted_at.is_(None))
+                          .order_by(GalleryItem.id)).all()
+    if not ids or n <= 0:
+        return []
+    picked = sorted({ids[int(i)] for i in np.linspace(0, len(ids) - 1, min(n, len(ids)))})
+    rows = session.execute(select(GalleryItem.id, GalleryItem.media_path)
+                           .where(GalleryItem.id.in_(picked)).order_by(GalleryItem.id))
+    return [(int(i), path) for i, path in rows]
+
+
 def count_live_items(*, session: Session) -> int:
     """How many gallery items are live (not deleted)."""
     return int(session.scalar(

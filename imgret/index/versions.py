@@ -64,7 +64,6 @@ from imgret.checkpoint import (
     Checkpoint,
     load_checkpoint,
     resolve_checkpoint_path,
-    version_name,
 )
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError, IndexStale
@@ -288,12 +287,7 @@ def _parse(data: bytes, name: str) -> Checkpoint:
 
 def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessionmaker[Session],
                      data_dir: str | Path, name: str) -> dict[str, Any]:
-    version = version_name(loaded.spec, loaded.digest)
-    if version != loaded.model_version:
-        raise CheckpointError(
-            f"{name} says version {loaded.model_version} but its weights hash to {version}; "
-            "save it again with imgret.checkpoint.save_checkpoint"
-        )
+    version = loaded.model_version  # load_checkpoint checked it is its weights' hash
     sha = hashlib.sha256(data).hexdigest()
     with session_factory.begin() as session:
         # Serialised with deletes and activations (they take the same lock).
@@ -353,10 +347,9 @@ def load_version_checkpoint(
             f"`imgret models register RUN_DIR` or POST /models"
         )
     loaded = load_checkpoint(data)
-    if version_name(loaded.spec, loaded.digest) != version or (
-            digest is not None and digest != loaded.digest):
+    if loaded.model_version != version or (digest is not None and digest != loaded.digest):
         raise CheckpointError(f"the stored checkpoint of {version} holds other weights "
-                              f"({version_name(loaded.spec, loaded.digest)})")
+                              f"({loaded.model_version})")
     _write_local_copy(data_dir, version, data)
     return loaded
 
@@ -375,8 +368,7 @@ def load_embedder(
     """
     loaded = load_version_checkpoint(version, session_factory=session_factory,
                                      data_dir=data_dir)
-    return Embedder(loaded.model, loaded.spec, device=device, model_version=version,
-                    runtime=runtime)
+    return Embedder.from_checkpoint(loaded, device=device, runtime=runtime)
 
 
 def import_checkpoint_files(
