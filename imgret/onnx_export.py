@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec
+from imgret.onnx_graph import INPUT_NAME, OUTPUT_NAME
 
 # ONNX opset of the exported graph: recent (2022), and run by every ONNX Runtime the `onnx`
 # extra allows and by Triton's onnxruntime backend since 22.x.
 OPSET = 18
-INPUT_NAME = "images"
-OUTPUT_NAME = "embeddings"
 MODEL_FILE = "model.onnx"
 PREPROCESSING_FILE = "preprocessing.json"
 TRITON_DIR = "triton"

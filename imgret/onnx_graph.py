@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from imgret.onnx_export import INPUT_NAME, OUTPUT_NAME
+# The interface of every graph imgret writes or runs (:mod:`imgret.onnx_export`).
+INPUT_NAME = "images"
+OUTPUT_NAME = "embeddings"
 
 # Operators of the standard ONNX domain that imgret's exported backbones (resnet,
 # efficientnet, mobilenet, convnext, vit) and ONNX Runtime's QDQ quantiser emit, and

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgret.onnx_export import INPUT_NAME
+from imgret.onnx_graph import INPUT_NAME
 
 # Tried in this order on a CUDA device; the CPU provider is always last.
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")

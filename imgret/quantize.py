@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec
-from imgret.onnx_export import INPUT_NAME, onnx_bytes
+from imgret.onnx_export import onnx_bytes
+from imgret.onnx_graph import INPUT_NAME
 
 # The operators quantised; everything after the projection (ReduceL2, Div) stays float.
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Relu", "MaxPool", "GlobalAveragePool",
