@@ -51,8 +51,8 @@ def _free_locks_after_fork() -> None:
     for embedder in list(_EMBEDDERS):
         embedder._forward_lock = threading.Lock()
         onnx = getattr(embedder, "_onnx", None)
-        if onnx is not None:  # its session lock, for the same reason
-            onnx._lock = threading.Lock()
+        if onnx is not None:  # its session lock, for the same reason, and its session
+            onnx.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

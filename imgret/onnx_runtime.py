@@ -59,6 +59,11 @@ def providers_for(device: str, installed: list[str]) -> list[str]:
     return [*gpu, CPU_PROVIDER]
 
 
+# Sessions inherited across a fork, kept alive for good: destroying one in the child joins its
+# intra-op pool threads, which exist only in the parent, and waits forever.
+_INHERITED: list[Any] = []
+
+
 class OnnxRuntimeModel:
     """``run((n, 3, S, S) float32) -> (n, dim) float32``: one ONNX graph run by ONNX Runtime
     with ``providers`` (:func:`providers_for`)."""
@@ -80,6 +85,14 @@ class OnnxRuntimeModel:
                 self._session = _open(self.graph, threads=key[1], providers=self.providers)
                 self._key = key
             return self._session
+
+    def after_fork(self) -> None:
+        """In a forked child: a free lock, and the parent's session set aside, never
+        destroyed (see :data:`_INHERITED`); the next run opens the child's own."""
+        self._lock = threading.Lock()
+        if self._session is not None:
+            _INHERITED.append(self._session)
+        self._session, self._key = None, None
 
     @property
     def threads(self) -> int:

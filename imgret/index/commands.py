@@ -124,12 +124,13 @@ def ingest(
             return ingest_with_ray(
                 path, session_factory=sessions, media=open_media_store(settings, sessions),
                 database_url=settings.db_url, checkpoint=checkpoint, device=settings.device,
-                query_set=query_set, batch_size=batch_size, chunk_size=chunk_size,
+                runtime=settings.runtime, query_set=query_set, batch_size=batch_size,
+                chunk_size=chunk_size,
                 max_pixels=settings.max_image_pixels, address=None if ray == "local" else ray,
                 actors=workers, progress=progress,
             )
         embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
-                                            batch_size=batch_size)
+                                            batch_size=batch_size, runtime=settings.runtime)
         return ingest_source(
             path, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, query_set=query_set, chunk_size=chunk_size,
@@ -195,7 +196,8 @@ def evaluate_named(
     from imgret.index.search import Searcher
 
     embedder = (
-        Embedder.from_checkpoint(settings.model, device=settings.device)
+        Embedder.from_checkpoint(settings.model, device=settings.device,
+                                 runtime=settings.runtime)
         if settings.model is not None else None
     )
     if model_version is None and embedder is not None:

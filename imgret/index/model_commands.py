@@ -109,7 +109,8 @@ def calibrate(settings: Settings, version: str, query_set: str,
         try:
             embedder = versions.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
-                                              device=settings.device)
+                                              device=settings.device,
+                                              runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         return calibrations.calibrate(
@@ -163,7 +164,8 @@ def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
         try:
             embedder = versions.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
-                                              device=settings.device)
+                                              device=settings.device,
+                                              runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         results.append(evaluate_query_set(

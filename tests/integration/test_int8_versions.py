@@ -117,3 +117,27 @@ def test_quantising_needs_stored_images_and_a_float_version(
                                    str(env / "z")])
     assert bad.exit_code != 0 and "int8" in bad.output
     assert np.isfinite(made.cosine_mean)
+
+
+def test_ingest_and_evaluate_run_the_configured_runtime(env: Path, image_folder: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """IMGRET_RUNTIME reaches every command that embeds, not only the service."""
+    from imgret import onnx_runtime
+    from imgret.settings import get_settings
+
+    runs = []
+    real = onnx_runtime.OnnxRuntimeModel.run
+
+    def counted(self, batch):
+        runs.append(len(batch))
+        return real(self, batch)
+
+    monkeypatch.setattr(onnx_runtime.OnnxRuntimeModel, "run", counted)
+    monkeypatch.setenv("IMGRET_RUNTIME", "onnxruntime")
+    get_settings.cache_clear()
+    run("ingest", str(image_folder), "--no-progress")
+    ingested = sum(runs)
+    assert ingested == len(list(image_folder.rglob("*.png")))
+    run("ingest", str(image_folder), "--query-set", "q", "--no-progress")
+    run("evaluate", "--query-set", "q")
+    assert sum(runs) > ingested

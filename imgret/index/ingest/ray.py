@@ -68,6 +68,7 @@ class RayPlan:
         query_set: the named query set, or ``None`` for the gallery.
         checkpoint: the model's ``model.pt`` (every embed actor loads it).
         device: ``cpu``, ``cuda`` or ``auto`` for the actors.
+        runtime: what runs a float model in the actors (``IMGRET_RUNTIME``).
         max_pixels: decompression-bomb limit per image.
         batch_size: images per forward pass in an embed actor.
     """
@@ -79,6 +80,7 @@ class RayPlan:
     device: str
     max_pixels: int
     batch_size: int
+    runtime: str = "torch"
 
 
 def import_ray() -> Any:
@@ -151,7 +153,8 @@ class EmbedActor:
 
         self.plan = plan
         self.embedder = Embedder.from_checkpoint(plan.checkpoint, device=plan.device,
-                                                 batch_size=plan.batch_size)
+                                                 batch_size=plan.batch_size,
+                                                 runtime=plan.runtime)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -187,7 +190,7 @@ class EmbedActor:
 
 def ingest_with_ray(
     source: str | Path, *, session_factory: sessionmaker[Session], media: MediaBackend,
-    database_url: str, checkpoint: str | Path, device: str = "auto",
+    database_url: str, checkpoint: str | Path, device: str = "auto", runtime: str = "torch",
     query_set: str | None = None, batch_size: int = 64, chunk_size: int = 256,
     max_pixels: int | None = None, address: str | None = None, actors: int | None = None,
     progress: bool = True,
@@ -237,7 +240,8 @@ def ingest_with_ray(
     del ckpt  # the actors load their own copy
     plan = RayPlan(database_url=database_url, model_version=model_version.version,
                    query_set=query_set, checkpoint=str(checkpoint), device=device,
-                   max_pixels=max_pixels or DEFAULT_MAX_PIXELS, batch_size=batch_size)
+                   max_pixels=max_pixels or DEFAULT_MAX_PIXELS, batch_size=batch_size,
+                   runtime=runtime)
     report = IngestReport(str(source), model_version.version, query_set, total=len(records))
     owned = _connect(ray, address)
     try:
