@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--p99-ms", type=float, default=250.0, help="the p99 latency target")
     parser.add_argument("--gallery", type=int, default=300, help="gallery images (<= 5000)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn workers")
+    parser.add_argument("--runtime", choices=("torch", "onnxruntime"), default="torch",
+                        help="IMGRET_RUNTIME of the server and of the in-process floor")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every level and its floor (at most 10); the table gives "
                              "each round and the median ratio")
@@ -139,6 +141,7 @@ def main() -> None:
             "IMGRET_MODEL": str(model),
             "IMGRET_DEVICE": "cpu",
             "IMGRET_API_KEY": secrets.token_hex(16),
+            "IMGRET_RUNTIME": args.runtime,
         }
         with running_server(env, log_path=work / "serve.log", workers=args.workers) as live:
             base = live.url
@@ -288,8 +291,10 @@ class FloorPipeline:
         env = self.env
         settings = Settings(data_dir=Path(env["IMGRET_DATA_DIR"]),
                             model=Path(env["IMGRET_MODEL"]),
-                            database_url=env["IMGRET_DATABASE_URL"], device="cpu")
-        embedder = Embedder.from_checkpoint(settings.model, device="cpu")
+                            database_url=env["IMGRET_DATABASE_URL"], device="cpu",
+                            runtime=env["IMGRET_RUNTIME"])
+        embedder = Embedder.from_checkpoint(settings.model, device="cpu",
+                                            runtime=settings.runtime)
         self.engine = make_engine(settings.db_url)
         searcher = Searcher.from_settings(make_sessionmaker(self.engine), settings,
                                           embedder.model_version)
@@ -383,7 +388,8 @@ def _print_table(rounds: list[list[LevelResult]], args: argparse.Namespace, mode
     out = io.StringIO()
     out.write(
         f"\nPOST /search (k=10, one image), wrk -t1 for {args.seconds:.0f} s per level after a "
-        f"{WARMUP_S:.0f} s warm-up; {model_note}; {data_note}; gallery {gallery} images, exact "
+        f"{WARMUP_S:.0f} s warm-up; {model_note} (IMGRET_RUNTIME={args.runtime}); {data_note}; "
+        f"gallery {gallery} images, exact "
         f"Flat index, SQLite, {args.workers} uvicorn worker(s), dynamic batching on (defaults); "
         f"CPU, {os.cpu_count()} cores shared by wrk and the server; loopback.\n"
         f"Floor = the service's SearchPipeline (decode, embed, search) in this process, no "
