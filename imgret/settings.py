@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     # Runtime on the same weights exported at load (the `onnx` extra; torch, with a warning,
     # where it is missing). The vectors agree within 1e-4 (docs/onnx.md).
     runtime: Literal["torch", "onnxruntime"] = Field(
-        "torch", description="torch or onnxruntime: what runs the model on the CPU"
+        "torch", description="torch or onnxruntime: what runs a float model (an int8 "
+                             "version always runs with onnxruntime)"
     )
     api_key: SecretStr | None = Field(None, description="required in X-API-Key for writes")
     max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0)
