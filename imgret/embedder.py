@@ -198,11 +198,8 @@ class Embedder:
         if self._onnx is not None:
             return self._embed_onnx(batch)
         out = []
-        for start in range(0, len(batch), self.batch_size):
+        for chunk in device_chunks(batch, self.batch_size, self.device):
             with self._forward_lock, self._inference():
-                chunk = batch[start : start + self.batch_size].to(self.device, non_blocking=True)
-                if self.device == "cuda":
-                    chunk = chunk.contiguous(memory_format=torch.channels_last)
                 out.append(self.model(chunk).float().cpu())
         return torch.cat(out).numpy().astype(np.float32, copy=False)
 
@@ -229,3 +226,41 @@ class Embedder:
                 yield
         finally:
             self.model.train(was_training)
+
+
+def device_chunks(batch: torch.Tensor, size: int, device: str) -> Iterator[torch.Tensor]:
+    """``batch`` in chunks of ``size`` rows on ``device``.
+
+    On CUDA each chunk is copied from pinned host memory on a side stream while the previous
+    one is computed, so the copy leaves the critical path (a pageable host tensor is copied
+    synchronously, through a staging buffer): the chunk after the one being yielded is
+    already on its way. The compute stream waits for a chunk's copy before using it, and the
+    chunk is recorded on the compute stream so its memory is not reused while in use.
+    Chunks are channels-last there (the layout the bf16 convolutions want). Elsewhere they
+    are plain slices.
+    """
+    starts = range(0, len(batch), size)
+    if device != "cuda":
+        for start in starts:
+            yield batch[start : start + size]
+        return
+    copies = torch.cuda.Stream()
+    compute = torch.cuda.current_stream()
+
+    def send(start: int) -> torch.Tensor:
+        host = batch[start : start + size]
+        if not host.is_pinned():
+            host = host.pin_memory()
+        with torch.cuda.stream(copies):
+            return host.to(device, non_blocking=True).contiguous(
+                memory_format=torch.channels_last)
+
+    pending = send(0) if len(batch) else None
+    for start in starts:
+        chunk = pending
+        assert chunk is not None
+        compute.wait_stream(copies)
+        chunk.record_stream(compute)
+        following = start + size
+        pending = send(following) if following < len(batch) else None
+        yield chunk

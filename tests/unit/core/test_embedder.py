@@ -183,3 +183,16 @@ def test_forward_passes_from_many_threads_never_overlap(images) -> None:
     assert not errors, errors
     assert overlap.most == 1
     assert len(results) == 6 and all(np.allclose(r, expected, atol=1e-6) for r in results)
+
+
+@pytest.mark.parametrize("rows, size", [(10, 4), (8, 4), (3, 64), (0, 4)])
+def test_device_chunks_cover_the_batch_in_order(rows: int, size: int) -> None:
+    """The chunking the Embedder runs through: on CUDA (TEST_DEVICE there) copies from pinned
+    memory on a side stream, the next one under way while a chunk is used; on the CPU plain
+    slices."""
+    from imgret.embedder import device_chunks
+
+    batch = torch.arange(rows * 3 * 2 * 2, dtype=torch.float32).reshape(rows, 3, 2, 2)
+    chunks = [c.cpu() for c in device_chunks(batch, size, TEST_DEVICE)]
+    assert [len(c) for c in chunks] == [min(size, rows - s) for s in range(0, rows, size)]
+    assert torch.equal(torch.cat(chunks) if chunks else batch, batch)
