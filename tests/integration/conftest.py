@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from imgret.embedder import Embedder
@@ -19,3 +22,20 @@ def embedder(tiny_checkpoint) -> Embedder:
 def media(tmp_path) -> MediaStore:
     """An empty media store in the test's data dir."""
     return MediaStore.in_data_dir(tmp_path / "data")
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
+            tiny_checkpoint: Path) -> Iterator[Path]:
+    """The environment the CLI reads: the test's database, a data dir under ``tmp_path``
+    (yielded), the tiny checkpoint as IMGRET_MODEL, the CPU; settings re-read around it."""
+    from imgret.settings import get_settings
+
+    monkeypatch.setenv("IMGRET_DATABASE_URL", db_url)
+    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("IMGRET_MODEL", str(tiny_checkpoint))
+    monkeypatch.setenv("IMGRET_DEVICE", "cpu")
+    get_settings.cache_clear()  # the CLI reads its settings once per process
+    yield tmp_path
+    get_settings.cache_clear()
+

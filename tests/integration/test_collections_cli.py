@@ -5,7 +5,6 @@ deleted on its own."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,19 +14,9 @@ from imgret.cli.main import app, hoist_collection
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
-        tiny_checkpoint: Path) -> Iterator[None]:
-    from imgret.settings import get_settings
-
-    monkeypatch.setenv("IMGRET_DATABASE_URL", db_url)
-    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("IMGRET_MODEL", str(tiny_checkpoint))
-    monkeypatch.setenv("IMGRET_DEVICE", "cpu")
+def env(cli_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The CLI sets it from --collection; set here, it is restored after the test.
     monkeypatch.setenv("IMGRET_COLLECTION", "default")
-    get_settings.cache_clear()  # the CLI reads its settings once per process
-    yield
-    get_settings.cache_clear()
 
 
 def invoke(*args: str):

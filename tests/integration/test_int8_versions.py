@@ -5,7 +5,6 @@ re-embedded, compared with its parent, gated by the verdict and then served by O
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +18,8 @@ pytest.importorskip("onnxruntime")
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
-        tiny_checkpoint: Path) -> Iterator[Path]:
-    from imgret.settings import get_settings
-
-    monkeypatch.setenv("IMGRET_DATABASE_URL", db_url)
-    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("IMGRET_MODEL", str(tiny_checkpoint))
-    monkeypatch.setenv("IMGRET_DEVICE", "cpu")
-    get_settings.cache_clear()  # the CLI reads its settings once per process
-    yield tmp_path
-    get_settings.cache_clear()
+def env(cli_env: Path) -> Path:
+    return cli_env
 
 
 def run(*args: str) -> str:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,12 @@ from imgret.index.versions import VersionInUse
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, db_url: str,
-        tiny_checkpoint: Path) -> Iterator[Path]:
-    from imgret.settings import get_settings
-
-    monkeypatch.setenv("IMGRET_DATABASE_URL", db_url)
-    monkeypatch.setenv("IMGRET_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("IMGRET_MODEL", str(tiny_checkpoint))
-    monkeypatch.setenv("IMGRET_DEVICE", "cpu")
+def env(cli_env: Path) -> Path:
+    """The CLI's environment; yields a second checkpoint's run directory."""
     torch.manual_seed(3)
-    other = tmp_path / "other"
+    other = cli_env / "other"
     save_checkpoint(other, EmbeddingNet(ModelSpec(backbone="tiny_cnn", dim=16, image_size=32)))
-    get_settings.cache_clear()  # the CLI reads its settings once per process
-    yield other
-    get_settings.cache_clear()
+    return other
 
 
 def _checkpoint(folder: Path, seed: int) -> Path:
