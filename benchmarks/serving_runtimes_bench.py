@@ -30,6 +30,7 @@ Numbers are for the machine that runs it; the load generator shares its cores.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -195,6 +196,7 @@ def _torch_side(work: Path, run_dir: str) -> dict[str, Any]:
 
 def _service(work: Path, models: dict[str, tuple[Any, str]],
              args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    shutil.rmtree(work / "bodies", ignore_errors=True)  # an interrupted run's (measured again)
     bodies = search_bodies([p.read_bytes() for p in _query_files(work)[:64]],
                            work / "bodies")
     specs = [({"IMGRET_DATA_DIR": str(work / f"data-{name}"),
@@ -229,22 +231,17 @@ def _floors(work: Path, models: dict[str, tuple[Any, str]],
     """Images/s of decode + preprocess + embed of one batch of query uploads, in process."""
     from imgret.embedder import Embedder
     from imgret.images import DecodeLimits, embed_encoded
+    from imgret.quantize import throughput
 
     blobs = [p.read_bytes() for p in _query_files(work)[:FLOOR_BATCH]]
     limits = DecodeLimits()
     embedders = {name: Embedder.from_checkpoint(model, device="cpu", runtime=runtime)
                  for name, (model, runtime) in models.items()}
-    for embedder in embedders.values():
-        for _ in range(2):
-            embed_encoded(blobs, embedder=embedder, limits=limits)
-    times: dict[str, list[float]] = {name: [] for name in embedders}
-    deadline = time.perf_counter() + args.floor_seconds
-    while time.perf_counter() < deadline or min(map(len, times.values())) < 3:
-        for name, embedder in embedders.items():
-            start = time.perf_counter()
-            embed_encoded(blobs, embedder=embedder, limits=limits)
-            times[name].append(time.perf_counter() - start)
-    return {name: len(blobs) / statistics.median(t) for name, t in times.items()}
+    speed = throughput({name: functools.partial(embed_encoded, blobs, embedder=embedder,
+                                                limits=limits)
+                        for name, embedder in embedders.items()},
+                       len(blobs), seconds=args.floor_seconds)
+    return {name: row["images_per_s"] for name, row in speed.items()}
 
 
 def _print(args: argparse.Namespace, torch_side: dict[str, Any], ingests: dict[str, Any],
