@@ -22,6 +22,7 @@ runtimes).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, Quantized  # noqa: E402
 from imgret.embedder import Embedder  # noqa: E402
+from imgret.onnx_export import onnx_bytes  # noqa: E402
 from imgret.quantize import quantize_int8, throughput  # noqa: E402
 
 RUNTIMES = ("torch", "onnxruntime", "int8")
@@ -56,7 +58,7 @@ def main() -> None:
     started = time.perf_counter()
     calibration = [torch.randn(32, 3, args.image_size, args.image_size).numpy()
                    for _ in range(4)]
-    quantized = Quantized("int8", quantize_int8(model, spec, calibration))
+    quantized = Quantized("int8", quantize_int8(onnx_bytes(model, spec), calibration))
     embedders = {
         "torch": Embedder(model, spec, device="cpu", runtime="torch"),
         "onnxruntime": Embedder(model, spec, device="cpu", runtime="onnxruntime"),
@@ -85,7 +87,9 @@ def row(embedders: dict[str, Embedder], threads: int, batch_size: int,
     """Time the runtimes at one batch size and print the table's row."""
     batch = torch.randn(batch_size, 3, args.image_size, args.image_size)
     vectors = {name: embedder.embed_tensors(batch) for name, embedder in embedders.items()}
-    speed = throughput(embedders, batch, seconds=args.seconds, warmup=args.warmup)
+    speed = throughput({name: functools.partial(embedder.embed_tensors, batch)
+                        for name, embedder in embedders.items()},
+                       batch_size, seconds=args.seconds, warmup=args.warmup)
     rate = {name: s["images_per_s"] for name, s in speed.items()}
     diff = float(np.abs(vectors["torch"] - vectors["onnxruntime"]).max())
     cosine = float(np.sum(vectors["torch"] * vectors["int8"], axis=1).min())

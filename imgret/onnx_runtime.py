@@ -36,11 +36,7 @@ CPU_PROVIDER = "CPUExecutionProvider"
 
 def available() -> bool:
     """Whether ``onnxruntime`` can be imported (the ``onnx`` extra)."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return bool(installed_providers())
 
 
 def installed_providers() -> list[str]:

@@ -1,7 +1,7 @@
 """int8 networks: ONNX Runtime's static quantisation of a model's exported graph, and the
-speed of two embedders side by side.
+speed of embedding paths side by side.
 
-:func:`quantize_int8` exports the float network (:func:`imgret.onnx_export.onnx_bytes`),
+:func:`quantize_int8` takes the float network's graph (:func:`imgret.onnx_export.onnx_bytes`),
 runs ONNX Runtime's pre-processing (constant folding, fusions; symbolic shape inference is
 skipped, it cannot follow the ``Expand`` of the L2 normalisation), then
 ``quantize_static``:
@@ -28,15 +28,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import torch
 
-from imgret.checkpoint import EmbeddingNet, ModelSpec
-from imgret.onnx_export import onnx_bytes
 from imgret.onnx_graph import INPUT_NAME
 
 # The operators quantised; everything after the projection (ReduceL2, Div) stays float.
@@ -44,10 +41,10 @@ QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Relu", "MaxPool", "GlobalAver
                  "AveragePool", "Flatten")
 
 
-def quantize_int8(model: EmbeddingNet, spec: ModelSpec, batches: Iterable[np.ndarray]) -> bytes:
-    """The int8 graph of ``model`` (see the module docstring), its activation ranges
-    calibrated on ``batches`` (``(n, 3, S, S)`` float32 model inputs, preprocessed as the
-    Embedder does).
+def quantize_int8(float_graph: bytes, batches: Iterable[np.ndarray]) -> bytes:
+    """The int8 graph of ``float_graph`` (a model's :func:`imgret.onnx_export.onnx_bytes`; see
+    the module docstring), its activation ranges calibrated on ``batches`` (``(n, 3, S, S)``
+    float32 model inputs, preprocessed as the Embedder does).
 
     Raises:
         ValueError: no calibration batch.
@@ -76,7 +73,7 @@ def quantize_int8(model: EmbeddingNet, spec: ModelSpec, batches: Iterable[np.nda
     with tempfile.TemporaryDirectory(prefix="imgret-int8-") as tmp:
         # quantize_static works on files (and writes its calibration graph beside them).
         float_path, prepared, out = (Path(tmp) / n for n in ("f.onnx", "p.onnx", "q.onnx"))
-        float_path.write_bytes(onnx_bytes(model, spec))
+        float_path.write_bytes(float_graph)
         quant_pre_process(str(float_path), str(prepared), skip_symbolic_shape=True)
         quantize_static(
             str(prepared), str(out), Reader(), quant_format=QuantFormat.QDQ,
@@ -86,30 +83,29 @@ def quantize_int8(model: EmbeddingNet, spec: ModelSpec, batches: Iterable[np.nda
         return out.read_bytes()
 
 
-class _Embeds(Protocol):
-    def embed_tensors(self, batch: torch.Tensor) -> np.ndarray: ...
+def throughput(runs: Mapping[str, Callable[[], object]], images: int, *,
+               seconds: float = 5.0, warmup: int = 2,
+               min_rounds: int = 3) -> dict[str, dict[str, Any]]:
+    """Images per second of each of ``runs``, every one of which handles ``images`` images
+    per call (an Embedder's ``embed_tensors`` of one batch, the search path of one batch of
+    uploads).
 
-
-def throughput(embedders: Mapping[str, _Embeds], batch: torch.Tensor, *, seconds: float = 5.0,
-               warmup: int = 2, min_rounds: int = 3) -> dict[str, dict[str, Any]]:
-    """Images per second of each embedder's ``embed_tensors`` on the same batch.
-
-    The embedders alternate round by round, so a change in the machine's load falls on all of
-    them; each figure is the median round. Preprocessing, the same for all, is left out.
+    The runs alternate round by round, so a change in the machine's load falls on all of
+    them; each figure is the median round.
 
     Returns:
         ``{name: {"images_per_s", "rounds", "batch"}}``.
     """
-    for embedder in embedders.values():
+    for run in runs.values():
         for _ in range(warmup):
-            embedder.embed_tensors(batch)
-    times: dict[str, list[float]] = {name: [] for name in embedders}
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or min(len(t) for t in times.values()) < min_rounds:
-        for name, embedder in embedders.items():
+        for name, run in runs.items():
             start = time.perf_counter()
-            embedder.embed_tensors(batch)
+            run()
             times[name].append(time.perf_counter() - start)
-    return {name: {"images_per_s": len(batch) / statistics.median(t), "rounds": len(t),
-                   "batch": len(batch)}
+    return {name: {"images_per_s": images / statistics.median(t), "rounds": len(t),
+                   "batch": images}
             for name, t in times.items()}

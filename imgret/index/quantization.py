@@ -15,6 +15,7 @@ will see. Unreadable stored images are skipped.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from imgret.errors import GalleryError, ImgretError
 from imgret.images import preprocess_encoded
 from imgret.index import store, versions
 from imgret.index.media import MediaBackend
+from imgret.onnx_export import onnx_bytes
 from imgret.quantize import quantize_int8, throughput
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,8 @@ def quantize_version(
                                 images=images, max_pixels=max_pixels)
     batches = [inputs[i:i + CALIBRATION_BATCH].numpy()
                for i in range(0, len(inputs), CALIBRATION_BATCH)]
-    graph = quantize_int8(loaded.model, loaded.spec, batches)
+    float_graph = onnx_bytes(loaded.model, loaded.spec)
+    graph = quantize_int8(float_graph, batches)
     quantized = Quantized(SCHEME, graph)
     extra = {"quantized_from": version, "calibration": {
         "images": len(inputs), "source": "stored gallery, spread over the id order",
@@ -101,15 +104,16 @@ def quantize_version(
     cosine = np.sum(parent.embed_tensors(inputs) * int8.embed_tensors(inputs), axis=1)
     result = Int8Version(
         parent=version, version=registered["version"], calibration_images=len(inputs),
-        float_graph_bytes=0, int8_graph_bytes=len(graph), cosine_mean=float(cosine.mean()),
-        cosine_min=float(cosine.min()), registered=registered,
+        float_graph_bytes=len(float_graph), int8_graph_bytes=len(graph),
+        cosine_mean=float(cosine.mean()), cosine_min=float(cosine.min()), registered=registered,
     )
     if speed_seconds > 0:
         parent_onnx = Embedder.from_checkpoint(loaded, device="cpu", runtime="onnxruntime")
-        result.float_graph_bytes = len(parent_onnx.onnx_graph or b"")
+        batch = inputs[:CALIBRATION_BATCH]
         result.speed = throughput(
-            {"torch eager": parent, "onnxruntime": parent_onnx, SCHEME: int8},
-            inputs[:CALIBRATION_BATCH], seconds=speed_seconds)
+            {name: functools.partial(embedder.embed_tensors, batch) for name, embedder in
+             (("torch eager", parent), ("onnxruntime", parent_onnx), (SCHEME, int8))},
+            len(batch), seconds=speed_seconds)
     return result
 
 

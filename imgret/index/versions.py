@@ -231,8 +231,7 @@ def register_path(
         loaded = _parse(data, "the checkpoint")
     except CheckpointError:
         raise CheckpointError(PATH_REFUSED) from None
-    return _register_loaded(data, loaded, session_factory=session_factory, data_dir=data_dir,
-                            name="the checkpoint")
+    return _register_loaded(data, loaded, session_factory=session_factory, data_dir=data_dir)
 
 
 def register_upload(
@@ -269,7 +268,7 @@ def register_bytes(
         GalleryError: the version is registered with another dimension.
     """
     return _register_loaded(data, _parse(data, name), session_factory=session_factory,
-                            data_dir=data_dir, name=name)
+                            data_dir=data_dir)
 
 
 def _parse(data: bytes, name: str) -> Checkpoint:
@@ -286,7 +285,7 @@ def _parse(data: bytes, name: str) -> Checkpoint:
 
 
 def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessionmaker[Session],
-                     data_dir: str | Path, name: str) -> dict[str, Any]:
+                     data_dir: str | Path) -> dict[str, Any]:
     version = loaded.model_version  # load_checkpoint checked it is its weights' hash
     sha = hashlib.sha256(data).hexdigest()
     with session_factory.begin() as session:

@@ -18,11 +18,13 @@ pytest.importorskip("onnxruntime")
 
 @pytest.fixture(scope="module")
 def int8_parts(tiny_checkpoint: Path):
+    from imgret.onnx_export import onnx_bytes
     from imgret.quantize import quantize_int8
 
     loaded = load_checkpoint(tiny_checkpoint)
     torch.manual_seed(2)
-    graph = quantize_int8(loaded.model, loaded.spec, [torch.rand(16, 3, 32, 32).numpy() * 2 - 1])
+    graph = quantize_int8(onnx_bytes(loaded.model, loaded.spec),
+                          [torch.rand(16, 3, 32, 32).numpy() * 2 - 1])
     return loaded, graph
 
 

@@ -42,9 +42,10 @@ def inputs() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def graph(model: EmbeddingNet, inputs: torch.Tensor) -> bytes:
+    from imgret.onnx_export import onnx_bytes
     from imgret.quantize import quantize_int8
 
-    return quantize_int8(model, SPEC, [inputs[:12].numpy(), inputs[12:].numpy()])
+    return quantize_int8(onnx_bytes(model, SPEC), [inputs[:12].numpy(), inputs[12:].numpy()])
 
 
 def test_an_int8_checkpoint_round_trips_and_runs_with_onnxruntime(
