@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ TRITON_DIR = "triton"
 # (the service's own defaults, IMGRET_BATCH_MAX_SIZE and IMGRET_BATCH_MAX_WAIT_MS).
 TRITON_MAX_BATCH = 32
 TRITON_QUEUE_DELAY_US = 5000
+# torch.onnx.export keeps its state in process globals (GLOBALS.in_onnx_export and others):
+# two exports at once in one process fail each other ("in_onnx_export must be True"). The
+# service loads versions from several threads, and two quantisations may run at once.
+_EXPORT_LOCK = threading.Lock()
 
 
 def onnx_bytes(model: EmbeddingNet, spec: ModelSpec | None = None) -> bytes:
@@ -51,7 +56,7 @@ def onnx_bytes(model: EmbeddingNet, spec: ModelSpec | None = None) -> bytes:
     example = torch.zeros(2, 3, spec.image_size, spec.image_size)
     buffer = io.BytesIO()
     try:
-        with warnings.catch_warnings():
+        with _EXPORT_LOCK, warnings.catch_warnings():
             # The exporter announces its own deprecation in favour of the dynamo one.
             warnings.simplefilter("ignore")
             torch.onnx.export(

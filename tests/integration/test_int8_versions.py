@@ -135,3 +135,37 @@ def test_ingest_and_evaluate_run_the_configured_runtime(env: Path, image_folder:
     run("ingest", str(image_folder), "--query-set", "q", "--no-progress")
     run("evaluate", "--query-set", "q")
     assert sum(runs()) > ingested
+
+
+def test_two_concurrent_quantisations_register_one_version(
+        env: Path, image_folder: Path) -> None:
+    """Two processes' worth of `--quantize int8` at once (each its own engine): the same
+    calibration gives the same graph, and registration under the gallery lock makes it one
+    version, whichever commits second."""
+    import threading
+
+    from imgret.index.model_commands import quantize
+    from imgret.settings import get_settings
+
+    run("ingest", str(image_folder), "--no-progress")
+    parent = json.loads(run("models", "list", "--json"))["active"]
+    start = threading.Barrier(2)
+    made: list[str] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        start.wait()
+        try:
+            made.append(quantize(get_settings(), parent, images=6, speed_seconds=0).version)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert len(made) == 2 and made[0] == made[1]
+    listed = [m["version"] for m in json.loads(run("models", "list", "--json"))["models"]]
+    assert sorted(listed) == sorted([parent, made[0]])

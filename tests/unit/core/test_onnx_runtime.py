@@ -188,3 +188,30 @@ def test_export_leaves_a_training_model_in_training_mode() -> None:
     model = _model().train()
     assert onnx_bytes(model)
     assert model.training
+
+
+def test_concurrent_exports_in_one_process_each_get_their_graph() -> None:
+    """torch.onnx.export keeps process-global state; the service builds Embedders from
+    several threads, and two at once made each other fail (then silently run torch)."""
+    import threading
+
+    models = [_model(seed=seed) for seed in (0, 1, 2, 3)]
+    expected = [onnx_bytes(model, SPEC) for model in models]
+    start = threading.Barrier(len(models))
+    got: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+
+    def export(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = onnx_bytes(models[i], SPEC)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=export, args=(i,)) for i in range(len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert [got[i] for i in range(len(models))] == expected
