@@ -8,6 +8,11 @@ of a tenant), and every scoped row it adds is stamped with it. So a store functi
 for one gallery serves any collection unchanged, and one that forgets the collection still
 cannot read, count or delete another's rows.
 
+A query item belongs to its collection through its query set (it has no ``collection_id`` of
+its own): every statement on ``query_items`` gets ``query_set_id IN (the collection's query
+sets)``, so a job that picks query images to embed, or a count of them, sees only its own
+collection's, like every other row.
+
 What must see every collection says so: a session made with ``collection_id=None``
 (backups, the media sweep), or one statement with ``.execution_options(all_collections=True)``
 (is this image still used by anyone?). Core statements on a table (bulk inserts, the change
@@ -19,10 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import event, select
 from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker, with_loader_criteria
 
-from imgret.index.models import DEFAULT_COLLECTION_ID, CollectionScoped
+from imgret.index.models import DEFAULT_COLLECTION_ID, CollectionScoped, QueryItem, QuerySet
 
 ALL_COLLECTIONS = "all_collections"
 _INFO_KEY = "collection_id"
@@ -63,10 +68,17 @@ def _only_this_collection(state: ORMExecuteState) -> None:
     collection_id = state.session.info.get(_INFO_KEY, DEFAULT_COLLECTION_ID)
     if collection_id is None:
         return
-    state.statement = state.statement.options(with_loader_criteria(
-        CollectionScoped, lambda cls: cls.collection_id == collection_id,
-        include_aliases=True,
-    ))
+    state.statement = state.statement.options(
+        with_loader_criteria(
+            CollectionScoped, lambda cls: cls.collection_id == collection_id,
+            include_aliases=True,
+        ),
+        with_loader_criteria(
+            QueryItem, lambda cls: cls.query_set_id.in_(
+                select(QuerySet.id).where(QuerySet.collection_id == collection_id)),
+            include_aliases=True,
+        ),
+    )
 
 
 @event.listens_for(Session, "before_flush")

@@ -512,7 +512,10 @@ def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
                 GalleryItem.sha256.in_(chunk), GalleryItem.deleted_at.is_(None)
             ).execution_options(**{ALL_COLLECTIONS: True})
         ))
-        used.update(session.scalars(select(QueryItem.sha256).where(QueryItem.sha256.in_(chunk))))
+        used.update(session.scalars(
+            select(QueryItem.sha256).where(QueryItem.sha256.in_(chunk))
+            .execution_options(**{ALL_COLLECTIONS: True})
+        ))
     return set(wanted) - used
 
 
@@ -523,7 +526,8 @@ def referenced_media(*, session: Session) -> set[str]:
         select(GalleryItem.sha256).where(GalleryItem.deleted_at.is_(None))
         .execution_options(**{ALL_COLLECTIONS: True})
     ))
-    used.update(session.scalars(select(QueryItem.sha256)))
+    used.update(session.scalars(
+        select(QueryItem.sha256).execution_options(**{ALL_COLLECTIONS: True})))
     return used
 
 

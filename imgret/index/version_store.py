@@ -310,8 +310,10 @@ def missing_items(version_id: int, *, session: Session, after: int, limit: int,
 def query_coverage(version_id: int, *, session: Session) -> tuple[int, int]:
     """``(embedded, total)``: query items with a vector of the version, and all of them."""
     total = session.scalar(select(func.count()).select_from(QueryItem)) or 0
+    # Joined to the (scoped) query items: a vector counts only for this collection's items.
     embedded = session.scalar(
         select(func.count()).select_from(QueryEmbedding)
+        .join(QueryItem, QueryItem.id == QueryEmbedding.query_item_id)
         .where(QueryEmbedding.model_version_id == version_id)
     ) or 0
     return int(embedded), int(total)

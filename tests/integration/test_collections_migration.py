@@ -106,3 +106,41 @@ def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
         assert [t for t in declared if "AUTOINCREMENT" not in tables[t]] == []
     assert collections.create("shop", session_factory=default).items == 0
     engine.dispose()
+
+
+def test_query_vectors_made_across_collections_are_removed_and_the_rest_kept(
+    db_url: str, tmp_path, tiny_checkpoint
+) -> None:
+    """Migration 0009: a vector of one collection's query item under another collection's
+    version (what re-embedding jobs used to make) goes; a collection's own stay."""
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    default = make_sessionmaker(engine)
+    media = MediaStore(tmp_path / "media")
+    versions.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
+    shop = make_sessionmaker(engine, collections.create("shop", session_factory=default).id)
+    _fill(default, media, 4, "own", 2, query_set="faces")
+    _fill(shop, media, 3, "theirs", 3, query_set="cams")
+    downgrade(db_url, "0008")
+    with engine.begin() as connection:
+        shop_version = connection.execute(text(
+            "SELECT mv.id FROM model_versions mv JOIN collections c ON c.id = mv.collection_id"
+            " WHERE c.name = 'shop'")).scalar_one()
+        connection.execute(text(
+            "INSERT INTO query_embeddings (model_version_id, query_item_id, dim, vector,"
+            " created_at) SELECT :v, qe.query_item_id, qe.dim, qe.vector, qe.created_at"
+            " FROM query_embeddings qe JOIN query_items qi ON qi.id = qe.query_item_id"
+            " JOIN query_sets qs ON qs.id = qi.query_set_id WHERE qs.name = 'faces'"),
+            {"v": shop_version})
+    assert _counts(engine)["query_embeddings"] == 4 + 3 + 4
+    upgrade_to_head(db_url)
+    with engine.connect() as connection:
+        kept = connection.execute(text(
+            "SELECT qs.name, count(*) FROM query_embeddings qe"
+            " JOIN query_items qi ON qi.id = qe.query_item_id"
+            " JOIN query_sets qs ON qs.id = qi.query_set_id"
+            " JOIN model_versions mv ON mv.id = qe.model_version_id"
+            " WHERE mv.collection_id = qs.collection_id GROUP BY qs.name")).all()
+    assert _counts(engine)["query_embeddings"] == 4 + 3
+    assert dict(kept) == {"faces": 4, "cams": 3}
+    engine.dispose()
