@@ -40,6 +40,9 @@ _KEY = re.compile(rf"^{KEY_PREFIX}_([1-9][0-9]{{0,9}})_([A-Za-z0-9_-]{{43}})$")
 KEY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$"
 _KEY_NAME = re.compile(KEY_NAME_PATTERN)
 RANK = {role: rank for rank, role in enumerate(ROLES, start=1)}
+# What an unknown key id is checked against (random per process: no secret matches it).
+_NO_KEY_SALT = secrets.token_bytes(16)
+_NO_KEY_DIGEST = secrets.token_bytes(32)
 
 
 class KeyNotFound(GalleryError, LookupError):
@@ -104,9 +107,17 @@ def kdf_digest(secret: str, salt: bytes, kdf: str = KDF) -> bytes:
                           **_SCRYPT)
 
 
-def matches(record: KeyRecord, secret: str) -> bool:
-    """Whether ``secret`` is the key's (constant-time comparison of the digests)."""
-    return hmac.compare_digest(kdf_digest(secret, record.salt, record.kdf), record.digest)
+def matches(record: KeyRecord | None, secret: str) -> bool:
+    """Whether ``secret`` is the key's (constant-time comparison of the digests).
+
+    ``None`` (no such key) and a revoked key run the same KDF, against a digest no secret
+    has, and answer False: checking a key costs the same whether its id exists, is revoked
+    or is unknown, so timing tells a caller nothing about which ids exist.
+    """
+    salt, digest, kdf = ((record.salt, record.digest, record.kdf) if record is not None
+                         else (_NO_KEY_SALT, _NO_KEY_DIGEST, KDF))
+    good = hmac.compare_digest(kdf_digest(secret, salt, kdf), digest)
+    return good and record is not None and record.revoked_at is None
 
 
 def create(name: str, *, session_factory: sessionmaker[Session],
@@ -155,18 +166,32 @@ def revoke(key_id: int, *, session_factory: sessionmaker[Session]) -> KeyRecord:
 def load(*, session_factory: sessionmaker[Session]) -> dict[int, KeyRecord]:
     """Every key with its roles (what a process checks requests against)."""
     with session_factory() as session:
-        roles: dict[int, dict[str, str]] = {}
-        for key_id, name, role in session.execute(
-            select(ApiKeyRole.key_id, Collection.name, ApiKeyRole.role)
-            .join(Collection, Collection.id == ApiKeyRole.collection_id)
-        ):
-            roles.setdefault(key_id, {})[name] = role
-        return {
-            row.id: KeyRecord(row.id, row.name, bool(row.is_admin), roles.get(row.id, {}),
-                              row.created_at, row.revoked_at, bytes(row.salt),
-                              bytes(row.digest), row.kdf)
-            for row in session.scalars(select(ApiKey).order_by(ApiKey.id))
-        }
+        return _records(session, None)
+
+
+def find(key_id: int, *, session_factory: sessionmaker[Session]) -> KeyRecord | None:
+    """One key with its roles, ``None`` if no key has that id (one indexed read: what a
+    process checks a key it has not seen against)."""
+    with session_factory() as session:
+        return _records(session, key_id).get(key_id)
+
+
+def _records(session: Session, key_id: int | None) -> dict[int, KeyRecord]:
+    role_rows = (select(ApiKeyRole.key_id, Collection.name, ApiKeyRole.role)
+                 .join(Collection, Collection.id == ApiKeyRole.collection_id))
+    key_rows = select(ApiKey).order_by(ApiKey.id)
+    if key_id is not None:
+        role_rows = role_rows.where(ApiKeyRole.key_id == key_id)
+        key_rows = key_rows.where(ApiKey.id == key_id)
+    roles: dict[int, dict[str, str]] = {}
+    for owner, name, role in session.execute(role_rows):
+        roles.setdefault(owner, {})[name] = role
+    return {
+        row.id: KeyRecord(row.id, row.name, bool(row.is_admin), roles.get(row.id, {}),
+                          row.created_at, row.revoked_at, bytes(row.salt),
+                          bytes(row.digest), row.kdf)
+        for row in session.scalars(key_rows)
+    }
 
 
 def get(key_id: int, *, session_factory: sessionmaker[Session]) -> KeyRecord:

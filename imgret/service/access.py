@@ -19,11 +19,16 @@ function (``python tools/role_table.py``; a test walks it).
 
 Keys are in use once ``IMGRET_API_KEY`` is set or a key is stored. Then a write needs a key
 with the role; a read of a public collection needs none, and of a private one
-(``public: false``) it needs a key with ``read``. A wrong, unknown or revoked key is 401 on
-every route that names a collection or needs an admin (even a public read: a client must
-hear that its key is bad), a key without the role 403; the public routes (``/health``, the
-page, the docs, the list of collections) answer as if no key was sent. Without keys, reads
-are anonymous and writes follow the keyless rules of :mod:`imgret.service.auth`.
+(``public: false``) it needs a key with ``read``. A key never takes away what anonymity
+gives: a good key without any role on a public collection reads it as an anonymous caller
+would. A wrong, unknown or revoked key is 401 on every route that names a collection or
+needs an admin (even a public read: a client must hear that its key is bad), a good key
+without the role a route needs 403; the public routes (``/health``, the page, the docs, the
+list of collections) answer as if no key was sent. Without keys, reads are anonymous and
+writes follow the keyless rules of :mod:`imgret.service.auth`.
+
+Checking a key costs the same whether its id exists, is revoked or is unknown
+(:meth:`KeyRing.identify`), so its timing does not tell which ids exist.
 """
 
 from __future__ import annotations
@@ -213,23 +218,28 @@ class KeyRing:
         if parsed is None:
             return None
         key_id, secret = parsed
-        if key_id not in self.keys:
-            await self._refresh_soon()  # created by another process since the last refresh
-        record = self.keys.get(key_id)
-        if record is None or record.revoked_at is not None:
-            return None
         fingerprint = hashlib.sha256(secret.encode()).digest()
-        seen = self._verified.get(key_id)
-        if seen is not None and hmac.compare_digest(seen, fingerprint):
-            return Caller(key=record)
+        record, seen = self.keys.get(key_id), self._verified.get(key_id)
+        if (record is not None and record.revoked_at is None and seen is not None
+                and hmac.compare_digest(seen, fingerprint)):
+            return Caller(key=record)  # verified before: only its holder gets here
+        # Every other key costs one lookup by id and one KDF, whether its id exists, is
+        # revoked or is unknown (keys.matches), so timing says nothing about which ids
+        # exist; the lookup finds a key another process has just made, at once.
         async with self._kdf:
-            good = await anyio.to_thread.run_sync(keys.matches, record, secret)
-        if not good:
+            record = await anyio.to_thread.run_sync(self._check, key_id, secret)
+        if record is None:
             return None
         with self._lock:
-            if self.keys.get(key_id) is record:
-                self._verified[key_id] = fingerprint
+            self.keys[key_id] = record
+            self._verified[key_id] = fingerprint
         return Caller(key=record)
+
+    def _check(self, key_id: int, secret: str) -> keys.KeyRecord | None:
+        """The key ``key_id`` as stored now if ``secret`` is its secret and it is live."""
+        record = (keys.find(key_id, session_factory=self._sessions)
+                  if self._sessions is not None else self.keys.get(key_id))
+        return record if keys.matches(record, secret) else None
 
 
 def route_table(openapi: dict) -> list[tuple[str, str, str]]:

@@ -241,7 +241,9 @@ class WriteGuardMiddleware:
             return _UNAUTHORISED if caller.anonymous else (
                 403, "this needs a global admin key", [])
         assert required.collection is not None
-        if (caller.anonymous and required.role == "read" and required.anonymous
+        # A key never takes away what anonymity gives: a public read answers any caller
+        # whose key is good, whatever roles it holds (a bad key was refused before: 401).
+        if (required.role == "read" and required.anonymous
                 and self.keyring.is_public(required.collection)):
             return None
         if caller.may(required.role, required.collection):

@@ -94,13 +94,16 @@ def test_roles_decide_per_collection_and_revocation_is_immediate(keyed) -> None:
 def test_every_route_asks_what_the_generated_table_says(keyed) -> None:
     """Walk the role × route table: a key holding the stated role gets past the guard (any
     answer but 401/403), a key with less gets 403, no key gets 401 (or an answer where
-    anonymous reads of a public collection are allowed)."""
+    anonymous reads of a public collection are allowed, and there a good key without any
+    role on that collection is let in too: a key never takes away what anonymity gives)."""
     client, _ = keyed
     table = route_table(client.app.openapi())
     assert len(table) > 40
     reader = _key(client, "reader", {"shop": "read", "default": "read"})["key"]
     writer = _key(client, "writer", {"shop": "write", "default": "write"})["key"]
     admin = _key(client, "shop-admin", {"shop": "admin", "default": "admin"})["key"]
+    # Holds nothing on the public default collection: it must read there as anonymity does.
+    elsewhere = _key(client, "shop-reader", {"shop": "read"})["key"]
     strength = {"read": reader, "write": writer, "admin": admin}
     order = ["read", "write", "admin"]
     for method, path, who in table:
@@ -117,6 +120,8 @@ def test_every_route_asks_what_the_generated_table_says(keyed) -> None:
             role = re.search(r"(read|write|admin) on", who).group(1)
             public = who.startswith("anyone if public") and "{collection}" not in path
             checks.append((None, None if public else {401}))
+            if public:
+                checks.append((elsewhere, None))
             checks.append((strength[role], None))
             if order.index(role) > 0:
                 checks.append((strength[order[order.index(role) - 1]], {403}))
