@@ -52,6 +52,9 @@ from imgret.index.models import (
     utcnow,
 )
 from imgret.index.scope import ALL_COLLECTIONS
+from imgret.index.store import CollectionNotFound
+
+__all__ = ["CollectionNotFound"]  # defined beside the writes that check it; named here too
 from imgret.settings import COLLECTION_NAME_PATTERN
 
 logger = logging.getLogger(__name__)
@@ -60,10 +63,6 @@ NAME_PATTERN = COLLECTION_NAME_PATTERN
 RESERVED_NAMES = frozenset({DEFAULT_COLLECTION, "all"})
 _NAME = re.compile(NAME_PATTERN)
 _EVERY = {ALL_COLLECTIONS: True}
-
-
-class CollectionNotFound(GalleryError, LookupError):
-    """No collection of that name (404)."""
 
 
 class CollectionExists(GalleryError):

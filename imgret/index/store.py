@@ -28,6 +28,7 @@ from imgret.index.models import (
     CHANGE_ADD,
     CHANGE_DELETE,
     DEFAULT_COLLECTION_ID,
+    Collection,
     Embedding,
     GalleryChange,
     GalleryItem,
@@ -275,6 +276,26 @@ def lock_gallery_writes(*, session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _GALLERY_WRITE_LOCK_KEY})
     elif dialect == "sqlite":
         session.execute(text("UPDATE model_versions SET id = id WHERE 1 = 0"))
+
+
+class CollectionNotFound(GalleryError, LookupError):
+    """No collection of that name (404); also a collection deleted while a write to it was
+    on its way."""
+
+
+def require_collection(*, session: Session) -> None:
+    """Refuse a write to a collection that no longer exists.
+
+    Call it after :func:`lock_gallery_writes`: deleting a collection takes that lock too, so
+    the answer holds until this transaction ends, and a write that races a delete stops
+    here, before any image byte is stored.
+
+    Raises:
+        CollectionNotFound: the session's collection was deleted.
+    """
+    collection_id = collection_of(session)
+    if session.scalar(select(Collection.id).where(Collection.id == collection_id)) is None:
+        raise CollectionNotFound("this collection was deleted")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import anyio.to_thread
 
@@ -53,6 +53,7 @@ class CollectionRegistry:
         self._open: dict[str, Resources] = {}
         self._used: dict[str, float] = {}  # name -> time.monotonic() of its last request
         self._held: dict[str, int] = {}  # name -> requests holding it now
+        self._deleting: set[str] = set()  # being deleted by this process: never reopened
         self._opening = asyncio.Lock()
         settings = default.settings
         self.max_open = settings.max_open_collections
@@ -67,7 +68,9 @@ class CollectionRegistry:
         """
         if name == DEFAULT_COLLECTION:
             return self.default
-        collection_id = await anyio.to_thread.run_sync(self._lookup, name)
+        if name in self._deleting:
+            raise CollectionNotFound(f"no collection named {name!r}")
+        collection_id = await anyio.to_thread.run_sync(self.lookup, name)
         opened = self._open.get(name)
         if opened is not None and opened.collection_id == collection_id:
             self._used[name] = time.monotonic()
@@ -143,7 +146,23 @@ class CollectionRegistry:
                 return
             await self.close(min(idle, key=lambda n: self._used.get(n, 0.0)))
 
-    def _lookup(self, name: str) -> int | None:
+    @contextlib.asynccontextmanager
+    async def deleting(self, name: str) -> AsyncIterator[None]:
+        """While collection ``name`` is being deleted here: no request opens it again, and
+        one that held it hears that it is gone (:meth:`is_gone`), not that the server stops."""
+        self._deleting.add(name)
+        try:
+            await self.close(name)
+            yield
+        finally:
+            self._deleting.discard(name)
+
+    def is_gone(self, name: str) -> bool:
+        """Whether collection ``name`` is being deleted here or no longer exists in SQL."""
+        return name in self._deleting or self.lookup(name) is None
+
+    def lookup(self, name: str) -> int | None:
+        """The id of collection ``name`` in SQL now, ``None`` if there is none."""
         with self.default.sessions() as session:
             row = collections.find(name, session=session)
             return None if row is None else row.id

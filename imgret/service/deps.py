@@ -39,6 +39,9 @@ async def get_resources(request: Request) -> AsyncIterator[Resources]:
         raise InvalidRequest(f"collection: {exc}") from None
     registry = request.app.state.collections
     resources = await registry.resources(name)
+    # It existed when the request began: an error from now on may come from a delete that
+    # raced it, and the error handlers then answer 404 for the collection.
+    request.state.collection = name
     with registry.holding(name):
         yield resources
 

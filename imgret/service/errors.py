@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -63,7 +64,34 @@ def status_for(exc: Exception) -> int:
     return 400
 
 
+async def _collection_gone(request: Request) -> JSONResponse | None:
+    """404 for a request whose collection was deleted while it ran (by any process), ``None``
+    when its collection is still there (or it names none).
+
+    A request to a named collection looks it up first, but a delete can commit between that
+    and the request's own reads and writes, which then fail on what the delete took with it
+    (its versions, its rows). The client should hear what happened to the collection, not
+    about a version or a conflict it never caused.
+    """
+    name = getattr(request.state, "collection", None)  # set once the collection was found
+    registry = getattr(request.app.state, "collections", None)
+    if name is None or registry is None:
+        return None
+    try:
+        gone = await anyio.to_thread.run_sync(registry.is_gone, name)
+    except sa_exc.SQLAlchemyError:
+        return None  # the database is the problem: the first error says so
+    if not gone:
+        return None
+    logger.info("%s %s -> 404: the collection was deleted meanwhile", request.method,
+                request.url.path)
+    return JSONResponse({"detail": f"no collection named {name!r}"}, status_code=404)
+
+
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    gone = await _collection_gone(request)
+    if gone is not None:
+        return gone
     status = status_for(exc)
     # 5xx-like states (a stale index) deserve a warning; bad input is routine, and so is a
     # busy server telling its clients to come back.
@@ -105,6 +133,9 @@ def database_status(exc: Exception) -> tuple[int, str] | None:
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    gone = await _collection_gone(request)
+    if gone is not None:
+        return gone
     mapped = database_status(exc)
     assert mapped is not None  # registered for the classes of _DB_STATUS only
     status, message = mapped

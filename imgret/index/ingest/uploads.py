@@ -7,6 +7,7 @@ under the gallery write lock after planning again (:mod:`imgret.index.ingest.wri
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +19,13 @@ from imgret.embedder import Embedder
 from imgret.errors import GalleryError
 from imgret.images import DecodeLimits, embed_encoded
 from imgret.index import store
+from imgret.index.gc import purge_media
 from imgret.index.ingest.plan import PLAN_ROUNDS, Candidate, make_plan, stack_vectors
 from imgret.index.ingest.writer import write_planned
 from imgret.index.media import MediaBackend, sha256_hex
 from imgret.index.store import ItemInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ def add_items(
         for i, it in enumerate(items)
     ]
     with session_factory.begin() as session:
+        store.require_collection(session=session)
         model_version = store.register_model_version(
             session=session, version=embedder.model_version, dim=embedder.dim,
             config=embedder.spec.to_dict(),
@@ -125,19 +130,23 @@ def add_items(
             vectors = embed_encoded([c.data for c in todo], embedder=embedder, limits=limits,
                                     names=[f"images[{c.position}]" for c in todo])
             vectors_by_sha.update(zip((c.sha256 for c in todo), vectors, strict=True))
-        with session_factory.begin() as session:
-            if require_active:
-                store.lock_gallery_writes(session=session)
-                store.check_active(session=session, version=model_version)
-            plan, ids_by_sha = write_planned(cands, vectors_by_sha, session=session,
-                                             media=media, model_version=model_version,
-                                             query_set=None)
-            if ids_by_sha is None:
-                continue
-            existing = store.get_items(
-                [*plan.resolved.values(), *(c.existing_id for c in plan.embed_existing)],
-                session=session,
-            )
+        try:
+            with session_factory.begin() as session:
+                if require_active:
+                    store.lock_gallery_writes(session=session)
+                    store.check_active(session=session, version=model_version)
+                plan, ids_by_sha = write_planned(cands, vectors_by_sha, session=session,
+                                                 media=media, model_version=model_version,
+                                                 query_set=None)
+                if ids_by_sha is None:
+                    continue
+                existing = store.get_items(
+                    [*plan.resolved.values(), *(c.existing_id for c in plan.embed_existing)],
+                    session=session,
+                )
+        except BaseException:
+            _forget_stored(cands, session_factory=session_factory, media=media)
+            raise
         break
     else:
         raise GalleryError("the gallery changed under this upload too often; send it again")
@@ -162,3 +171,16 @@ def add_items(
             if not created[position] and (row := existing.get(item_id)) is not None
         },
     )
+
+
+def _forget_stored(cands: Sequence[Candidate], *, session_factory: sessionmaker[Session],
+                   media: MediaBackend) -> None:
+    """After a write that did not commit: remove the image files it stored, unless a row
+    uses them (the same bytes in another item or collection). Files are made durable before
+    their rows commit, so a failed add would otherwise leave its bytes behind until the
+    next start-up sweep."""
+    try:
+        purge_media({c.sha256 for c in cands}, session_factory=session_factory, media=media)
+    except Exception:  # noqa: BLE001 - the write's own error is the one to report
+        logger.exception("could not remove the images of a failed add; the start-up sweep "
+                         "will")

@@ -181,8 +181,12 @@ def write_planned(
     Returns:
         The new plan, and sha256 -> id of its work; ``None`` instead of the ids (nothing
         written) when the new plan needs an embedding that ``vectors_by_sha`` lacks.
+
+    Raises:
+        CollectionNotFound: the collection was deleted meanwhile (nothing written).
     """
     store.lock_gallery_writes(session=session)
+    store.require_collection(session=session)
     plan = make_plan(cands, session=session, model_version=model_version, query_set=query_set)
     if any(c.sha256 not in vectors_by_sha for c in plan.work):
         return plan, None

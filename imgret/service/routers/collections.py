@@ -103,9 +103,9 @@ async def delete_collection(collection: CollectionName, request: Request) -> Res
     default = request.app.state.resources
     if collection == DEFAULT_COLLECTION:
         raise InvalidRequest("the default collection cannot be deleted")
-    await request.app.state.collections.close(collection)
-    await anyio.to_thread.run_sync(lambda: collections.delete(
-        collection, session_factory=default.sessions, media=default.media,
-        data_dir=default.settings.data_dir))
+    async with request.app.state.collections.deleting(collection):
+        await anyio.to_thread.run_sync(lambda: collections.delete(
+            collection, session_factory=default.sessions, media=default.media,
+            data_dir=default.settings.data_dir))
     await anyio.to_thread.run_sync(request.app.state.keyring.refresh)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
