@@ -9,8 +9,8 @@ What it does (loopback only; about 3 minutes on 2 cores with the defaults):
 1. an *untrained* network of the demo model's architecture (small_cnn, 64-d, 28 px) serves
    every collection (rankings are meaningless; memory and latency are what is measured);
 2. ``--collections`` collections of ``--items`` items each are written straight into SQL with
-   random unit vectors (``imgret.index.store.insert_items``: the rows, vectors and change log
-   an upload writes; no image files, which searches never read), in a temporary SQLite data
+   random unit vectors (``imgret.gallery.storage.store.insert_items``: the rows, vectors and change
+   log an upload writes; no image files, which searches never read), in a temporary SQLite data
    dir;
 3. ``imgret serve`` with every collection allowed open: its RSS with only ``default`` open;
    then one search per collection (each opens it: index rebuilt from SQL, then saved) and
@@ -111,9 +111,11 @@ def _model(work: Path) -> Path:
 
 def _fill(data_dir: Path, db_url: str, run_dir: Path, n: int, items: int) -> list[str]:
     """Create the collections and their rows; returns their names."""
-    from imgret.index import collections, store, versions
-    from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-    from imgret.index.media import MediaStore
+    from imgret.gallery.media.files import MediaStore
+    from imgret.gallery.storage import store
+    from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+    from imgret.gallery.tenancy import collections
+    from imgret.gallery.versions import lifecycle as versions
 
     upgrade_to_head(db_url)
     engine = make_engine(db_url)

@@ -10,8 +10,8 @@ Four parts, each beside its floor or peer:
    beside the bare forward pass on a GPU-resident batch and the roofline (bf16 product
    rate / FLOPs per image, FLOPs counted by ``torch.utils.flop_counter``).
 3. **flat search**, 1M x 512 float32, k = 10, batches 1 and 1,024: the FAISS GPU index that
-   ``imgret.index.faiss_index.place_index`` makes (what the ``Searcher`` searches; host arrays in
-   and out) beside ``torch.mm`` + ``topk`` on GPU-resident data and the roofline: batch 1
+   ``imgret.gallery.search.faiss_index.place_index`` makes (what the ``Searcher`` searches; host
+   arrays in and out) beside ``torch.mm`` + ``topk`` on GPU-resident data and the roofline: batch 1
    reads the whole gallery (read bandwidth), batch 1,024 is a product (fp32 rate; TF32's
    beside it). Then the ``Searcher`` with its GPU mirror at k = 3,000 (> FAISS GPU's 2,048):
    it must return the CPU searcher's ids, also after deletes, without an error.
@@ -166,7 +166,7 @@ def unit_rows(n: int, d: int, seed: int) -> torch.Tensor:
 
 
 def search(args, peak: dict[str, float]) -> None:
-    from imgret.index.faiss_index import check_factory, create_index, place_index
+    from imgret.gallery.search.faiss_index import check_factory, create_index, place_index
 
     n, d, k = (1_000_000, 512, 10) if not args.quick else (20_000, 64, 10)
     gallery_gpu = unit_rows(n, d, 0)
@@ -205,9 +205,9 @@ def search(args, peak: dict[str, float]) -> None:
 
 def large_k() -> None:
     """The Searcher's GPU mirror at k beyond FAISS GPU's 2,048: same ids as the CPU copy."""
-    from imgret.index.faiss_index import check_factory, create_index, set_search_defaults
-    from imgret.index.search import Searcher
-    from imgret.index.store import ItemInfo
+    from imgret.gallery.search import Searcher
+    from imgret.gallery.search.faiss_index import check_factory, create_index, set_search_defaults
+    from imgret.gallery.storage.store import ItemInfo
 
     n, d, k = 20_000, 64, 3_000
     vectors = unit_rows(n, d, 2).cpu().numpy()

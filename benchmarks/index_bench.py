@@ -2,9 +2,10 @@
 
 Vectors: ``n`` L2-normalised 128-d float32 vectors drawn around ``n / 100`` cluster centres
 (100 images per class, like an embedded gallery), and 1,000 queries from the same clusters
-that are not in the gallery. Indexes are made by imgret's own code (``imgret.index.faiss_index``:
-factory check, IDMap2 / native ids, training sample, default ``nprobe``/``efSearch``), so the
-numbers are those of the service's index, not of a hand-tuned FAISS.
+that are not in the gallery. Indexes are made by imgret's own code
+(``imgret.gallery.search.faiss_index``: factory check, IDMap2 / native ids, training sample, default
+``nprobe``/``efSearch``), so the numbers are those of the service's index, not of a hand-tuned
+FAISS.
 
 Reported per gallery size:
 - build time (training + adding), for FAISS indexes;
@@ -38,15 +39,15 @@ from collections.abc import Callable
 import faiss
 import numpy as np
 
-from imgret.index.faiss_index import (
+from imgret.gallery.search import Searcher
+from imgret.gallery.search.faiss_index import (
     check_factory,
     create_index,
     set_search_defaults,
     train_index,
     unwrap,
 )
-from imgret.index.search import Searcher
-from imgret.index.store import ItemInfo
+from imgret.gallery.storage.store import ItemInfo
 
 K = 10
 DIM = 128

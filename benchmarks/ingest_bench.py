@@ -20,11 +20,11 @@ What it does, in one run (CPU; every database and data dir is fresh and temporar
       the ingest's decoder) and embedded with the same ``Embedder`` at the same batch size,
       in-process, one batch after the other (the bare embedding throughput);
    b. **the pooled floor**: the same, in the ingest's own worker processes
-      (``imgret.index.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses
+      (``imgret.gallery.ingest.workers.EmbedWorkers``, same worker count: each decodes, preprocesses
       and
       embeds whole slices with one torch thread, only vectors come back): what the
       ingest's pipeline does minus every storage step;
-   c. **ingest**: ``imgret.index.commands.ingest`` of the folder into a fresh SQLite database and
+   c. **ingest**: ``imgret.cli.jobs.gallery.ingest`` of the folder into a fresh SQLite database and
    data
       dir (and into a fresh PostgreSQL database with ``--postgres``), once per media backend
       of ``--media-backend`` (``IMGRET_MEDIA_BACKEND``: ``files``, the bytes as files in
@@ -205,7 +205,8 @@ def main() -> None:
         rates = [rate for rate, _ in results]
         rate = statistics.median(rates)
         used = statistics.median(cpu[db, backend])
-        lines.append(f"| (c) `imgret.index.commands.ingest`, {db}, media {backend} | {rate:.0f} | "
+        lines.append(f"| (c) `imgret.cli.jobs.gallery.ingest`, {db}, media {backend} | "
+                     f"{rate:.0f} | "
                      f"{_list(rates)} | {_ratio(rate, floor, bold=not pooled_is_bar)} | "
                      f"{_ratio(rate, pooled_floor, bold=pooled_is_bar)} | {used:.2f} | "
                      f"{_ratio(pooled_cpu_s, used) if pooled_cpu_s else '–'} |")
@@ -292,7 +293,7 @@ def _floor(paths: list[Path], embedder) -> float:
 
 def _media_file_cost(store_dir: Path, files: int = 256) -> float:
     """Microseconds per new media file in a fresh store under ``store_dir``."""
-    from imgret.index.media import MediaStore, sha256_hex
+    from imgret.gallery.media.files import MediaStore, sha256_hex
 
     store = MediaStore(store_dir)
     blobs = [i.to_bytes(4, "little") * 100 for i in range(files)]
@@ -309,11 +310,11 @@ def _pooled_floor(paths: list[Path], embedder) -> float | None:
     from types import SimpleNamespace
 
     try:
-        from imgret.index.ingest.workers import EmbedWorkers, default_workers
+        from imgret.gallery.ingest.workers import EmbedWorkers, default_workers
     except ImportError:
         return None
+    from imgret.gallery.media.files import sha256_hex
     from imgret.images import DEFAULT_MAX_PIXELS
-    from imgret.index.media import sha256_hex
 
     workers = default_workers(embedder)
     start = time.perf_counter()
@@ -347,11 +348,11 @@ def _forward(paths: list[Path], embedder) -> float:
 
 def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str | None, args,
                  *, ray: str | None = None, media_backend: str = "files"):
-    """``imgret.index.commands.ingest`` into a fresh database: (images/s over its wall time,
+    """``imgret.cli.jobs.gallery.ingest`` into a fresh database: (images/s over its wall time,
     report);
     with ``ray``, on Ray Data (``benchmarks/ray_ingest_bench.py``); the image bytes go to
     ``media_backend`` (``IMGRET_MEDIA_BACKEND``)."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
     from imgret.settings import Settings
 
     db_url, drop = f"sqlite:///{data_dir}/gallery.db", None

@@ -281,8 +281,8 @@ class FloorPipeline:
         import torch
 
         from imgret.embedder import Embedder
-        from imgret.index.db import make_engine, make_sessionmaker
-        from imgret.index.search import Searcher
+        from imgret.gallery.search import Searcher
+        from imgret.gallery.storage.db import make_engine, make_sessionmaker
         from imgret.process import frozen_long_lived
         from imgret.service.pipeline import ImageQuery, build_search_batcher
         from imgret.service.telemetry import ServiceMetrics

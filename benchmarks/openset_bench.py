@@ -45,7 +45,7 @@ from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.datasets import list_records
-from imgret.index.ingest import ingest_source
+from imgret.gallery.ingest import ingest_source
 from imgret.service.app import create_app
 from imgret.settings import Settings
 from imgret.training.data.glyphs import GlyphOptions, load_glyphs

@@ -12,10 +12,10 @@ What it does (CPU; every database and data dir is fresh and temporary):
    demo model's architecture (as ``ingest_bench.py`` does: the demo's work per image);
 2. starts a local Ray instance (``--num-cpus``, ``--object-store-mb``, no dashboard), or
    joins ``--ray ADDRESS``, and times that apart: a cluster is started once, not per ingest;
-3. ``--repeat`` times, interleaved: ``imgret.index.commands.ingest`` of the folder (the plain
+3. ``--repeat`` times, interleaved: ``imgret.cli.jobs.gallery.ingest`` of the folder (the plain
 ingest,
-   decode worker processes) and ``imgret.index.commands.ingest(..., ray=...)`` (the Ray Data path),
-   each into a fresh SQLite database and data dir, and into a fresh PostgreSQL database with
+   decode worker processes) and ``imgret.cli.jobs.gallery.ingest(..., ray=...)`` (the Ray Data
+   path), each into a fresh SQLite database and data dir, and into a fresh PostgreSQL database with
    ``--postgres``. Images/s are over each report's wall time (listing, hashing, dedup,
    decoding, embedding, media writes, SQL commits; for Ray also its actors' start-up and
    model loads; not the schema migration).

@@ -12,7 +12,7 @@ the default run takes about 2 minutes on 2 cores):
    rankings meaningless (throughput and latency are what is measured here);
 2. ``--items`` Fashion-MNIST train images (Debian's ``dataset-fashion-mnist``; generated
    images when it is not installed) written as an ImageFolder and ingested with A the way
-   ``imgret demo`` does (``imgret.index.commands.ingest``, SQLite in a temporary data dir);
+   ``imgret demo`` does (``imgret.cli.jobs.gallery.ingest``, SQLite in a temporary data dir);
 3. starts ``imgret serve`` (A) with ``IMGRET_EMBED_DUTY=--duty`` and registers B and C
    (``POST /models``);
 4. phases, each measured by ``wrk -t1 -c<connections>`` on ``POST /search`` (k=10, cycling
@@ -180,7 +180,7 @@ def _models(work: Path) -> list[tuple[str, Path]]:
 
 def _ingest(folder: Path, data_dir: Path, db_url: str, model: Path) -> float:
     """Ingest the gallery with A the way ``imgret demo`` does; returns its items/s."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
     from imgret.settings import Settings
 
     settings = Settings(data_dir=data_dir, model=model, database_url=db_url, device="cpu")

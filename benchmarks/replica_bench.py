@@ -102,7 +102,7 @@ def _database(backend: str, folder: Path):
     """A fresh migrated database of ``backend``, dropped afterwards."""
     from sqlalchemy import text
 
-    from imgret.index.db import make_engine, upgrade_to_head
+    from imgret.gallery.storage.db import make_engine, upgrade_to_head
 
     if backend == "sqlite":
         folder.mkdir(parents=True)

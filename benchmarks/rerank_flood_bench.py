@@ -11,8 +11,8 @@ What it does (loopback only; every phase is bounded in time and in connections; 
 1. the model: an untrained tiny_cnn (the demo model's architecture, 64-d at 28 px, as
    ``load_bench.py --untrained tiny_cnn``): the work per image of the demo's model;
 2. a gallery of ``--gallery`` synthetic clustered 64-d unit vectors (200 clusters), written
-   straight into a fresh SQLite database through ``imgret.index.store.insert_items`` after a first
-   server start created the schema and registered the model; then the server is started
+   straight into a fresh SQLite database through ``imgret.gallery.storage.store.insert_items`` after
+   a first server start created the schema and registered the model; then the server is started
    again and builds its index (exact ``Flat``, the default) from them;
 3. three phases of ``--seconds`` each, after a 2 s warm-up: **plain** (``--clients``
    closed-loop connections sending ``POST /search``, one generated PNG, k = 10), **flood**
@@ -164,8 +164,8 @@ def synthetic_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
 
 
 def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 5000) -> None:
-    from imgret.index import store
-    from imgret.index.db import make_engine, make_sessionmaker
+    from imgret.gallery.storage import store
+    from imgret.gallery.storage.db import make_engine, make_sessionmaker
 
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
@@ -185,10 +185,10 @@ def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 50
 def floor_rerank_ms(vectors: np.ndarray, queries: int = 10) -> float:
     """Median ms of one maximal re-ranked query, back to back in this process (one thread),
     on an exact index of the same vectors."""
-    from imgret.index.faiss_index import check_factory, create_index
-    from imgret.index.search import Searcher
-    from imgret.index.search.rerank import KReciprocal
-    from imgret.index.store import ItemInfo
+    from imgret.gallery.search import Searcher
+    from imgret.gallery.search.faiss_index import check_factory, create_index
+    from imgret.gallery.search.rerank import KReciprocal
+    from imgret.gallery.storage.store import ItemInfo
     from imgret.service.limits import SEARCH_CANDIDATES_MAX
     from imgret.service.pipeline import configure_threads
 

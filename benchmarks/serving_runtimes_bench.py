@@ -164,7 +164,7 @@ def _settings(work: Path, name: str, model: str | Path, runtime: str):
 
 
 def _ingest(work: Path, name: str, model: str | Path, runtime: str) -> dict[str, Any]:
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     settings = _settings(work, name, model, runtime)
     shutil.rmtree(settings.data_dir, ignore_errors=True)
@@ -176,7 +176,8 @@ def _ingest(work: Path, name: str, model: str | Path, runtime: str) -> dict[str,
 
 
 def _torch_side(work: Path, run_dir: str) -> dict[str, Any]:
-    from imgret.index import commands, model_commands
+    from imgret.cli.jobs import gallery as commands
+    from imgret.cli.jobs import models as model_commands
 
     ingest = _ingest(work, "torch", run_dir, "torch")
     settings = _settings(work, "torch", run_dir, "torch")

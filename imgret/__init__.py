@@ -4,7 +4,7 @@ The subpackages are the layers, each importing only those below it
 (``tests/unit/test_layering.py``):
 
 - ``imgret.training``: learns embeddings and compares losses fairly (the Reality Check);
-- ``imgret.index``: the gallery in SQL, its media, and the FAISS index derived from it;
+- ``imgret.gallery``: the gallery in SQL, its media, and the FAISS index derived from it;
 - ``imgret.service``: the FastAPI service over the index;
 - ``imgret.cli``: the ``imgret`` command, on top of all of them;
 - ``imgret.migrations``: the Alembic migrations of the gallery schema.

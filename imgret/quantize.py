@@ -14,8 +14,8 @@ skipped, it cannot follow the ``Expand`` of the L2 normalisation), then
   them are quantised; the L2 normalisation at the end stays float, so vectors keep unit norm.
 
 The ranges come from the calibration images, so they should be images like those the version
-will embed: :mod:`imgret.index.quantization` takes them from the stored gallery. Whether the
-result may serve is not decided here: it is a new version, and the paired A/B verdict
+will embed: :mod:`imgret.gallery.versions.quantization` takes them from the stored gallery. Whether
+the result may serve is not decided here: it is a new version, and the paired A/B verdict
 against its parent decides (``imgret models activate --require not_worse``).
 
 Integer kernels differ by CPU: ONNX Runtime's u8s8 path is exact on CPUs with VNNI (AVX512

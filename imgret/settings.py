@@ -19,8 +19,8 @@ _DRIVERS = ("sqlite", "postgresql")
 MediaBackendName = Literal["files", "database"]
 MEDIA_BACKENDS: tuple[str, ...] = get_args(MediaBackendName)
 
-# What a collection name may be (imgret.index.collections says why); here because the CLI's
-# IMGRET_COLLECTION is checked by these settings.
+# What a collection name may be (imgret.gallery.tenancy.collections says why); here because the
+# CLI's IMGRET_COLLECTION is checked by these settings.
 COLLECTION_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 
 
@@ -61,9 +61,9 @@ class Settings(BaseSettings):
         None, ge=1, description="IVF lists visited per query (default nlist/16, at least 8)"
     )
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
-    # Where image bytes live (imgret.index.media_db.open_media_store): "files" under data_dir/media
-    # (replicas on several machines share the data dir as a volume), or "database": the
-    # media_blobs table, readable by every process that reaches the database (small images).
+    # Where image bytes live (imgret.gallery.media.blobs.open_media_store): "files" under
+    # data_dir/media (replicas on several machines share the data dir as a volume), or "database":
+    # the media_blobs table, readable by every process that reaches the database (small images).
     media_backend: MediaBackendName = Field(
         "files", description="image bytes: files (under data_dir) or database (media_blobs)"
     )
@@ -129,8 +129,8 @@ class Settings(BaseSettings):
                     "about 1.6 s of work at 100k items); when full, re-ranked searches get "
                     "503 with Retry-After",
     )
-    # Background re-embedding of a new model version (imgret.index.versions): the share of wall
-    # time it may compute; it also waits while searches are queued.
+    # Background re-embedding of a new model version (imgret.gallery.versions.lifecycle): the share
+    # of wall time it may compute; it also waits while searches are queued.
     embed_duty: float = Field(
         0.5, gt=0, le=1,
         description="fraction of time a background re-embedding may compute (1: no pause)",
@@ -153,7 +153,7 @@ class Settings(BaseSettings):
         2, ge=0, description="versions besides the served one whose model and index stay "
                              "loaded (0: load them for each request)",
     )
-    # Collections other than default open in one process (imgret.service.collections): each
+    # Collections other than default open in one process (imgret.service.collection_registry): each
     # holds its index in memory; the least recently used are closed beyond this many, and any
     # idle this long, and opened again from SQL on their next request.
     max_open_collections: int = Field(
@@ -168,7 +168,7 @@ class Settings(BaseSettings):
                     "(size x dim x 4)",
     )
 
-    # Backups (imgret.index.backup): retention after each successful backup, in its folder
+    # Backups (imgret.gallery.backup): retention after each successful backup, in its folder
     # (<data_dir>/backups for POST /admin/backup, the parent of DEST for `imgret backup`),
     # and the free space a backup must leave on the volume it is written to.
     backup_keep: int = Field(
@@ -184,8 +184,8 @@ class Settings(BaseSettings):
                                    "the estimated backup, or it is refused (507) unwritten",
     )
 
-    # Model checkpoints (imgret.index.versions): ``POST /models {"path": ...}`` reads only files
-    # under <data_dir>/models and these folders (os.pathsep-separated, like PATH); every
+    # Model checkpoints (imgret.gallery.versions.lifecycle): ``POST /models {"path": ...}`` reads
+    # only files under <data_dir>/models and these folders (os.pathsep-separated, like PATH); every
     # checkpoint read or upload is capped by size before it is read (resnet50 at dim 512 is
     # ~95 MB: 256 MiB leaves room; a vit_b_16 (~345 MB) needs a larger cap).
     model_roots: Annotated[list[Path], NoDecode] = Field(

@@ -109,7 +109,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def sessions(db_url: str):
     """A sessionmaker on a fresh database (each backend) with the schema at head."""
-    from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
+    from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 
     upgrade_to_head(db_url)
     engine = make_engine(db_url)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The layers: "core" is imgret's top-level modules (settings, decoding, the Embedder, metrics);
-# the others are its subpackages imgret.training, imgret.index, imgret.service, imgret.cli.
-PACKAGES = ("core", "training", "index", "service", "cli")
+# the others are its subpackages imgret.training, imgret.gallery, imgret.service, imgret.cli.
+PACKAGES = ("core", "training", "gallery", "service", "cli")
 SUBPACKAGES = frozenset(PACKAGES[1:]) | {"migrations"}
 
 
 def layer(module: str) -> str | None:
-    """The layer of a dotted module name (``imgret.index.store`` -> ``index``,
+    """The layer of a dotted module name (``imgret.gallery.storage.store`` -> ``gallery``,
     ``imgret.settings`` -> ``core``); ``None`` for anything not imgret's."""
     parts = module.split(".")
     if parts[0] != "imgret":

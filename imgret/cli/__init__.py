@@ -1,7 +1,7 @@
 """The `imgret` command line: thin Typer wrappers on top of every layer.
 
 Each command parses its options and calls one function of its own layer
-(``imgret.training.loop.train``, ``imgret.index.commands.*``, ``imgret.service.run.serve``);
+(``imgret.training.loop.train``, ``imgret.cli.jobs.gallery.*``, ``imgret.service.run.serve``);
 nothing below imports
 ``cli``. Heavy libraries are imported inside the commands, so ``imgret --help`` starts at once.
 

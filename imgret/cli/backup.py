@@ -1,5 +1,5 @@
 """CLI commands `imgret backup DEST` and `imgret restore SRC`: each calls one function of
-``imgret.index.backup`` (the same code as ``POST /admin/backup``).
+``imgret.gallery.backup`` (the same code as ``POST /admin/backup``).
 
 Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_DEVICE``, and the retention
 and free-space rules ``IMGRET_BACKUP_KEEP``, ``IMGRET_BACKUP_MAX_BYTES``,
@@ -34,7 +34,7 @@ def register(app: typer.Typer, **_groups: typer.Typer) -> None:
 
         Refused, with nothing written, when the volume would keep less than
         IMGRET_BACKUP_FREE_MARGIN_BYTES free."""
-        from imgret.index.backup import create_backup, prune_backups
+        from imgret.gallery.backup import create_backup, prune_backups
         from imgret.settings import get_settings
 
         settings = get_settings()
@@ -60,7 +60,7 @@ def register(app: typer.Typer, **_groups: typer.Typer) -> None:
     ) -> None:
         """Restore a backup into an empty data dir and an empty database (SQLite or
         PostgreSQL, whatever the backup came from), after verifying every checksum."""
-        from imgret.index.backup import restore_backup, verify_backup
+        from imgret.gallery.backup import restore_backup, verify_backup
         from imgret.settings import get_settings
 
         if check:

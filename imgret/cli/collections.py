@@ -28,7 +28,7 @@ def list_command(
     as_json: bool = typer.Option(False, "--json", help="print GET /collections's JSON"),
 ) -> None:
     """Every collection: its live items, served version and whether reads are public."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     listing = [info.to_dict() for info in commands.list_collections(_settings())]
     if as_json:
@@ -50,7 +50,7 @@ def create_command(
     private: bool = typer.Option(False, "--private", help="reads need a key too"),
 ) -> None:
     """Create an empty collection; fill it with `imgret --collection NAME ingest PATH`."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     info = commands.create_collection(_settings(), name, version=version, public=not private)
     typer.echo(f"created collection {info.name} serving {info.active_version}")
@@ -63,8 +63,8 @@ def delete_command(
                                                  "sets and versions are deleted for good"),
 ) -> None:
     """Delete a collection and everything it holds (not `default`)."""
+    from imgret.cli.jobs import gallery as commands
     from imgret.errors import ImgretError
-    from imgret.index import commands
 
     if not yes:
         raise ImgretError(f"deleting collection {name} removes all it holds for good; "

@@ -4,7 +4,7 @@ Train (closed-set protocol) -> export a gallery and a held-out query set as PNG 
 ingest both -> build the index -> evaluate through the serving path, beside the untrained
 network and raw pixels measured by the same metric function on the same images -> serve.
 Every stage calls the same layer function as its own command (``imgret.training.loop.train``,
-``imgret.index.commands.ingest`` / ``build`` / ``evaluate_named``, ``imgret.service.run.serve``)
+``imgret.cli.jobs.gallery.ingest`` / ``build`` / ``evaluate_named``, ``imgret.service.run.serve``)
 with the demo's
 settings, and a re-run reuses what is already there.
 """
@@ -40,7 +40,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         serve: bool = typer.Option(True, "--serve/--no-serve", help="start the API at the end"),
     ) -> None:
         """Train, ingest, index and evaluate on Fashion-MNIST, then serve the API and web page."""
-        from imgret.index import commands
+        from imgret.cli.jobs import gallery as commands
         from imgret.settings import Settings
         from imgret.timing import timed
 
@@ -132,11 +132,11 @@ def _evaluate(settings: Any, run_dir: Path) -> None:
     import json
 
     from imgret.checkpoint import EmbeddingNet, load_checkpoint
+    from imgret.cli.jobs.gallery import evaluate_named
     from imgret.datasets import list_records
     from imgret.embedder import Embedder
+    from imgret.gallery.evaluation.retrieval import format_report
     from imgret.images import load_image_file
-    from imgret.index.commands import evaluate_named
-    from imgret.index.evaluation import format_report
     from imgret.metrics import retrieval_metrics
     from imgret.training.scoring import pixel_embeddings
 

@@ -1,5 +1,5 @@
 """CLI command `imgret evaluate`: retrieval metrics of a stored query set ranked through the
-index (``imgret.index.commands.evaluate_named``, the same code as ``POST /evaluate``)."""
+index (``imgret.cli.jobs.gallery.evaluate_named``, the same code as ``POST /evaluate``)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
             raise typer.BadParameter(f"{k!r} is not a list of integers", param_hint="--k") from None
         from pydantic import ValidationError
 
-        from imgret.index.commands import evaluate_named
-        from imgret.index.evaluation import format_report
+        from imgret.cli.jobs.gallery import evaluate_named
+        from imgret.gallery.evaluation.retrieval import format_report
         from imgret.service.request_rules import validation_message
         from imgret.service.schemas import EvaluateOptions, RerankRequest
         from imgret.settings import Settings

@@ -1,5 +1,5 @@
 """CLI commands: the gallery database (`db upgrade|downgrade`), `ingest`, `index build` and
-`media migrate`: each calls one function of ``imgret.index.commands``.
+`media migrate`: each calls one function of ``imgret.cli.jobs.gallery``.
 
 Settings (``IMGRET_DATABASE_URL``, ``IMGRET_DATA_DIR``, ``IMGRET_MODEL``, ``IMGRET_DEVICE``,
 ``IMGRET_INDEX_FACTORY``, ``IMGRET_MAX_IMAGE_PIXELS``) come from the environment; options
@@ -30,9 +30,10 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         backend. Safe to run again after an interruption.
 
         Refused, changing nothing, while any server holds the gallery's database (each holds
-        a lock on it while it serves: imgret.index.serving); servers do not start while it runs."""
-        from imgret.index import commands
-        from imgret.index.serving import hold_for_maintenance
+        a lock on it while it serves: imgret.gallery.storage.holders); servers do not start
+        while it runs."""
+        from imgret.cli.jobs import gallery as commands
+        from imgret.gallery.storage.holders import hold_for_maintenance
         from imgret.settings import get_settings
 
         settings = get_settings()
@@ -49,8 +50,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     @db_app.command("upgrade")
     def db_upgrade() -> None:
         """Bring the database schema to the latest migration (Alembic `upgrade head`)."""
-        from imgret.index import commands
-        from imgret.index.db import safe_url
+        from imgret.cli.jobs import gallery as commands
+        from imgret.gallery.storage.db import safe_url
         from imgret.settings import get_settings
 
         settings = get_settings()
@@ -63,8 +64,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         yes: bool = typer.Option(False, "--yes", help="confirm: this deletes data"),
     ) -> None:
         """Undo migrations down to REVISION (data in dropped tables is lost)."""
-        from imgret.index import commands
-        from imgret.index.db import safe_url
+        from imgret.cli.jobs import gallery as commands
+        from imgret.gallery.storage.db import safe_url
         from imgret.settings import get_settings
 
         settings = get_settings()
@@ -103,7 +104,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
         """Embed a data set into the gallery (or a query set); running it again adds nothing."""
-        from imgret.index import commands
+        from imgret.cli.jobs import gallery as commands
         from imgret.settings import get_settings
 
         report = commands.ingest(get_settings(), path, model=model, query_set=query_set,
@@ -127,7 +128,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         progress: bool = typer.Option(True, "--progress/--no-progress"),
     ) -> None:
         """Build the FAISS index from the stored embeddings (no re-embedding) and save it."""
-        from imgret.index import commands
+        from imgret.cli.jobs import gallery as commands
         from imgret.settings import get_settings
 
         built = commands.build(get_settings(), factory=factory, model_version=model_version,

@@ -48,8 +48,8 @@ def create_command(
                                                       "collections, keys and backups"),
 ) -> None:
     """Create a key and print it once (only its hash is stored)."""
+    from imgret.cli.jobs import gallery as commands
     from imgret.errors import ImgretError
-    from imgret.index import commands
 
     try:
         record, key = commands.create_key(_settings(), name, roles=parse_roles(role),
@@ -66,7 +66,7 @@ def list_command(
     as_json: bool = typer.Option(False, "--json", help="print GET /keys's JSON"),
 ) -> None:
     """Every key with its roles (revoked ones too; never a secret)."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     records = [r.to_dict() for r in commands.list_keys(_settings())]
     if as_json:
@@ -83,7 +83,7 @@ def list_command(
 @keys_app.command("revoke")
 def revoke_command(key_id: int = typer.Argument(..., min=1, help="the key's id")) -> None:
     """Revoke a key for good; every server refuses it within its follower interval."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     record = commands.revoke_key(_settings(), key_id)
     typer.echo(f"revoked key {record.id} ({record.name})")

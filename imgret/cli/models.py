@@ -1,6 +1,6 @@
 """CLI commands: `imgret models list|register|embed|compare|calibrate|activate|rollback|
 delete`, the twins of ``/models`` and ``POST /evaluate {"compare": ...}``: each calls one
-function of ``imgret.index.model_commands`` (which calls the same ``imgret.index.versions``
+function of ``imgret.cli.jobs.models`` (which calls the same ``imgret.gallery.versions.lifecycle``
 code as the service); and `imgret export VERSION --format onnx --out DIR [--quantize int8]`.
 """
 
@@ -34,7 +34,7 @@ def list_command(
     as_json: bool = typer.Option(False, "--json", help="print GET /models's JSON"),
 ) -> None:
     """Every version: active flag, coverage, index and re-embedding state, last evaluation."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     listing = model_commands.list_models(_settings())
     if as_json:
@@ -55,7 +55,7 @@ def register_command(
     run: Path = typer.Argument(..., help="run directory from `imgret train`, or its model.pt"),
 ) -> None:
     """Register a checkpoint (stored in the database so every server can load it)."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     info = model_commands.register(_settings(), run)
     typer.echo(f"registered {info['version']} (dim {info['dim']}); coverage "
@@ -76,7 +76,7 @@ def embed_command(
     index."""
     from tqdm import tqdm
 
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     bar: Any = None
 
@@ -110,7 +110,7 @@ def compare_command(
 ) -> None:
     """B against A on the same queries: each metric, B − A with its paired 95% interval and
     the verdict (better / worse / no detectable difference)."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     result = model_commands.compare(_settings(), a, b, query_set)
     if as_json:
@@ -141,7 +141,7 @@ def calibrate_command(
 ) -> None:
     """Set VERSION's decision threshold: the lowest whose FPIR on the query set is at most
     --fpir (POST /models/{v}/calibrate)."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     result = model_commands.calibrate(_settings(), version, query_set, fpir)
     if as_json:
@@ -167,8 +167,8 @@ def activate_command(
                                          help="the query set the verdict is taken on"),
 ) -> None:
     """Switch the served version (running servers follow within their follower interval)."""
+    from imgret.cli.jobs import models as model_commands
     from imgret.errors import ImgretError
-    from imgret.index import model_commands
 
     if any(r not in ("better", "not_worse", "fnir_not_worse") for r in require or ()):
         raise typer.BadParameter("better, not_worse or fnir_not_worse", param_hint="--require")
@@ -203,7 +203,7 @@ def _print_fnir(result: dict[str, Any]) -> None:
 @models_app.command("rollback")
 def rollback_command() -> None:
     """Serve the version the active one replaced again."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     result = model_commands.rollback(_settings())
     typer.echo(f"active: {result.active} (rolled back from {result.previous})")
@@ -216,8 +216,8 @@ def delete_command(
 ) -> None:
     """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
     (``DELETE /models/{version}``)."""
-    from imgret.index import versions
-    from imgret.index.commands import open_gallery
+    from imgret.cli.jobs.gallery import open_gallery
+    from imgret.gallery.versions import lifecycle as versions
 
     settings = _settings()
     with open_gallery(settings) as sessions:
@@ -246,7 +246,7 @@ def export_command(
     int8, first register VERSION's int8 version and export that; with --query-set too, its
     report (speed beside the MAP@R difference and its interval) is printed and written to
     int8_report.json."""
-    from imgret.index import model_commands
+    from imgret.cli.jobs import models as model_commands
 
     if fmt != "onnx":
         raise typer.BadParameter("onnx", param_hint="--format")

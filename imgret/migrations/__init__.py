@@ -4,6 +4,6 @@
 - ``versions/``: one file per revision, in order (``0001_...``, ``0002_...``); each says
   whether it runs on a live database.
 
-``imgret.index.db.upgrade_to_head`` runs them (``imgret db upgrade``, and every start of
+``imgret.gallery.storage.db.upgrade_to_head`` runs them (``imgret db upgrade``, and every start of
 ``imgret serve``); ``alembic.ini`` in the repository root points here for plain ``alembic``.
 """

@@ -1,7 +1,7 @@
 """Alembic environment for the imgret schema.
 
-The database URL comes from the caller (``imgret.index.db.upgrade_to_head`` passes a connection or a
-URL in ``config.attributes``), else from ``alembic -x url=...``, else from
+The database URL comes from the caller (``imgret.gallery.storage.db.upgrade_to_head`` passes a
+connection or a URL in ``config.attributes``), else from ``alembic -x url=...``, else from
 ``imgret.settings.Settings`` (``IMGRET_DATABASE_URL`` or the SQLite file under the data dir),
 so a plain ``alembic upgrade head`` in the repository root migrates the configured database.
 SQLite gets ``render_as_batch=True``: it cannot ALTER most things in place, so Alembic copies
@@ -14,7 +14,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from imgret.index.models import Base
+from imgret.gallery.storage.tables import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -62,7 +62,7 @@ def run_migrations_online() -> None:
         _migrate(connection)
         return
 
-    from imgret.index.db import make_engine
+    from imgret.gallery.storage.db import make_engine
 
     engine = make_engine(_database_url())
     try:

@@ -46,8 +46,8 @@ import anyio.to_thread
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from imgret.index import keys
-from imgret.index.models import DEFAULT_COLLECTION, Collection
+from imgret.gallery.storage.tables import DEFAULT_COLLECTION, Collection
+from imgret.gallery.tenancy import keys
 
 logger = logging.getLogger(__name__)
 

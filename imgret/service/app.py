@@ -16,7 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
-from imgret.index.serving import hold_for_serving
+from imgret.gallery.storage.holders import hold_for_serving
 from imgret.process import frozen_long_lived, in_own_thread
 from imgret.service.access import KeyRing, need
 from imgret.service.auth import (
@@ -27,7 +27,7 @@ from imgret.service.auth import (
     is_write,
     normalized_origins,
 )
-from imgret.service.collections import CollectionRegistry
+from imgret.service.collection_registry import CollectionRegistry
 from imgret.service.errors import install_error_handlers
 from imgret.service.limits import UploadLimitMiddleware
 from imgret.service.resources import follow_changes, load_resources, resume_interrupted_jobs

@@ -15,7 +15,7 @@ from fastapi import Depends, HTTPException, Request, Security, status
 from fastapi.security import APIKeyHeader
 from sqlalchemy.orm import Session
 
-from imgret.index import collections
+from imgret.gallery.tenancy import collections
 from imgret.service.auth import API_KEY_HEADER
 from imgret.service.request_rules import InvalidRequest
 from imgret.service.resources import Resources
@@ -25,7 +25,7 @@ from imgret.settings import Settings
 async def get_resources(request: Request) -> AsyncIterator[Resources]:
     """The resources of the request's collection (model, index, sessions, batcher): the
     default one's, loaded by the lifespan, or those of ``/collections/{collection}/...``
-    (:class:`imgret.service.collections.CollectionRegistry`; 404 for an unknown name), held
+    (:class:`imgret.service.collection_registry.CollectionRegistry`; 404 for an unknown name), held
     open until the response is sent (an idle collection is closed only when no request
     holds it)."""
     name = request.path_params.get("collection")

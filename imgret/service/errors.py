@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 
 from imgret import errors
-from imgret.index.collections import CollectionNotFound
-from imgret.index.evaluation import EvaluationError
-from imgret.index.keys import KeyNotFound
-from imgret.index.versions import VersionNotFound
+from imgret.gallery.evaluation.retrieval import EvaluationError
+from imgret.gallery.tenancy.collections import CollectionNotFound
+from imgret.gallery.tenancy.keys import KeyNotFound
+from imgret.gallery.versions.lifecycle import VersionNotFound
 from imgret.service import request_rules
 from imgret.service.unavailable import RETRY_AFTER_S, ServiceUnavailable
 

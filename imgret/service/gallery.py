@@ -2,8 +2,8 @@
 stored images (gallery and query sets), and search with a stored item.
 
 The routers (:mod:`imgret.service.routers.gallery`, ``search``, ``query_sets``) turn HTTP into these
-calls and their results back into HTTP; SQL stays in :mod:`imgret.index.store`. Refusals are domain
-errors (:class:`~imgret.service.request_rules.NotFound`, :class:`NoEmbedding`) that
+calls and their results back into HTTP; SQL stays in :mod:`imgret.gallery.storage.store`. Refusals
+are domain errors (:class:`~imgret.service.request_rules.NotFound`, :class:`NoEmbedding`) that
 :mod:`imgret.service.errors` answers.
 
 Writes commit in SQL before the in-memory index changes (the database is the source of truth:
@@ -23,14 +23,14 @@ from sqlalchemy.orm import Session
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError
+from imgret.gallery.ingest import AddedItems, NewItem, add_items
+from imgret.gallery.media.files import MediaBackend
+from imgret.gallery.media.gc import purge_media
+from imgret.gallery.search import SearchFilter
+from imgret.gallery.search.rerank import Rerank
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import DEFAULT_COLLECTION, GalleryItem
 from imgret.images import DecodeLimits, check_request_pixels
-from imgret.index import store
-from imgret.index.gc import purge_media
-from imgret.index.ingest import AddedItems, NewItem, add_items
-from imgret.index.media import MediaBackend
-from imgret.index.models import DEFAULT_COLLECTION, GalleryItem
-from imgret.index.search import SearchFilter
-from imgret.index.search.rerank import Rerank
 from imgret.process import in_own_thread
 from imgret.service.pipeline import Answer, ItemQuery, Serving
 from imgret.service.request_rules import NotFound

@@ -10,7 +10,7 @@ Search budget. The unit costs (measured by ``benchmarks/rerank_bench.py --grid``
 - ``k`` costs nothing measurable in the index, but every hit is built and serialised on the
   event loop, ~6 us each, during which no other request moves.
 
-So, with :func:`~imgret.index.search.rerank.index_searches` as the cost unit (~0.5 ms at 100k):
+So, with :func:`~imgret.gallery.search.rerank.index_searches` as the cost unit (~0.5 ms at 100k):
 
 - ``rerank_candidates`` at most 100 (the paper's and our default): at most 202 searches, about
   0.1 s per query at 100k, and N^3 work inside U stays negligible (10^6);
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from imgret.index.search.rerank import Rerank, index_searches
+from imgret.gallery.search.rerank import Rerank, index_searches
 
 SEARCH_CANDIDATES_MAX = 100
 REQUEST_RERANK_SEARCHES_MAX = 4 * (2 * SEARCH_CANDIDATES_MAX + 2)

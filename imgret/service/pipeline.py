@@ -15,6 +15,10 @@ import torch
 
 from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
+from imgret.gallery.evaluation.calibration import Calibration, Decision, decide, no_decision_reason
+from imgret.gallery.search import Hit, Searcher, SearchFilter
+from imgret.gallery.search.rerank import Rerank, index_searches
+from imgret.gallery.search.threads import limit_pthreads_blas, yielding_to
 from imgret.images import (
     DEFAULT_BATCH_PIXELS,
     DecodeGate,
@@ -23,10 +27,6 @@ from imgret.images import (
     preprocess_encoded,
     probe_image,
 )
-from imgret.index.calibration import Calibration, Decision, decide, no_decision_reason
-from imgret.index.search import Hit, Searcher, SearchFilter
-from imgret.index.search.rerank import Rerank, index_searches
-from imgret.index.search.threads import limit_pthreads_blas, yielding_to
 from imgret.service.batching import BatchStages, Deferred, DynamicBatcher
 from imgret.service.followups import FollowUp, FollowUpPool
 from imgret.service.limits import REQUEST_RERANK_SEARCHES_MAX
@@ -80,7 +80,7 @@ def decision(answer: Answer, top: tuple[str, float] | None,
              rerank: Rerank | None) -> tuple[Decision | None, str | None]:
     """The decision on an answer whose best returned hit is ``top``, under the calibration
     of the version that produced it (threshold and scores of one version, whatever switch
-    happened since), or ``(None, why not)`` (:mod:`imgret.index.calibration`)."""
+    happened since), or ``(None, why not)`` (:mod:`imgret.gallery.evaluation.calibration`)."""
     serving = answer.serving
     reason = no_decision_reason(serving.version, serving.calibration, rerank)
     if reason is not None or serving.calibration is None:
@@ -96,7 +96,7 @@ class ImageQuery:
         data: the encoded image bytes, not yet decoded (decoding runs in the batch thread).
         k: neighbours wanted.
         filters: restrict the candidates (label, camera, metadata), or ``None``.
-        rerank: re-rank the results (:mod:`imgret.index.search.rerank`), or ``None``.
+        rerank: re-rank the results (:mod:`imgret.gallery.search.rerank`), or ``None``.
     """
 
     data: bytes

@@ -18,15 +18,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.embedder import Embedder
 from imgret.errors import CheckpointError, GalleryError
 from imgret.files import remove_stale_temps
-from imgret.index import calibration as calibrations
-from imgret.index import reembed, versions
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.gc import sweep_media
-from imgret.index.media import MediaBackend
-from imgret.index.media_db import open_media_store
-from imgret.index.models import DEFAULT_COLLECTION, DEFAULT_COLLECTION_ID
-from imgret.index.notify import listen_for_changes
-from imgret.index.search import Searcher
+from imgret.gallery.evaluation import calibration as calibrations
+from imgret.gallery.media.blobs import open_media_store
+from imgret.gallery.media.files import MediaBackend
+from imgret.gallery.media.gc import sweep_media
+from imgret.gallery.search import Searcher
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.storage.notify import listen_for_changes
+from imgret.gallery.storage.tables import DEFAULT_COLLECTION, DEFAULT_COLLECTION_ID
+from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import reembed
 from imgret.process import in_own_thread
 from imgret.service.batching import DynamicBatcher
 from imgret.service.pipeline import Answer, ImageQuery, Serving, build_search_batcher
@@ -95,7 +96,7 @@ class Resources:
     searchers: MutableMapping[str, Searcher] = field(default_factory=dict)
     follower: FollowerState = field(default_factory=FollowerState)
     jobs: EmbedJobs | None = None
-    # The collection these are of (:mod:`imgret.service.collections` keeps the others').
+    # The collection these are of (:mod:`imgret.service.collection_registry` keeps the others').
     collection_id: int = DEFAULT_COLLECTION_ID
     collection: str = DEFAULT_COLLECTION
     loaded: VersionCache = field(init=False)
@@ -230,9 +231,10 @@ def _calibration_id(calibration: calibrations.Calibration | None) -> int | None:
 class EmbedJobs:
     """This process's background re-embedding threads (one per version at most).
 
-    The state that other processes see lives in SQL (:func:`imgret.index.reembed.claim_job`); a
-    job stopped by a shutdown is left "running" with an old heartbeat, which any process's
-    next start or ``POST /models/{v}/embed`` resumes.
+    The state that other processes see lives in SQL
+    (:func:`imgret.gallery.versions.reembed.claim_job`); a job stopped by a shutdown is left
+    "running" with an old heartbeat, which any process's next start or ``POST /models/{v}/embed``
+    resumes.
     """
 
     def __init__(self, resources: Resources):
@@ -475,9 +477,10 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     API replicas share the database, the source of truth; each keeps its own in-memory
     index and replays the gallery change log, and serves the version the database says is
     active (a switch made by another process is followed the same way). On PostgreSQL a
-    LISTEN (:mod:`imgret.index.notify`, ``IMGRET_CHANGE_NOTIFY``) wakes this loop as soon as any
-    process commits a write or a switch; every ``interval_s`` (``IMGRET_FOLLOW_INTERVAL_S``)
-    it looks anyway, the fallback for SQLite and for a listening connection that dropped.
+    LISTEN (:mod:`imgret.gallery.storage.notify`, ``IMGRET_CHANGE_NOTIFY``) wakes this loop as
+    soon as any process commits a write or a switch; every ``interval_s``
+    (``IMGRET_FOLLOW_INTERVAL_S``) it looks anyway, the fallback for SQLite and for a listening
+    connection that dropped.
     Errors are logged and retried at the next wake-up (a database restart must not stop the
     follower for good); ``resources.follower`` keeps the lag, which /health and /metrics
     report.

@@ -65,7 +65,7 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     from imgret.checkpoint import resolve_checkpoint_path
-    from imgret.index.db import safe_url, upgrade_to_head
+    from imgret.gallery.storage.db import safe_url, upgrade_to_head
     from imgret.service.app import create_app
     from imgret.service.resources import check_active_servable
 

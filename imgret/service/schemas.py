@@ -24,11 +24,10 @@ from pydantic import (
     model_validator,
 )
 
-from imgret.index.evaluation import MIN_EFFECT
-from imgret.index.keys import KEY_NAME_PATTERN
-from imgret.index.open_set import OpenSetRequest
-from imgret.index.search import SearchFilter
-from imgret.index.search.rerank import (
+from imgret.gallery.evaluation.open_set import OpenSetRequest
+from imgret.gallery.evaluation.retrieval import MIN_EFFECT
+from imgret.gallery.search import SearchFilter
+from imgret.gallery.search.rerank import (
     ALPHA_MAX,
     CANDIDATES_MAX,
     K1_MAX,
@@ -36,6 +35,7 @@ from imgret.index.search.rerank import (
     Rerank,
     rerank_options,
 )
+from imgret.gallery.tenancy.keys import KEY_NAME_PATTERN
 from imgret.service.limits import SEARCH_CANDIDATES_MAX
 from imgret.service.request_rules import (
     LABEL_MAX,
@@ -201,9 +201,9 @@ _RERANK_PARAMS = {
 
 
 class RerankRequest(BaseModel):
-    """Re-ranking of the results (``imgret.index.search.rerank``): the same fields in ``/search``'s
-    form, ``/evaluate``'s JSON and form, and ``imgret evaluate``'s options. Parameters left
-    out take the method's defaults; a parameter of the other method, or one without
+    """Re-ranking of the results (``imgret.gallery.search.rerank``): the same fields in
+    ``/search``'s form, ``/evaluate``'s JSON and form, and ``imgret evaluate``'s options. Parameters
+    left out take the method's defaults; a parameter of the other method, or one without
     ``rerank``, is refused (422)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -269,7 +269,7 @@ class RerankRequest(BaseModel):
         return request.rerank_option()
 
     def rerank_option(self) -> Rerank | None:
-        """The ``imgret.index.search.rerank`` options these fields name (``None``: plain search).
+        """The ``imgret.gallery.search.rerank`` options these fields name (``None``: plain search).
 
         Raises:
             ValueError: a parameter of the other method, or one without ``rerank``.

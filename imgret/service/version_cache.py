@@ -24,7 +24,7 @@ from typing import Generic, Literal, TypeVar
 from prometheus_client import CollectorRegistry, Gauge
 
 from imgret.embedder import Embedder
-from imgret.index.search import Searcher
+from imgret.gallery.search import Searcher
 
 Kind = Literal["embedder", "searcher"]
 T = TypeVar("T", Embedder, Searcher)

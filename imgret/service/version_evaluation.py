@@ -1,6 +1,6 @@
 """Evaluating and comparing model versions inside the service: the glue between the
 process's open models and indexes (:class:`~imgret.service.resources.Resources`) and
-:mod:`imgret.index.evaluation`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
+:mod:`imgret.gallery.evaluation.retrieval`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
 :func:`evaluate_uploaded`) and by the gate of ``POST /models/{v}/activate``, so a refused
 switch shows the same numbers ``/evaluate`` does.
 """
@@ -12,11 +12,13 @@ from typing import Any
 
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError
+from imgret.gallery.evaluation import calibration as calibrations
+from imgret.gallery.evaluation import retrieval as evaluation
+from imgret.gallery.evaluation.open_set import OpenSetRequest
+from imgret.gallery.search.rerank import Rerank
+from imgret.gallery.storage import store
+from imgret.gallery.versions import lifecycle as versions
 from imgret.images import DecodeLimits
-from imgret.index import calibration as calibrations
-from imgret.index import evaluation, store, versions
-from imgret.index.open_set import OpenSetRequest
-from imgret.index.search.rerank import Rerank
 from imgret.service.request_rules import NotFound
 from imgret.service.resources import Resources
 
@@ -37,7 +39,8 @@ def evaluate_version(
 ) -> evaluation.Evaluation:
     """A named query set ranked through ``version``'s index (the served one, or another
     version's, opened once and kept up to date); recorded as the version's last evaluation,
-    unless re-ranked (a search option, not the model: see :mod:`imgret.index.evaluation`)
+    unless re-ranked (a search option, not the model: see
+    :mod:`imgret.gallery.evaluation.retrieval`)
     or ``record`` is false."""
     options = dict(
         session_factory=resources.sessions, embedder=embedder_or_none(resources, version),
@@ -54,7 +57,7 @@ def compare_named(
     rerank: Rerank | None = None, open_set: OpenSetRequest | None = None,
 ) -> dict[str, Any]:
     """Versions ``a`` and ``b`` on one named query set, paired
-    (:func:`imgret.index.versions.comparison_report`), both ranked with ``rerank``."""
+    (:func:`imgret.gallery.versions.lifecycle.comparison_report`), both ranked with ``rerank``."""
     options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
                    open_set=open_set)
     return versions.comparison_report(evaluate_version(resources, query_set, a, **options),
@@ -124,8 +127,8 @@ def compare_open_set(resources: Resources, a: str, b: str, query_set: str,
                      calibration: calibrations.Calibration) -> dict[str, Any]:
     """B's FNIR against A's on one named query set, each at its own threshold for the
     calibration's target FPIR, ranked with the calibration's search option (the gate
-    ``require=fnir_not_worse``: :func:`imgret.index.versions.fnir_comparison`). Not recorded
-    as either version's last evaluation."""
+    ``require=fnir_not_worse``: :func:`imgret.gallery.versions.lifecycle.fnir_comparison`). Not
+    recorded as either version's last evaluation."""
     request = OpenSetRequest(enabled=True, fpirs=(calibration.target_fpir,))
     a_eval, b_eval = (evaluate_version(resources, query_set, version, open_set=request,
                                        rerank=calibration.rerank_option(), record=False)
@@ -135,9 +138,9 @@ def compare_open_set(resources: Resources, a: str, b: str, query_set: str,
 
 def calibrate_version(resources: Resources, version: str, query_set: str, target_fpir: float,
                       *, rerank: Rerank | None = None) -> calibrations.Calibration:
-    """``POST /models/{v}/calibrate``: :func:`imgret.index.calibration.calibrate` through the
-    version's index; when it is the served version, this process serves the new threshold
-    before answering (the others follow within their follower interval).
+    """``POST /models/{v}/calibrate``: :func:`imgret.gallery.evaluation.calibration.calibrate`
+    through the version's index; when it is the served version, this process serves the new
+    threshold before answering (the others follow within their follower interval).
 
     Raises:
         NotFound: unknown version or query set.

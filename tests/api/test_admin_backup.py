@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from imgret.index.backup import BACKUP_FILE, verify_backup
+from imgret.gallery.backup import BACKUP_FILE, verify_backup
 from tests.api.conftest import API_KEY, add_gallery
 
 KEYED = {"X-API-Key": API_KEY}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from imgret.index.backup import BACKUP_FILE, estimate_backup_bytes
-from imgret.index.backup.files import tree_bytes
-from imgret.index.db import make_engine
+from imgret.gallery.backup import BACKUP_FILE, estimate_backup_bytes
+from imgret.gallery.backup.files import tree_bytes
+from imgret.gallery.storage.db import make_engine
 from imgret.settings import get_settings
 from tests.api.conftest import API_KEY, add_gallery
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from imgret.index import store
-from imgret.index.models import QuerySet
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import QuerySet
 from tests.api.conftest import search
 from tests.support.images import class_image, image_bytes, write_image_folder
 
@@ -19,7 +19,7 @@ TARGET = 0.25
 
 
 def _ingest(resources, folder: Path, query_set: str | None = None) -> None:
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     ingest_source(folder, session_factory=resources.sessions, media=resources.media,
                   embedder=resources.embedder, query_set=query_set, progress=False)

@@ -8,8 +8,8 @@ import sqlite3
 
 from fastapi.testclient import TestClient
 
-from imgret.index.backup import DATABASE_FILE, restore_backup, verify_backup
-from imgret.index.media import sha256_hex
+from imgret.gallery.backup import DATABASE_FILE, restore_backup, verify_backup
+from imgret.gallery.media.files import sha256_hex
 from imgret.settings import Settings
 from tests.api.conftest import API_KEY, png
 from tests.conftest import TEST_DEVICE

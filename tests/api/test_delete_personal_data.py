@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from imgret.index import store
-from imgret.index.media import sha256_hex
-from imgret.index.models import GalleryItem
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import GalleryItem
 from tests.api.conftest import API_KEY, png
 
 KEYED = {"X-API-Key": API_KEY}
@@ -125,7 +125,7 @@ def _row_count(folder: Path) -> int:
 
 def test_the_sweep_clears_only_deleted_rows(sessions) -> None:
     """clear_deleted_items never touches a live row."""
-    from imgret.index.models import ModelVersion
+    from imgret.gallery.storage.tables import ModelVersion
 
     with sessions.begin() as session:
         version = ModelVersion(version="v-test", dim=4, config={})

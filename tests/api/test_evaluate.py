@@ -147,7 +147,7 @@ def test_exclude_same_camera_applies_the_reid_rule(client, tmp_path: Path,
 
     # The reference: exact ranking with the Market-1501 camera rule.
     with resources.sessions() as session:
-        from imgret.index import store
+        from imgret.gallery.storage import store
 
         version = store.get_model_version(session=session)
         items, query_emb = store.load_query_set("market-query", session=session,
@@ -167,7 +167,7 @@ def test_compare_two_model_versions_on_one_query_set(client, tmp_path: Path) -> 
     folder = write_image_folder(tmp_path / "gallery", classes=3, per_class=4)
     queries = write_image_folder(tmp_path / "q", classes=3, per_class=3, seed=5)
     resources = client.app.state.resources
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     _ingest_gallery(resources, folder)
     _ingest_query_set(resources, queries, "q")
@@ -265,7 +265,7 @@ def test_empty_gallery_is_422(local_client) -> None:
 
 def _ingest_gallery(resources, folder: Path) -> None:
     """Bulk ingest into the app's database, then let its index catch up (as replicas do)."""
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     ingest_source(folder, session_factory=resources.sessions, media=resources.media,
                   embedder=resources.embedder, progress=False)
@@ -273,7 +273,7 @@ def _ingest_gallery(resources, folder: Path) -> None:
 
 
 def _ingest_query_set(resources, folder: Path, name: str, embedder=None) -> None:
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     ingest_source(folder, session_factory=resources.sessions, media=resources.media,
                   embedder=embedder or resources.embedder, query_set=name, progress=False)

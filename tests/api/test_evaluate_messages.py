@@ -56,7 +56,7 @@ def test_an_empty_gallery_is_still_called_empty(make_client) -> None:
 
 
 def test_the_message_without_a_database_names_both_causes() -> None:
-    from imgret.index.evaluation import _nothing_to_rank
+    from imgret.gallery.evaluation.retrieval import _nothing_to_rank
 
     message = _nothing_to_rank("v-x", None)
     assert "model version v-x has no vectors" in message and "embed it first" in message

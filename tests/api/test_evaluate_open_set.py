@@ -156,7 +156,7 @@ def test_json_body_and_cli_give_the_same_section(client, tmp_path: Path) -> None
     from typer.testing import CliRunner
 
     from imgret.cli.main import app
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     resources = client.app.state.resources
     ingest_source(write_image_folder(tmp_path / "g", classes=3, per_class=4),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from imgret.index.media import sha256_hex
+from imgret.gallery.media.files import sha256_hex
 from tests.api.conftest import png, search
 
 

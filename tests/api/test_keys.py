@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from imgret.index.db import make_engine
+from imgret.gallery.storage.db import make_engine
 from imgret.service.access import markdown_table, route_table
 from tests.api.conftest import API_KEY, png
 

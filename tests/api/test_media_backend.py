@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
-from imgret.index.backup import create_backup, restore_backup
-from imgret.index.evaluation import EvaluationError, load_query_batch
-from imgret.index.ingest import ingest_source
-from imgret.index.models import MediaBlob, QueryEmbedding, QueryItem
+from imgret.gallery.backup import create_backup, restore_backup
+from imgret.gallery.evaluation.retrieval import EvaluationError, load_query_batch
+from imgret.gallery.ingest import ingest_source
+from imgret.gallery.storage.tables import MediaBlob, QueryEmbedding, QueryItem
 from imgret.service.app import create_app
 from imgret.settings import Settings
 from tests.api.conftest import png

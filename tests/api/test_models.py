@@ -214,7 +214,7 @@ def test_the_upload_form_is_read_by_the_form_rules_and_documented_from_its_model
 
 def test_an_interrupted_job_resumes_where_it_stopped(make_client, other_checkpoint: Path
                                                      ) -> None:
-    from imgret.index import reembed
+    from imgret.gallery.versions import reembed
 
     with make_client() as client:
         add_gallery(client, classes=4, per_class=5)
@@ -285,8 +285,8 @@ def test_adds_and_deletes_during_a_re_embedding_leave_no_gap_and_no_ghost(
     added meanwhile gets its vector, no item deleted meanwhile keeps one or comes back."""
     from sqlalchemy import func, select
 
-    from imgret.index import reembed
-    from imgret.index.models import Embedding, ModelVersion
+    from imgret.gallery.storage.tables import Embedding, ModelVersion
+    from imgret.gallery.versions import reembed
 
     with make_client() as client:
         ids = list(add_gallery(client, classes=4, per_class=6))

@@ -11,12 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import make_sessionmaker
+from imgret.gallery.storage.scope import ALL_COLLECTIONS
+from imgret.gallery.storage.tables import ModelVersion, QueryEmbedding, QueryItem, QuerySet
+from imgret.gallery.tenancy import collections
 from imgret.images import DecodeLimits, embed_encoded
-from imgret.index import collections, store
-from imgret.index.db import make_sessionmaker
-from imgret.index.media import sha256_hex
-from imgret.index.models import ModelVersion, QueryEmbedding, QueryItem, QuerySet
-from imgret.index.scope import ALL_COLLECTIONS
 from tests.api.conftest import png
 from tests.api.test_models import _checkpoint
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from imgret.embedder import Embedder
+from imgret.gallery.search.rerank import KReciprocal, QueryExpansion
+from imgret.gallery.storage import store
 from imgret.images import decode_image
-from imgret.index import store
-from imgret.index.search.rerank import KReciprocal, QueryExpansion
 from imgret.metrics import ranking_metrics
 from tests.api.conftest import add_gallery, png, search
 from tests.support.images import write_image_folder
-from tests.unit.index.test_rerank import reference_one_query
+from tests.unit.gallery.test_rerank import reference_one_query
 
 
 def _vectors(client, ids: list[int]) -> np.ndarray:
@@ -103,7 +103,7 @@ def test_evaluate_upload_ranks_with_the_reranked_search(client, tiny_checkpoint:
 
 def test_named_set_plain_against_reranked_is_paired_and_not_recorded(client,
                                                                       tmp_path: Path) -> None:
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     resources = client.app.state.resources
     common = dict(session_factory=resources.sessions, media=resources.media,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from imgret.embedder import Embedder
-from imgret.index.media import MediaStore
+from imgret.gallery.media.files import MediaStore
 from tests.conftest import TEST_DEVICE
 
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from imgret.index.backup import (
+from imgret.gallery.backup import (
     BACKUP_FILE,
     BackupError,
     BackupExists,
@@ -22,8 +22,8 @@ from imgret.index.backup import (
     restore_backup,
     verify_backup,
 )
-from imgret.index.backup.layout import files_checksum
-from imgret.index.manifest import Manifest
+from imgret.gallery.backup.layout import files_checksum
+from imgret.gallery.search.manifest import Manifest
 from imgret.service.app import create_app
 from imgret.settings import Settings, get_settings
 from tests.conftest import TEST_DEVICE

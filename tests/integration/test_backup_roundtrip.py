@@ -27,8 +27,8 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from imgret.index.backup import DATABASE_FILE, create_backup
-from imgret.index.media import MediaStore
+from imgret.gallery.backup import DATABASE_FILE, create_backup
+from imgret.gallery.media.files import MediaStore
 from imgret.service.app import create_app
 from imgret.settings import Settings, get_settings
 from tests.conftest import TEST_DEVICE, _libpq
@@ -275,7 +275,7 @@ def _assert_same_ranking(got: list[tuple[int, float]], expected: list[tuple[int,
 
 
 def _sha(data: bytes) -> str:
-    from imgret.index.media import sha256_hex
+    from imgret.gallery.media.files import sha256_hex
 
     return sha256_hex(data)
 

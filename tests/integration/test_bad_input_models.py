@@ -24,9 +24,9 @@ from sqlalchemy import func, select
 
 from benchmarks.harness import running_server
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
-from imgret.index.db import make_engine, make_sessionmaker
-from imgret.index.models import ModelCheckpoint
-from imgret.index.versions import PATH_REFUSED
+from imgret.gallery.storage.db import make_engine, make_sessionmaker
+from imgret.gallery.storage.tables import ModelCheckpoint
+from imgret.gallery.versions.lifecycle import PATH_REFUSED
 from tests.conftest import TEST_DEVICE
 from tests.integration.test_bad_input_corpus import Case, _check_bad, _detail, _raw, _run, _send
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import inspect, text
 
-from imgret.index import collections, store, versions
-from imgret.index.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.media import MediaStore, sha256_hex
-from imgret.index.models import Base
-from imgret.index.search import Searcher
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.search import Searcher
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.storage.tables import Base
+from imgret.gallery.tenancy import collections
+from imgret.gallery.versions import lifecycle as versions
 
 COUNTED = ("gallery_items", "embeddings", "gallery_changes", "model_versions",
            "model_activations", "query_sets", "query_items", "query_embeddings",

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select, text
 
-from imgret.index import collections, store, versions
-from imgret.index.db import make_sessionmaker
-from imgret.index.media import MediaStore, sha256_hex
-from imgret.index.models import (
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import make_sessionmaker
+from imgret.gallery.storage.scope import ALL_COLLECTIONS
+from imgret.gallery.storage.tables import (
     Collection,
     Embedding,
     GalleryChange,
@@ -20,7 +21,8 @@ from imgret.index.models import (
     ModelVersion,
     QueryItem,
 )
-from imgret.index.scope import ALL_COLLECTIONS
+from imgret.gallery.tenancy import collections
+from imgret.gallery.versions import lifecycle as versions
 
 
 def _unit(n: int, seed: int) -> np.ndarray:

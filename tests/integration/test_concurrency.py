@@ -36,8 +36,8 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_servers
-from imgret.index.db import upgrade_to_head
-from imgret.index.media import sha256_hex
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import (
     KEY_HEADERS,

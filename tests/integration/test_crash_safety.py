@@ -41,9 +41,9 @@ import pytest
 from sqlalchemy import text
 
 from benchmarks.harness import LiveServer, running_server
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.ingest import ingest_source
-from imgret.index.media import MediaStore, sha256_hex
+from imgret.gallery.ingest import ingest_source
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.integration.test_ingest_kill import SCRIPT as SLOW_CLI
 from tests.integration.test_ingest_kill import _counts
@@ -72,7 +72,7 @@ KILL_POINTS = ((3, False), (10, False), (5, True))
 # keeps the committed write unacknowledged long enough for the kill.
 POST_COMMIT_DELAY = '''
 import time
-from imgret.index.search import Searcher
+from imgret.gallery.search import Searcher
 def _slowed(method):
     def slowed(self, *args, **kwargs):
         time.sleep(0.5)

@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 
-from imgret.index import store
-from imgret.index.gc import purge_media, sweep_media
-from imgret.index.ingest import NewItem, add_items
-from imgret.index.media import sha256_hex
-from imgret.index.search import Searcher
+from imgret.gallery.ingest import NewItem, add_items
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.media.gc import purge_media, sweep_media
+from imgret.gallery.search import Searcher
+from imgret.gallery.storage import store
 from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
 from tests.support.threads import run_in_threads

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_servers
-from imgret.index.db import upgrade_to_head
+from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 

@@ -10,14 +10,14 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
-from imgret.index.db import (
+from imgret.gallery.storage.db import (
     current_revision,
     downgrade,
     make_engine,
     migrations_dir,
     upgrade_to_head,
 )
-from imgret.index.models import Base
+from imgret.gallery.storage.tables import Base
 
 TABLES = {"model_versions", "model_activations", "gallery_items", "embeddings",
           "gallery_changes", "query_sets", "query_items", "query_embeddings"}
@@ -63,7 +63,7 @@ def test_a_fresh_clone_uses_its_own_migrations(tmp_path):
     shutil.copytree(REPO / "imgret", clone / "imgret",
                     ignore=shutil.ignore_patterns("__pycache__"))
     url = f"sqlite:///{tmp_path / 'clone.db'}"
-    script = ("import sys; from imgret.index.db import migrations_dir, upgrade_to_head; "
+    script = ("import sys; from imgret.gallery.storage.db import migrations_dir, upgrade_to_head; "
               "print(migrations_dir()); upgrade_to_head(sys.argv[1])")
     out = subprocess.run([sys.executable, "-c", script, url], cwd=clone, check=True,
                          capture_output=True, text=True, timeout=120)
@@ -74,7 +74,7 @@ def test_a_fresh_clone_uses_its_own_migrations(tmp_path):
 def _upgrade_in_child(args: tuple[str, float]) -> str:
     import time
 
-    from imgret.index.db import upgrade_to_head as upgrade
+    from imgret.gallery.storage.db import upgrade_to_head as upgrade
 
     url, start_at = args
     time.sleep(max(0.0, start_at - time.time()))  # start together, imports done
@@ -98,9 +98,9 @@ def test_migration_0006_adds_the_calibrations_and_removes_them(db_url: str) -> N
     from alembic import command
     from sqlalchemy import select, text
 
-    from imgret.index.db import alembic_config, make_sessionmaker
-    from imgret.index.models import ModelCalibration, ModelVersion
-    from imgret.index.notify import CHANNEL
+    from imgret.gallery.storage.db import alembic_config, make_sessionmaker
+    from imgret.gallery.storage.notify import CHANNEL
+    from imgret.gallery.storage.tables import ModelCalibration, ModelVersion
 
     command.upgrade(alembic_config(db_url), "0005")
     engine = make_engine(db_url)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from sqlalchemy import update
 
-from imgret.index import store
-from imgret.index.manifest import INDEX_FILE, MANIFEST_FILE, index_dir
-from imgret.index.models import GalleryItem
-from imgret.index.search import Searcher, SearchFilter
-from imgret.index.store import NewRow
-from tests.unit.index.vectors import clustered_vectors
+from imgret.gallery.search import Searcher, SearchFilter
+from imgret.gallery.search.manifest import INDEX_FILE, MANIFEST_FILE, index_dir
+from imgret.gallery.storage import store
+from imgret.gallery.storage.store import NewRow
+from imgret.gallery.storage.tables import GalleryItem
+from tests.unit.gallery.vectors import clustered_vectors
 
 VERSION = "synthetic-v1"
 
@@ -61,7 +61,7 @@ def db_vectors(sessions) -> tuple[np.ndarray, np.ndarray]:
 def test_open_rebuilds_saves_then_loads_and_is_exact(sessions, tmp_path, caplog):
     seed(sessions, clustered_vectors(300))
     delete(sessions, [5, 6])
-    caplog.set_level(logging.INFO, logger="imgret.index.search")
+    caplog.set_level(logging.INFO, logger="imgret.gallery.search")
     first = Searcher.open(sessions, tmp_path, model_version=VERSION, use_gpu=False)
     assert "rebuilding" in caplog.text and "no manifest" in caplog.text
     folder = index_dir(tmp_path, VERSION)
@@ -120,7 +120,7 @@ def test_manifest_mismatch_rebuilds_from_sql_and_says_why(sessions, tmp_path, ca
     Searcher.open(sessions, tmp_path, model_version=VERSION, use_gpu=False)
     factory, reason = tamper(index_dir(tmp_path, VERSION), sessions)
     caplog.clear()
-    caplog.set_level(logging.WARNING, logger="imgret.index.search")
+    caplog.set_level(logging.WARNING, logger="imgret.gallery.search")
     searcher = Searcher.open(sessions, tmp_path, factory, model_version=VERSION, use_gpu=False)
     assert "rebuilding" in caplog.text and reason in caplog.text
     ids, _ = db_vectors(sessions)
@@ -137,7 +137,7 @@ def test_load_replays_changes_made_since_the_save(sessions, tmp_path, caplog):
     new = seed(sessions, clustered_vectors(5, seed=7))
     delete(sessions, [1, 2, new[0]])
     caplog.clear()
-    caplog.set_level(logging.INFO, logger="imgret.index.search")
+    caplog.set_level(logging.INFO, logger="imgret.gallery.search")
     searcher = Searcher.open(sessions, tmp_path, model_version=VERSION, use_gpu=False)
     assert "rebuilding" not in caplog.text and "8 changes replayed" in caplog.text
     assert searcher.size == 102 and not {1, 2, new[0]} & set(searcher.ids().tolist())
@@ -202,7 +202,7 @@ def test_ivf_from_sql_keeps_filters_exact_in_count(sessions, tmp_path):
 
 def test_trainable_factory_starts_exact_on_a_small_gallery(sessions, tmp_path, caplog):
     seed(sessions, clustered_vectors(30))
-    caplog.set_level(logging.WARNING, logger="imgret.index.search")
+    caplog.set_level(logging.WARNING, logger="imgret.gallery.search")
     searcher = Searcher.open(sessions, tmp_path, "IVF64,Flat", model_version=VERSION,
                              use_gpu=False)
     assert searcher.factory == "Flat" and searcher.requested_factory == "IVF64,Flat"

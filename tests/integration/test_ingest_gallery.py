@@ -12,11 +12,17 @@ from sqlalchemy import func, select
 
 from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
+from imgret.gallery.ingest import NewItem, add_items, ingest_source
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import (
+    Embedding,
+    GalleryChange,
+    GalleryItem,
+    ModelVersion,
+    QueryItem,
+)
 from imgret.images import decode_image
-from imgret.index import store
-from imgret.index.ingest import NewItem, add_items, ingest_source
-from imgret.index.media import sha256_hex
-from imgret.index.models import Embedding, GalleryChange, GalleryItem, ModelVersion, QueryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes, write_market_folder
 

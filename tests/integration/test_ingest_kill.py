@@ -11,10 +11,10 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.ingest import ingest_source
-from imgret.index.media import MediaStore, sha256_hex
-from imgret.index.models import Embedding, GalleryChange, GalleryItem
+from imgret.gallery.ingest import ingest_source
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.storage.tables import Embedding, GalleryChange, GalleryItem
 from tests.conftest import TEST_DEVICE
 from tests.support.images import write_image_folder
 
@@ -96,7 +96,7 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
     files = [p for p in media.root.rglob("*") if p.is_file()]
     assert not [p for p in files if p.name.startswith(".tmp-")]
     # Files of the chunk in flight may exist without rows: harmless (see
-    # imgret.index.ingest.writer).
+    # imgret.gallery.ingest.writer).
     assert items <= len(files) <= items + CHUNK
 
     embedder = Embedder.from_checkpoint(tiny_checkpoint, device=TEST_DEVICE)

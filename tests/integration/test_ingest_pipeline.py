@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from imgret.gallery.ingest import ingest_source, pipeline, writer
+from imgret.gallery.ingest.workers import EmbedWorkers, _warm_up
+from imgret.gallery.media.files import sha256_hex
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import GalleryItem
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
-from imgret.index import store
-from imgret.index.ingest import ingest_source, pipeline, writer
-from imgret.index.ingest.workers import EmbedWorkers, _warm_up
-from imgret.index.media import sha256_hex
-from imgret.index.models import GalleryItem
 from tests.support.threads import torch_threads
 
 

@@ -30,8 +30,8 @@ def run(*args: str) -> str:
 
 def test_an_int8_version_is_calibrated_registered_compared_and_gated(
         env: Path, image_folder: Path) -> None:
-    from imgret.index import versions
-    from imgret.index.commands import open_gallery
+    from imgret.cli.jobs.gallery import open_gallery
+    from imgret.gallery.versions import lifecycle as versions
     from imgret.settings import get_settings
 
     run("ingest", str(image_folder), "--no-progress")
@@ -85,7 +85,7 @@ def test_an_int8_version_is_calibrated_registered_compared_and_gated(
 
 def test_quantising_needs_stored_images_and_a_float_version(
         env: Path, image_folder: Path, tiny_checkpoint: Path) -> None:
-    from imgret.index.model_commands import quantize
+    from imgret.cli.jobs.models import quantize
     from imgret.settings import get_settings
 
     parent = run("models", "register", str(tiny_checkpoint)).split()[1]
@@ -144,7 +144,7 @@ def test_two_concurrent_quantisations_register_one_version(
     version, whichever commits second."""
     import threading
 
-    from imgret.index.model_commands import quantize
+    from imgret.cli.jobs.models import quantize
     from imgret.settings import get_settings
 
     run("ingest", str(image_folder), "--no-progress")

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from benchmarks.harness import running_servers
 from imgret.cli.main import app
-from imgret.index.db import upgrade_to_head
+from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
 

@@ -8,8 +8,8 @@ import threading
 import psycopg
 import pytest
 
-from imgret.index.db import make_engine
-from imgret.index.notify import CHANNEL, KEEPALIVE, listen_for_changes
+from imgret.gallery.storage.db import make_engine
+from imgret.gallery.storage.notify import CHANNEL, KEEPALIVE, listen_for_changes
 
 pytestmark = pytest.mark.postgres
 

@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import func, select
 
 from benchmarks.harness import running_servers
-from imgret.index.db import make_engine, upgrade_to_head
-from imgret.index.models import MediaBlob
+from imgret.gallery.storage.db import make_engine, upgrade_to_head
+from imgret.gallery.storage.tables import MediaBlob
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
 

@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import func, select
 
 from imgret.errors import GalleryError
-from imgret.index import store
-from imgret.index.gc import purge_media, sweep_media
-from imgret.index.ingest import NewItem, add_items
-from imgret.index.media import MediaStore, sha256_hex
-from imgret.index.media_db import DatabaseMediaStore, open_media_store
-from imgret.index.models import GalleryItem, MediaBlob
+from imgret.gallery.ingest import NewItem, add_items
+from imgret.gallery.media.blobs import DatabaseMediaStore, open_media_store
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.media.gc import purge_media, sweep_media
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import GalleryItem, MediaBlob
 from imgret.settings import Settings
 from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
@@ -109,12 +109,12 @@ def test_a_switched_backend_is_reported_at_start_up_and_deletes_nothing(
     images = [image_bytes(class_image(7, i)) for i in range(3)]
     add_items([NewItem(data, "x") for data in images], session_factory=sessions, media=files,
               embedder=embedder)
-    with caplog.at_level("ERROR", logger="imgret.index.gc"):
+    with caplog.at_level("ERROR", logger="imgret.gallery.media.gc"):
         assert sweep_media(session_factory=sessions, media=DatabaseMediaStore(sessions)) == 0
     assert "3 of the 3 images" in caplog.text and "IMGRET_MEDIA_BACKEND" in caplog.text
     assert sorted(files.stored_keys()) == sorted(sha256_hex(data) for data in images)
     caplog.clear()
-    with caplog.at_level("ERROR", logger="imgret.index.gc"):
+    with caplog.at_level("ERROR", logger="imgret.gallery.media.gc"):
         assert sweep_media(session_factory=sessions, media=files) == 0
     assert not caplog.text  # the right backend: nothing missing, nothing said
 
@@ -138,7 +138,7 @@ def test_migrate_moves_every_image_and_leaves_none_behind(sessions, db_url, embe
     image is readable from the target with its bytes, the source ends empty (unreferenced
     leftovers too), a batch half-moved by an interrupted run is finished, and a re-run moves
     nothing."""
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url)
     files, blobs = MediaStore.in_data_dir(settings.data_dir), DatabaseMediaStore(sessions)
@@ -172,7 +172,7 @@ def test_migrate_command_says_what_it_moved(tmp_path, monkeypatch, embedder) -> 
     from typer.testing import CliRunner
 
     from imgret.cli.main import app
-    from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
+    from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
     from imgret.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'g.db'}"
@@ -224,7 +224,7 @@ def test_migrate_beside_a_live_writer_of_the_new_backend(sessions, embedder, tmp
     is empty, re-uploaded bytes of a deleted image included."""
     import threading
 
-    from imgret.index.media_db import migrate_media
+    from imgret.gallery.media.blobs import migrate_media
 
     files, blobs = MediaStore.in_data_dir(tmp_path / "data"), DatabaseMediaStore(sessions)
     source, target = (files, blobs) if to == "database" else (blobs, files)
@@ -308,7 +308,7 @@ def test_migrate_moves_bytes_uploaded_again_after_the_listing(sessions, embedder
     """An image deleted before the run (its bytes left in the old store) and uploaded again
     by a process on the new backend while the run moves other batches: the key was not in
     the listing, yet afterwards the target holds its bytes and the source holds nothing."""
-    from imgret.index.media_db import migrate_media
+    from imgret.gallery.media.blobs import migrate_media
 
     files, blobs = MediaStore.in_data_dir(tmp_path / "data"), DatabaseMediaStore(sessions)
     source, target = (files, blobs) if to == "database" else (blobs, files)

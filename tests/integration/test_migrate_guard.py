@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_server
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.ingest import NewItem, add_items
-from imgret.index.media import MediaStore
-from imgret.index.media_db import DatabaseMediaStore
-from imgret.index.serving import GalleryInUse, hold_for_maintenance, hold_for_serving
+from imgret.gallery.ingest import NewItem, add_items
+from imgret.gallery.media.blobs import DatabaseMediaStore
+from imgret.gallery.media.files import MediaStore
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.storage.holders import GalleryInUse, hold_for_maintenance, hold_for_serving
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import server_env
 from tests.support.images import class_image, image_bytes

@@ -17,22 +17,25 @@ from sqlalchemy import func, inspect, select, text, update
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from imgret.index import reembed, store, version_store, versions
-from imgret.index.db import (
+from imgret.gallery.ingest import NewItem, add_items
+from imgret.gallery.media.files import MediaStore
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import (
     alembic_config,
     downgrade,
     make_engine,
     make_sessionmaker,
     upgrade_to_head,
 )
-from imgret.index.ingest import NewItem, add_items
-from imgret.index.media import MediaStore
-from imgret.index.models import (
+from imgret.gallery.storage.tables import (
     Embedding,
     ModelCheckpoint,
     ModelVersion,
     QueryEmbedding,
 )
+from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import records as version_store
+from imgret.gallery.versions import reembed
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 

@@ -46,9 +46,9 @@ import pytest
 
 from benchmarks.harness import running_server
 from imgret.embedder import Embedder
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.images import DecodeLimits, embed_encoded
-from imgret.index import store
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, server_env
 from tests.support.images import class_image, image_bytes

@@ -83,7 +83,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory, runs) -> dict[str, Path]:
 def test_trained_longer_is_better_and_the_same_model_is_no_better(
     tmp_path: Path, db_url: str, runs: dict[str, Path], folders: dict[str, Path]
 ) -> None:
-    from imgret.index import commands
+    from imgret.cli.jobs import gallery as commands
     from imgret.service.app import create_app
 
     settings = Settings(data_dir=tmp_path / "data", database_url=db_url, model=runs["a"],

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.cli.main import app
-from imgret.index.versions import VersionInUse
+from imgret.gallery.versions.lifecycle import VersionInUse
 
 
 @pytest.fixture

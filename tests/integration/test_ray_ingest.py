@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from imgret.index import store
-from imgret.index.db import make_engine, make_sessionmaker, upgrade_to_head
-from imgret.index.ingest import IngestReport, ingest_source
-from imgret.index.media import MediaStore
-from imgret.index.models import GalleryItem
+from imgret.gallery.ingest import IngestReport, ingest_source
+from imgret.gallery.media.files import MediaStore
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.storage.tables import GalleryItem
 from tests.conftest import TEST_DEVICE, require
 from tests.support.images import write_image_folder
 
@@ -94,7 +94,7 @@ def _counts(report: IngestReport) -> tuple:
 def test_ray_ingest_stores_what_plain_ingest_stores_and_runs_again_as_a_no_op(
     ray_local, folder, sessions, db_url, media, embedder, tiny_checkpoint, tmp_path,
 ):
-    from imgret.index.ingest.ray import ingest_with_ray
+    from imgret.gallery.ingest.ray import ingest_with_ray
 
     plain, plain_reports = _ingest_plain(folder, f"sqlite:///{tmp_path / 'plain.db'}",
                                          tmp_path / "plain-data", embedder)
@@ -118,13 +118,13 @@ def test_ray_ingest_stores_what_plain_ingest_stores_and_runs_again_as_a_no_op(
 # write is slowed down so that the kill lands between committed chunks.
 SCRIPT = """
 import sys, time
-import imgret.index.ingest.ray
+import imgret.gallery.ingest.ray
 delay = float(sys.argv[1])
-original = imgret.index.ingest.ray.write_embedded
+original = imgret.gallery.ingest.ray.write_embedded
 def slow_write(*args, **kwargs):
     time.sleep(delay)
     return original(*args, **kwargs)
-imgret.index.ingest.ray.write_embedded = slow_write
+imgret.gallery.ingest.ray.write_embedded = slow_write
 sys.argv = ["imgret", *sys.argv[2:]]
 from imgret.cli.main import main
 main()
@@ -188,4 +188,4 @@ def test_ray_without_the_extra_is_one_line_naming_the_fix(tiny_checkpoint, folde
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
-    assert "imgret/index/ingest/ray.py" in errors[0] and "pip install 'imgret[ray]'" in errors[0]
+    assert "imgret/gallery/ingest/ray.py" in errors[0] and "pip install 'imgret[ray]'" in errors[0]

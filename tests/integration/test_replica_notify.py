@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from benchmarks.harness import running_servers
-from imgret.index.db import upgrade_to_head
+from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
 

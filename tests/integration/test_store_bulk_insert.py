@@ -1,4 +1,4 @@
-"""``imgret.index.store.insert_rows``, the one bulk insert (COPY on PostgreSQL, a DBAPI
+"""``imgret.gallery.storage.store.insert_rows``, the one bulk insert (COPY on PostgreSQL, a DBAPI
 executemany on
 SQLite), on both databases: rows stored exactly as SQLAlchemy stores them, and the ids handed
 back in the order of the rows."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import delete, insert, select, text
 
-from imgret.index import store
-from imgret.index.models import GalleryItem, MediaBlob, utcnow
+from imgret.gallery.storage import store
+from imgret.gallery.storage.tables import GalleryItem, MediaBlob, utcnow
 
 
 def _row(n: int, now, camera: int | None = 3) -> dict:

@@ -14,12 +14,12 @@ import numpy as np
 from sqlalchemy import select
 
 from imgret.errors import IndexStale
-from imgret.index import store
-from imgret.index.db import make_engine, make_sessionmaker
-from imgret.index.faiss_index import read_index, stored_ids
-from imgret.index.manifest import Manifest, ids_checksum, index_dir
-from imgret.index.media import MediaStore, sha256_hex
-from imgret.index.models import GalleryItem
+from imgret.gallery.media.files import MediaStore, sha256_hex
+from imgret.gallery.search.faiss_index import read_index, stored_ids
+from imgret.gallery.search.manifest import Manifest, ids_checksum, index_dir
+from imgret.gallery.storage import store
+from imgret.gallery.storage.db import make_engine, make_sessionmaker
+from imgret.gallery.storage.tables import GalleryItem
 from tests.support.images import class_image, image_bytes
 
 # Writes and /evaluate carry this key: the servers under test are started with it, so the

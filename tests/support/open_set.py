@@ -14,7 +14,7 @@ def gallery_with_unknowns_and_second_version(client, tmp_path: Path, checkpoint:
     """Ingest ``gallery_classes`` identities and a query set ``"cal"`` of ``query_classes``
     (3 images each; those past the gallery's are unknown), register ``checkpoint`` and embed
     the gallery with it. Returns ``(served version, new version)``."""
-    from imgret.index.ingest import ingest_source
+    from imgret.gallery.ingest import ingest_source
 
     resources = client.app.state.resources
     gallery = write_image_folder(tmp_path / "g", classes=gallery_classes,

@@ -2,10 +2,10 @@
 every import (function-local ones included), with no exemption:
 
     core  <-  training
-    core  <-  index  <-  service
+    core  <-  gallery  <-  service
     cli on top of all of them (and imported by none)
 
-where core is imgret's top-level modules and the others its subpackages (imgret.index, ...)
+where core is imgret's top-level modules and the others its subpackages (imgret.gallery, ...)
 
 and no import cycle between any two modules of these packages; benchmarks import no test code.
 """
@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = import_graph.PACKAGES
 # package -> packages it must not import, anywhere in any of its files.
 FORBIDDEN = {
-    "core": {"training", "index", "service", "cli"},
-    "training": {"index", "service", "cli"},
-    "index": {"training", "service", "cli"},
+    "core": {"training", "gallery", "service", "cli"},
+    "training": {"gallery", "service", "cli"},
+    "gallery": {"training", "service", "cli"},
     "service": {"training", "cli"},
     "cli": set(),
 }
@@ -75,10 +75,10 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_routers_only_translate_http(path: Path) -> None:
     """A router imports no other router and writes no SQL: the work is a service module's
     (``imgret.service.gallery``, ``imgret.service.version_evaluation``), the SQL
-    ``imgret.index.store``'s."""
+    ``imgret.gallery.storage.store``'s."""
     names = _imported(path)
     routers = {name for name in names if name.startswith("imgret.service.routers.")}
     sql = {name for name in names
-           if name.split(".")[0] == "sqlalchemy" or name == "imgret.index.store"}
+           if name.split(".")[0] == "sqlalchemy" or name == "imgret.gallery.storage.store"}
     assert not routers, f"{path.name} imports routers {sorted(routers)}"
     assert not sql, f"{path.name} imports {sorted(sql)}"

@@ -1,6 +1,6 @@
 """/admin: operations on the whole service. ``POST /admin/backup`` takes a consistent backup
 (database snapshot, the media it refers to, checkpoints, indexes) while the service serves;
-same code as `imgret backup` (:mod:`imgret.index.backup`).
+same code as `imgret backup` (:mod:`imgret.gallery.backup`).
 
 A client names a backup, never a path: it is written to ``<data_dir>/backups/<name>``, so a
 client cannot make the server write anywhere else. It is a write, so it needs ``X-API-Key``
@@ -12,7 +12,8 @@ Disk is bounded: a backup whose estimated size would leave less than
 ``IMGRET_BACKUP_FREE_MARGIN_BYTES`` free on the volume is refused with 507 before anything is
 written, and after each successful backup the oldest ones in ``<data_dir>/backups/`` are
 removed so that at most ``IMGRET_BACKUP_KEEP`` remain, taking at most
-``IMGRET_BACKUP_MAX_BYTES`` together (:func:`imgret.index.backup.prune_backups`; never the new one).
+``IMGRET_BACKUP_MAX_BYTES`` together (:func:`imgret.gallery.backup.prune_backups`; never the new
+one).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fastapi import APIRouter, Body, Depends, HTTPException, status
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from imgret.index.backup import (
+from imgret.gallery.backup import (
     ADMIN_BACKUPS_DIR,
     BACKUP_NAME,
     BackupExists,
@@ -61,7 +62,7 @@ class BackupRequest(BaseModel):
 
 @pydantic_dataclass(frozen=True)
 class BackupCreated(BackupReport):
-    """A finished backup: what it holds (the fields of ``imgret.index.backup.BackupReport``, as
+    """A finished backup: what it holds (the fields of ``imgret.gallery.backup.BackupReport``, as
     `imgret backup` reports them), its ``name``, and its ``path`` relative to the data dir."""
 
     name: str

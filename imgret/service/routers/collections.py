@@ -2,8 +2,8 @@
 
 A collection's own routes are the default collection's under ``/collections/{name}``
 (``/collections/shop/search``, ``.../gallery``, ``.../evaluate``, ``.../models``,
-``.../query-sets``); see :mod:`imgret.service.collections`. HTTP only: the work is
-:mod:`imgret.index.collections`'.
+``.../query-sets``); see :mod:`imgret.service.collection_registry`. HTTP only: the work is
+:mod:`imgret.gallery.tenancy.collections`'.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Request, Response, status
 
-from imgret.index import collections
-from imgret.index.models import DEFAULT_COLLECTION
+from imgret.gallery.storage.tables import DEFAULT_COLLECTION
+from imgret.gallery.tenancy import collections
 from imgret.service.access import Caller
 from imgret.service.deps import require_api_key
 from imgret.service.request_rules import InvalidRequest

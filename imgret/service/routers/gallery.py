@@ -12,8 +12,8 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Query, Request, status
 from fastapi.responses import Response
 
-from imgret.index.ingest import AddedItems, NewItem
-from imgret.index.models import GalleryItem
+from imgret.gallery.ingest import AddedItems, NewItem
+from imgret.gallery.storage.tables import GalleryItem
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep, SessionDep, require_api_key
 from imgret.service.forms import form_body, open_form

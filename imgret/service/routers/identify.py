@@ -1,5 +1,5 @@
 """POST /identify: who is in one image, or nobody, under the served version's calibrated
-threshold (:mod:`imgret.index.calibration`).
+threshold (:mod:`imgret.gallery.evaluation.calibration`).
 
 The image is queued and batched like a ``/search`` query (the same queue, limits and 503s);
 the decision uses the calibration carried with the version that embedded and ranked it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from imgret.index.calibration import NotCalibrated
+from imgret.gallery.evaluation.calibration import NotCalibrated
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.pipeline import ImageQuery, decision, top_candidate

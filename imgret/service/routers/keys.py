@@ -1,5 +1,6 @@
 """/keys: create, list and revoke API keys (global admin only). HTTP only: the work is
-:mod:`imgret.index.keys`'; a change made here is checked by this process at once and by the
+:mod:`imgret.gallery.tenancy.keys`'; a change made here is checked by this process at once and by
+the
 others within their follower interval."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Request, Response, status
 
-from imgret.index import keys
-from imgret.index.collections import CollectionNotFound
+from imgret.gallery.tenancy import keys
+from imgret.gallery.tenancy.collections import CollectionNotFound
 from imgret.service.deps import require_api_key
 from imgret.service.request_rules import InvalidRequest
 from imgret.service.schemas import KeyCreate, KeyCreated, KeyInfo, KeyList

@@ -1,6 +1,6 @@
 """/models: register versions, re-embed the stored gallery for one in the background, switch
 the served version (gated on a paired verdict), roll back. Same code as `imgret models`
-(:mod:`imgret.index.versions`)."""
+(:mod:`imgret.gallery.versions.lifecycle`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from pydantic import ValidationError
 
-from imgret.index import versions
+from imgret.gallery.versions import lifecycle as versions
 from imgret.process import in_own_thread
 from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form

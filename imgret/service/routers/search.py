@@ -9,9 +9,9 @@ The path of a search, from this router to FAISS:
    :func:`imgret.service.gallery.search_by_id`) waits
    in the batcher's queue (:mod:`imgret.service.batching`), which runs whole batches off the loop;
 3. each batch goes through the :class:`~imgret.service.pipeline.SearchPipeline`: decode, embed with
-   the served model, rank in that version's :class:`~imgret.index.search.Searcher` (FAISS and the
+   the served model, rank in that version's :class:`~imgret.gallery.search.Searcher` (FAISS and the
    filters); a re-ranked query is finished on the batcher's re-ranking pool
-   (:mod:`imgret.index.search.rerank`);
+   (:mod:`imgret.gallery.search.rerank`);
 4. the hits come back here with their labels from the answering index's own map.
 """
 
@@ -25,8 +25,8 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from imgret.errors import ImageDecodeError
+from imgret.gallery.search.rerank import Rerank
 from imgret.images import DecodeLimits, check_request_pixels
-from imgret.index.search.rerank import Rerank
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
@@ -98,8 +98,9 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     :func:`imgret.service.gallery.search_by_id`'s ``ItemQuery``) in the batcher's queue
     (``resources.batcher``, :mod:`imgret.service.batching`) -> its batch through
     :class:`~imgret.service.pipeline.SearchPipeline` (decode, embed with the served model) -> that
-    version's :class:`~imgret.index.search.Searcher` (FAISS, filters) -> a re-ranked query finished
-    on the re-ranking pool (:mod:`imgret.service.followups`, :mod:`imgret.index.search.rerank`).
+    version's :class:`~imgret.gallery.search.Searcher` (FAISS, filters) -> a re-ranked query
+    finished on the re-ranking pool (:mod:`imgret.service.followups`,
+    :mod:`imgret.gallery.search.rerank`).
     """
     start = time.perf_counter()
     async with open_form(request, ImageSearchForm) as form:

@@ -1,0 +1,30 @@
+"""Search a gallery: one model version's FAISS index, with filters and live updates.
+
+:class:`Searcher` (in :mod:`imgret.gallery.search.searcher`) composes parts with one job each and
+holds the locks that make them safe together:
+
+- :mod:`imgret.gallery.search.filters`: :class:`SearchFilter`, and the catalog of live ids (label,
+  camera, metadata) that turns a filter into an allowed-id mask;
+- :mod:`imgret.gallery.search.ranking`: :class:`Hit`, and the ladder that gives a filtered search
+  ``min(k, matching)`` hits on any index type (id selector or over-fetch, exhaustive retry,
+  exact re-rank);
+- :mod:`imgret.gallery.search.live`: the index being served (CPU master, GPU mirror), tombstones,
+  and the memory of deleted ids, changed by adds, removes and rebuild swaps;
+- :mod:`imgret.gallery.search.changes`: what other processes committed (the deletes to catch up on
+  before each search, the change log to replay);
+- :mod:`imgret.gallery.search.rerank`: k-reciprocal re-ranking and average query expansion, from one
+  query's top candidates and their own neighbourhoods in the index;
+- :mod:`imgret.gallery.search.lifecycle`: open (load and check against SQL, or rebuild), save,
+  background rebuilds;
+- :mod:`imgret.gallery.search.threads`: how many threads a search may use (one per query, at most
+  what the calling thread has), and the small-batch exact path (one BLAS product + FAISS's
+  top-k heap) that keeps single queries at least as fast as NumPy brute force;
+- :mod:`imgret.gallery.search.lock`: the reader/writer lock.
+"""
+
+from imgret.gallery.search.filters import SearchFilter
+from imgret.gallery.search.lock import ReadWriteLock
+from imgret.gallery.search.ranking import Hit
+from imgret.gallery.search.searcher import Searcher
+
+__all__ = ["Hit", "ReadWriteLock", "SearchFilter", "Searcher"]
