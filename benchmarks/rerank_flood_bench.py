@@ -231,7 +231,7 @@ def main() -> None:
         REQUEST_RERANK_SEARCHES_MAX,
         SEARCH_CANDIDATES_MAX,
     )
-    from imgret.service.schemas import K_MAX
+    from imgret.service.schemas.common import K_MAX
 
     per_request = REQUEST_RERANK_SEARCHES_MAX // (2 * SEARCH_CANDIDATES_MAX + 2)
     k = min(K_MAX, REQUEST_HITS_MAX // per_request)

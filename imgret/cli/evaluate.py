@@ -74,7 +74,8 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         from imgret.cli.jobs.gallery import evaluate_named
         from imgret.gallery.evaluation.retrieval import format_report
         from imgret.service.request_rules import validation_message
-        from imgret.service.schemas import EvaluateOptions, RerankRequest
+        from imgret.service.schemas.common import RerankRequest
+        from imgret.service.schemas.evaluation import EvaluateOptions
         from imgret.settings import Settings
 
         try:  # checked by the model behind /search's and /evaluate's rerank fields

@@ -17,7 +17,7 @@ So, with :func:`~imgret.gallery.search.rerank.index_searches` as the cost unit (
 - one request's re-ranking at most 808 searches (4 queries at N = 100, or 32 at N = 11): about
   0.4 s of the re-ranking pool's time at 100k;
 - one request's hits (queries x k) at most 4,000: ~25 ms on the event loop; a single query
-  keeps k up to 1,000 (``imgret.service.schemas.K_MAX``).
+  keeps k up to 1,000 (``imgret.service.schemas.common.K_MAX``).
 
 The re-ranking itself runs on its own bounded pool, never on the model thread
 (``imgret.service.followups.FollowUpPool``, set up by ``imgret.service.pipeline``): plain searches

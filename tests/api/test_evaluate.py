@@ -307,7 +307,7 @@ def test_small_evaluations_rank_the_whole_gallery_so_map_is_exact(client) -> Non
 
 
 def test_request_versions_compare_or_compare_to() -> None:
-    from imgret.service.schemas import EvaluateRequest
+    from imgret.service.schemas.evaluation import EvaluateRequest
 
     def versions(**body):
         return EvaluateRequest.model_validate({"query_set": "q", **body}).versions("served")

@@ -12,7 +12,7 @@ import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from imgret.service.schemas import RegisterUpload
+from imgret.service.schemas.versions import RegisterUpload
 from tests.api.conftest import add_gallery, png, search
 
 

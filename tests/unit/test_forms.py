@@ -10,12 +10,9 @@ from starlette.datastructures import FormData, UploadFile
 
 from imgret.service.forms import form_schema, parse_form
 from imgret.service.request_rules import InvalidRequest
-from imgret.service.schemas import (
-    EvaluateRequest,
-    EvaluateUpload,
-    GalleryUpload,
-    ImageSearchForm,
-)
+from imgret.service.schemas.evaluation import EvaluateRequest, EvaluateUpload
+from imgret.service.schemas.gallery import GalleryUpload
+from imgret.service.schemas.search import ImageSearchForm
 
 
 def _file(name: str = "a.png") -> UploadFile:

@@ -18,7 +18,7 @@ from imgret.gallery.tenancy import collections
 from imgret.service.access import Caller
 from imgret.service.deps import require_api_key
 from imgret.service.request_rules import InvalidRequest
-from imgret.service.schemas import (
+from imgret.service.schemas.collections import (
     COLLECTION_NAME_RULE,
     CollectionCreate,
     CollectionInfo,

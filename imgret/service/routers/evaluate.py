@@ -1,8 +1,8 @@
 """POST /evaluate: retrieval metrics of a labelled query set, ranked through the serving index.
 
-HTTP only: the body is a JSON :class:`~imgret.service.schemas.EvaluateRequest` or a multipart
-:class:`~imgret.service.schemas.EvaluateUpload` (:mod:`imgret.service.forms`); the work is
-:mod:`imgret.service.version_evaluation`'.
+HTTP only: the body is a JSON :class:`~imgret.service.schemas.evaluation.EvaluateRequest` or
+a multipart :class:`~imgret.service.schemas.evaluation.EvaluateUpload`
+(:mod:`imgret.service.forms`); the work is :mod:`imgret.service.version_evaluation`'.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
 from imgret.service.request_rules import request_validation_error
 from imgret.service.resources import Resources
-from imgret.service.schemas import (
+from imgret.service.schemas.evaluation import (
     EvaluateRequest,
     EvaluateUpload,
     EvaluationReport,

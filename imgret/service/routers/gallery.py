@@ -18,7 +18,7 @@ from imgret.service import gallery
 from imgret.service.deps import ResourcesDep, SessionDep, require_api_key
 from imgret.service.forms import form_body, open_form
 from imgret.service.request_rules import LABEL_MAX, SafeText
-from imgret.service.schemas import (
+from imgret.service.schemas.gallery import (
     GalleryAddOutcome,
     GalleryItemList,
     GalleryItemPublic,

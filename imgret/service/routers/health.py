@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from imgret.service.auth import may_see_details
 from imgret.service.deps import ResourcesDep
-from imgret.service.schemas import HealthStatus
+from imgret.service.schemas.health import HealthStatus
 
 router = APIRouter(tags=["health"])
 

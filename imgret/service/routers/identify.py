@@ -13,7 +13,7 @@ from imgret.gallery.evaluation.calibration import NotCalibrated
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.pipeline import ImageQuery, decision, top_candidate
-from imgret.service.schemas import IdentifyForm, IdentifyResponse
+from imgret.service.schemas.search import IdentifyForm, IdentifyResponse
 
 router = APIRouter(prefix="/identify", tags=["search"])
 

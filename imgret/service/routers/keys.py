@@ -14,7 +14,7 @@ from imgret.gallery.tenancy import keys
 from imgret.gallery.tenancy.collections import CollectionNotFound
 from imgret.service.deps import require_api_key
 from imgret.service.request_rules import InvalidRequest
-from imgret.service.schemas import KeyCreate, KeyCreated, KeyInfo, KeyList
+from imgret.service.schemas.keys import KeyCreate, KeyCreated, KeyInfo, KeyList
 
 router = APIRouter(prefix="/keys", tags=["keys"], dependencies=[Depends(require_api_key)])
 

@@ -18,7 +18,7 @@ from imgret.service.forms import form_schema, open_form
 from imgret.service.limits import content_length
 from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText
 from imgret.service.resources import Resources
-from imgret.service.schemas import (
+from imgret.service.schemas.versions import (
     ActivateRequest,
     CalibrateRequest,
     CalibrationInfo,

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep, SessionDep
 from imgret.service.request_rules import NAME_MAX
-from imgret.service.schemas import QuerySetInfo, QuerySetList
+from imgret.service.schemas.query_sets import QuerySetInfo, QuerySetList
 
 router = APIRouter(prefix="/query-sets", tags=["query-sets"])
 

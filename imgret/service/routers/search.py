@@ -2,8 +2,8 @@
 
 The path of a search, from this router to FAISS:
 
-1. the form (:mod:`imgret.service.forms`, :class:`~imgret.service.schemas.ImageSearchForm`) and the
-   request's budget (:mod:`imgret.service.limits`) are checked on the event loop;
+1. the form (:mod:`imgret.service.forms`, :class:`~imgret.service.schemas.search.ImageSearchForm`)
+   and the request's budget (:mod:`imgret.service.limits`) are checked on the event loop;
 2. the query (:class:`~imgret.service.pipeline.ImageQuery`, or an
    :class:`~imgret.service.pipeline.ItemQuery` built by
    :func:`imgret.service.gallery.search_by_id`) waits
@@ -33,8 +33,8 @@ from imgret.service.forms import form_body, open_form
 from imgret.service.limits import check_search_budget
 from imgret.service.pipeline import Answer, ImageQuery, decision
 from imgret.service.request_rules import InvalidRequest, WholeNumber, request_validation_error
-from imgret.service.schemas import (
-    K_MAX,
+from imgret.service.schemas.common import K_MAX
+from imgret.service.schemas.search import (
     BatchSearchForm,
     DecisionOut,
     ImageSearchForm,
