@@ -135,8 +135,8 @@ class Settings(BaseSettings):
         0.5, gt=0, le=1,
         description="fraction of time a background re-embedding may compute (1: no pause)",
     )
-    # Replicas (imgret.service.resources.follow_changes): on PostgreSQL a LISTEN wakes the follower
-    # as soon as another process commits a gallery write or a model switch; the poll below
+    # Replicas (imgret.service.resources.follower.follow_changes): on PostgreSQL a LISTEN wakes the
+    # follower as soon as another process commits a gallery write or a model switch; the poll below
     # stays as the fallback (SQLite, a lost listening connection, notifications turned off).
     follow_interval_s: float = Field(
         1.0, gt=0, le=3600,

@@ -30,7 +30,8 @@ from imgret.service.auth import (
 from imgret.service.collection_registry import CollectionRegistry
 from imgret.service.errors import install_error_handlers
 from imgret.service.limits import UploadLimitMiddleware
-from imgret.service.resources import follow_changes, load_resources, resume_interrupted_jobs
+from imgret.service.resources.follower import follow_changes
+from imgret.service.resources.startup import load_resources, resume_interrupted_jobs
 from imgret.service.routers import (
     admin,
     collections,

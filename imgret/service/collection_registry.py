@@ -1,10 +1,10 @@
 """The collections one process serves.
 
-The default collection is loaded at start-up (:func:`imgret.service.resources.load_resources`)
-and its routes are today's (``/search``, ``/gallery``, ...). Every other collection is served
-under ``/collections/{name}/...`` by the same routers: the request's resources are the
-collection's, opened on its first request (model, index, batcher), and kept up to date by
-one shared follower (:meth:`CollectionRegistry.follow`).
+The default collection is loaded at start-up
+(:func:`imgret.service.resources.startup.load_resources`) and its routes are today's (``/search``,
+``/gallery``, ...). Every other collection is served under ``/collections/{name}/...`` by the same
+routers: the request's resources are the collection's, opened on its first request (model, index,
+batcher), and kept up to date by one shared follower (:meth:`CollectionRegistry.follow`).
 
 Memory is planned per collection: an open collection holds its index (``size x dim x 4``
 bytes of vectors, reported by ``GET /collections/{name}``); at most
@@ -35,7 +35,9 @@ from imgret.gallery.tenancy import collections
 from imgret.gallery.tenancy.collections import CollectionNotFound
 from imgret.gallery.versions import records as version_store
 from imgret.process import in_own_thread
-from imgret.service.resources import Resources, catch_up_once, load_collection
+from imgret.service.resources.bundle import Resources
+from imgret.service.resources.follower import catch_up_once
+from imgret.service.resources.startup import load_collection
 from imgret.service.version_cache import index_bytes
 
 logger = logging.getLogger(__name__)

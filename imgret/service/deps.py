@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from imgret.gallery.tenancy import collections
 from imgret.service.auth import API_KEY_HEADER
 from imgret.service.request_rules import InvalidRequest
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 from imgret.settings import Settings
 
 

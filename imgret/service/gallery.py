@@ -34,7 +34,7 @@ from imgret.images import DecodeLimits, check_request_pixels
 from imgret.process import in_own_thread
 from imgret.service.pipeline import Answer, ItemQuery, Serving
 from imgret.service.request_rules import NotFound
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 
 logger = logging.getLogger(__name__)
 

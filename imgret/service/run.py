@@ -67,7 +67,7 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     from imgret.checkpoint import resolve_checkpoint_path
     from imgret.gallery.storage.db import safe_url, upgrade_to_head
     from imgret.service.app import create_app
-    from imgret.service.resources import check_active_servable
+    from imgret.service.resources.startup import check_active_servable
 
     resolve_checkpoint_path(settings.model)  # fail here, not in every worker
     settings.data_dir.mkdir(parents=True, exist_ok=True)

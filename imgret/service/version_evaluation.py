@@ -1,5 +1,5 @@
 """Evaluating and comparing model versions inside the service: the glue between the
-process's open models and indexes (:class:`~imgret.service.resources.Resources`) and
+process's open models and indexes (:class:`~imgret.service.resources.bundle.Resources`) and
 :mod:`imgret.gallery.evaluation.retrieval`. Used by ``POST /evaluate`` (:func:`evaluate_named`,
 :func:`evaluate_uploaded`) and by the gate of ``POST /models/{v}/activate``, so a refused
 switch shows the same numbers ``/evaluate`` does.
@@ -20,7 +20,7 @@ from imgret.gallery.storage import store
 from imgret.gallery.versions import lifecycle as versions
 from imgret.images import DecodeLimits
 from imgret.service.request_rules import NotFound
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 
 
 def embedder_or_none(resources: Resources, version: str) -> Embedder | None:

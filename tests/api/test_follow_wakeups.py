@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from imgret.service.resources import sleep_until_woken
+from imgret.service.resources.follower import sleep_until_woken
 
 
 def test_a_follower_cancelled_in_the_pass_that_wakes_it_ends() -> None:

@@ -15,7 +15,7 @@ from PIL import Image
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 from imgret.service.version_cache import index_bytes, model_bytes
 from tests.api.conftest import add_gallery, png
 

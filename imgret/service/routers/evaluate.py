@@ -19,7 +19,7 @@ from imgret.service import version_evaluation
 from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
 from imgret.service.request_rules import request_validation_error
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 from imgret.service.schemas.evaluation import (
     EvaluateRequest,
     EvaluateUpload,

@@ -17,7 +17,7 @@ from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
 from imgret.service.limits import content_length
 from imgret.service.request_rules import MODEL_VERSION_MAX, NAME_MAX, SafeText
-from imgret.service.resources import Resources
+from imgret.service.resources.bundle import Resources
 from imgret.service.schemas.versions import (
     ActivateRequest,
     CalibrateRequest,
