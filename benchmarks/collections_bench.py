@@ -9,9 +9,9 @@ What it does (loopback only; about 3 minutes on 2 cores with the defaults):
 1. an *untrained* network of the demo model's architecture (small_cnn, 64-d, 28 px) serves
    every collection (rankings are meaningless; memory and latency are what is measured);
 2. ``--collections`` collections of ``--items`` items each are written straight into SQL with
-   random unit vectors (``imgret.gallery.storage.store.insert_items``: the rows, vectors and change
-   log an upload writes; no image files, which searches never read), in a temporary SQLite data
-   dir;
+   random unit vectors (``imgret.gallery.storage.item_store.insert_items``: the rows, vectors and
+   change log an upload writes; no image files, which searches never read), in a temporary SQLite
+   data dir;
 3. ``imgret serve`` with every collection allowed open: its RSS with only ``default`` open;
    then one search per collection (each opens it: index rebuilt from SQL, then saved) and
    the RSS with all open; then ``--searches`` searches spread over the open collections
@@ -112,10 +112,11 @@ def _model(work: Path) -> Path:
 def _fill(data_dir: Path, db_url: str, run_dir: Path, n: int, items: int) -> list[str]:
     """Create the collections and their rows; returns their names."""
     from imgret.gallery.media.files import MediaStore
-    from imgret.gallery.storage import store
+    from imgret.gallery.storage import item_store
     from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
     from imgret.gallery.tenancy import collections
     from imgret.gallery.versions import lifecycle as versions
+    from imgret.gallery.versions import version_store
 
     upgrade_to_head(db_url)
     engine = make_engine(db_url)
@@ -127,13 +128,13 @@ def _fill(data_dir: Path, db_url: str, run_dir: Path, n: int, items: int) -> lis
         info = collections.create(f"c{c:03d}", session_factory=default)
         sessions = make_sessionmaker(engine, info.id)
         shas = [secrets.token_hex(32) for _ in range(items)]
-        rows = [store.NewRow(sha, MediaStore.relative_path(sha), "image/png", f"l{i % 50}")
+        rows = [item_store.NewRow(sha, MediaStore.relative_path(sha), "image/png", f"l{i % 50}")
                 for i, sha in enumerate(shas)]
         vectors = rng.normal(size=(items, DEMO_SPEC["dim"])).astype(np.float32)
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
         with sessions.begin() as session:
-            version = store.active_model_version(session=session)
-            store.insert_items(rows, vectors, session=session, model_version=version)
+            version = version_store.active_model_version(session=session)
+            item_store.insert_items(rows, vectors, session=session, model_version=version)
         names.append(info.name)
         if (c + 1) % 10 == 0:
             elapsed = time.perf_counter() - started

@@ -207,7 +207,7 @@ def large_k() -> None:
     """The Searcher's GPU mirror at k beyond FAISS GPU's 2,048: same ids as the CPU copy."""
     from imgret.gallery.search import Searcher
     from imgret.gallery.search.faiss_index import check_factory, create_index, set_search_defaults
-    from imgret.gallery.storage.store import ItemInfo
+    from imgret.gallery.storage.vector_store import ItemInfo
 
     n, d, k = 20_000, 64, 3_000
     vectors = unit_rows(n, d, 2).cpu().numpy()

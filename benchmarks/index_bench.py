@@ -47,7 +47,7 @@ from imgret.gallery.search.faiss_index import (
     train_index,
     unwrap,
 )
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 
 K = 10
 DIM = 128

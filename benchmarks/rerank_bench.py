@@ -51,7 +51,7 @@ from imgret.gallery.evaluation.retrieval import QueryBatch, compare_versions, ev
 from imgret.gallery.search import Searcher
 from imgret.gallery.search.faiss_index import check_factory, create_index
 from imgret.gallery.search.rerank import KReciprocal, QueryExpansion
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 
 METHODS = {
     "plain": None,

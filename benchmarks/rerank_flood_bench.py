@@ -11,9 +11,9 @@ What it does (loopback only; every phase is bounded in time and in connections; 
 1. the model: an untrained tiny_cnn (the demo model's architecture, 64-d at 28 px, as
    ``load_bench.py --untrained tiny_cnn``): the work per image of the demo's model;
 2. a gallery of ``--gallery`` synthetic clustered 64-d unit vectors (200 clusters), written
-   straight into a fresh SQLite database through ``imgret.gallery.storage.store.insert_items`` after
-   a first server start created the schema and registered the model; then the server is started
-   again and builds its index (exact ``Flat``, the default) from them;
+   straight into a fresh SQLite database through ``imgret.gallery.storage.item_store.insert_items``
+   after a first server start created the schema and registered the model; then the server is
+   started again and builds its index (exact ``Flat``, the default) from them;
 3. three phases of ``--seconds`` each, after a 2 s warm-up: **plain** (``--clients``
    closed-loop connections sending ``POST /search``, one generated PNG, k = 10), **flood**
    (the same, while ``--flood`` other connections, from another process, send the largest
@@ -164,19 +164,20 @@ def synthetic_vectors(n: int, dim: int, seed: int = 0) -> np.ndarray:
 
 
 def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 5000) -> None:
-    from imgret.gallery.storage import store
+    from imgret.gallery.storage import item_store
     from imgret.gallery.storage.db import make_engine, make_sessionmaker
+    from imgret.gallery.versions import version_store
 
     engine = make_engine(db_url)
     sessions = make_sessionmaker(engine)
     try:
         for start in range(0, len(vectors), chunk):
             part = vectors[start : start + chunk]
-            rows = [store.NewRow(f"{start + i:064x}", f"synthetic/{start + i}", "image/png",
+            rows = [item_store.NewRow(f"{start + i:064x}", f"synthetic/{start + i}", "image/png",
                                  f"c{(start + i) % CLUSTERS}") for i in range(len(part))]
             with sessions.begin() as session:
-                model = store.get_model_version(session=session, version=version)
-                store.insert_items(rows, part, session=session, model_version=model)
+                model = version_store.get_model_version(session=session, version=version)
+                item_store.insert_items(rows, part, session=session, model_version=model)
             print(f"  gallery: {start + len(part):,} / {len(vectors):,} vectors", flush=True)
     finally:
         engine.dispose()
@@ -188,7 +189,7 @@ def floor_rerank_ms(vectors: np.ndarray, queries: int = 10) -> float:
     from imgret.gallery.search import Searcher
     from imgret.gallery.search.faiss_index import check_factory, create_index
     from imgret.gallery.search.rerank import KReciprocal
-    from imgret.gallery.storage.store import ItemInfo
+    from imgret.gallery.storage.vector_store import ItemInfo
     from imgret.service.limits import SEARCH_CANDIDATES_MAX
     from imgret.service.pipeline import configure_threads
 

@@ -33,7 +33,7 @@ from imgret.embedder import Embedder
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION
 from imgret.gallery.tenancy import collections
 from imgret.gallery.tenancy.collections import CollectionNotFound
-from imgret.gallery.versions import records as version_store
+from imgret.gallery.versions import version_store
 from imgret.process import in_own_thread
 from imgret.service.resources.bundle import Resources
 from imgret.service.resources.follower import catch_up_once

@@ -28,8 +28,9 @@ from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.media.gc import purge_media
 from imgret.gallery.search import SearchFilter
 from imgret.gallery.search.rerank import Rerank
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, query_set_store, vector_store
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION, GalleryItem
+from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits, check_request_pixels
 from imgret.process import in_own_thread
 from imgret.service.pipeline import Answer, ItemQuery, Serving
@@ -86,7 +87,7 @@ def add(resources: Resources, items: list[NewItem]) -> AddedItems:
 
     try:
         added = embed_and_write(serving.embedder)
-    except store.ModelSwitched:
+    except version_store.ModelSwitched:
         # Another version became active while this upload was embedded (by any process): an
         # acknowledged item must have its vector, so follow the switch and embed again.
         resources.follow_active()
@@ -116,7 +117,7 @@ def delete(resources: Resources, item_id: int) -> None:
         NotFound: no live item ``item_id``.
     """
     with resources.sessions.begin() as session:
-        deleted = store.delete_items([item_id], session=session)
+        deleted = item_store.delete_items([item_id], session=session)
     if not deleted:
         raise NotFound(f"no gallery item {item_id}")
     resources.searcher.remove([item.id for item in deleted])
@@ -131,7 +132,7 @@ def get_item(item_id: int, *, session: Session) -> GalleryItem:
     Raises:
         NotFound: none (never added, or deleted).
     """
-    item = store.get_item(item_id, session=session)
+    item = item_store.get_item(item_id, session=session)
     if item is None:
         raise NotFound(f"no gallery item {item_id}")
     return item
@@ -140,7 +141,7 @@ def get_item(item_id: int, *, session: Session) -> GalleryItem:
 def list_items(*, session: Session, offset: int, limit: int,
                label: str | None) -> tuple[list[GalleryItem], int]:
     """A page of live items in id order, and the number of items matching ``label``."""
-    return store.list_items(session=session, offset=offset, limit=limit, label=label)
+    return item_store.list_items(session=session, offset=offset, limit=limit, label=label)
 
 
 def read_image(resources: Resources, item_id: int) -> StoredImage:
@@ -157,7 +158,7 @@ def read_image(resources: Resources, item_id: int) -> StoredImage:
 
 def query_sets(*, session: Session) -> list[tuple[str, int]]:
     """Every stored query set (``imgret ingest --query-set NAME``) and its size, by name."""
-    return store.query_set_sizes(session=session)
+    return query_set_store.query_set_sizes(session=session)
 
 
 def read_query_image(resources: Resources, query_set: str, item_id: int) -> StoredImage:
@@ -167,7 +168,7 @@ def read_query_image(resources: Resources, query_set: str, item_id: int) -> Stor
         NotFound: no such query, or its bytes are missing.
     """
     with resources.sessions() as session:
-        item = store.get_query_item(query_set, item_id, session=session)
+        item = query_set_store.get_query_item(query_set, item_id, session=session)
     if item is None:
         raise NotFound(f"query set {query_set!r} has no item {item_id}")
     return _read(resources.media, item.media_path, item.content_type,
@@ -209,10 +210,10 @@ async def search_by_id(resources: Resources, item_id: int, k: int,
 def _stored_vector(resources: Resources, item_id: int, serving: Serving) -> np.ndarray:
     """The item's stored ``(d,)`` vector for ``serving``'s version."""
     with resources.sessions() as session:
-        version = store.get_model_version(session=session, version=serving.version)
-        if store.get_item(item_id, session=session) is None:
+        version = version_store.get_model_version(session=session, version=serving.version)
+        if item_store.get_item(item_id, session=session) is None:
             raise NotFound(f"gallery item {item_id} does not exist or was deleted")
-        page = store.fetch_vectors([item_id], session=session, model_version=version)
+        page = vector_store.fetch_vectors([item_id], session=session, model_version=version)
     if len(page.ids) == 0:
         raise NoEmbedding(
             f"gallery item {item_id} has no embedding for model version {serving.version} "

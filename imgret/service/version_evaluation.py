@@ -16,8 +16,9 @@ from imgret.gallery.evaluation import calibration as calibrations
 from imgret.gallery.evaluation import retrieval as evaluation
 from imgret.gallery.evaluation.open_set import OpenSetRequest
 from imgret.gallery.search.rerank import Rerank
-from imgret.gallery.storage import store
+from imgret.gallery.storage import query_set_store
 from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits
 from imgret.service.request_rules import NotFound
 from imgret.service.resources.bundle import Resources
@@ -109,7 +110,7 @@ def require_known(resources: Resources, *, query_set: str | None = None,
         NotFound: naming it (and the stored versions).
     """
     with resources.sessions() as session:
-        known = {row.version for row in store.list_model_versions(session=session)}
+        known = {row.version for row in version_store.list_model_versions(session=session)}
         for version in model_versions:
             if version is not None and version not in known:
                 raise NotFound(
@@ -118,7 +119,7 @@ def require_known(resources: Resources, *, query_set: str | None = None,
         if query_set is None:
             return
         try:
-            store.load_query_set(query_set, session=session)
+            query_set_store.load_query_set(query_set, session=session)
         except GalleryError as exc:
             raise NotFound(str(exc)) from None
 

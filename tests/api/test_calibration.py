@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from imgret.gallery.storage import store
+from imgret.gallery.storage import query_set_store
 from imgret.gallery.storage.tables import QuerySet
 from tests.api.conftest import search
 from tests.support.images import class_image, image_bytes, write_image_folder
@@ -68,7 +68,7 @@ def test_calibrate_keeps_the_threshold_with_the_version_and_serves_it(client, tm
     assert calibration["fnir"] == point["fnir"]["value"]
     assert calibration["details"]["non_mated"] == 12 and calibration["rerank"] is None
     with resources.sessions() as session:
-        items, _ = store.load_query_set("cal", session=session)
+        items, _ = query_set_store.load_query_set("cal", session=session)
     digest = hashlib.sha256(b"".join(json.dumps([i.id, i.sha256, i.label]).encode() + b"\n"
                                      for i in sorted(items, key=lambda i: i.id)))
     assert calibration["query_set_sha256"] == digest.hexdigest()

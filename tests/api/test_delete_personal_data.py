@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import select, update
 
 from imgret.gallery.media.files import sha256_hex
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.tables import GalleryItem
 from tests.api.conftest import API_KEY, png
 
@@ -42,7 +42,7 @@ def _add(client, planted: dict) -> tuple[int, int]:
 
 def _row(client, item_id: int) -> GalleryItem:
     with client.app.state.resources.sessions() as session:
-        return store.get_item(item_id, session=session, include_deleted=True)
+        return item_store.get_item(item_id, session=session, include_deleted=True)
 
 
 def _needles(planted: dict) -> dict[str, bytes]:
@@ -74,7 +74,7 @@ def test_a_delete_clears_the_row_and_a_later_backup_holds_none_of_it(
         assert client.delete(f"/gallery/{gone}", headers=KEYED).status_code == 204
         row = _row(client, gone)
         assert row.deleted_at is not None
-        assert (row.label, row.camera, row.meta, row.source) == (store.DELETED_LABEL, None, {},
+        assert (row.label, row.camera, row.meta, row.source) == (item_store.DELETED_LABEL, None, {},
                                                                  None)
         assert (row.sha256, row.media_path) == ("", "")
         assert client.get(f"/gallery/{gone}").status_code == 404
@@ -96,7 +96,7 @@ def test_rows_deleted_before_deletes_cleared_them_stay_out_of_backups_and_are_sw
         gone, _ = _add(client, planted)
         sessions = client.app.state.resources.sessions
         with sessions.begin() as session:  # the delete commits, the purge does not run
-            store.delete_items([gone], session=session)
+            item_store.delete_items([gone], session=session)
         with sessions.begin() as session:  # what an older imgret's delete left in the row
             session.execute(update(GalleryItem).where(GalleryItem.id == gone).values(
                 label=planted["label"], camera=7, meta={"tag": planted["secret"]},
@@ -107,10 +107,10 @@ def test_rows_deleted_before_deletes_cleared_them_stay_out_of_backups_and_are_sw
         assert _found_in(folder, needle) == [], what
     with make_client(api_key=API_KEY, media_backend="database") as client:  # a restart
         row = _row(client, gone)
-        assert (row.label, row.camera, row.meta, row.sha256) == (store.DELETED_LABEL, None, {},
+        assert (row.label, row.camera, row.meta, row.sha256) == (item_store.DELETED_LABEL, None, {},
                                                                  "")
         with client.app.state.resources.sessions() as session:
-            assert store.clear_deleted_items(connection=session) == 0  # nothing left to do
+            assert item_store.clear_deleted_items(connection=session) == 0  # nothing left to do
             stored = set(client.app.state.resources.media.stored_keys())
         assert sha256_hex(planted["image"]) not in stored
 
@@ -131,14 +131,14 @@ def test_the_sweep_clears_only_deleted_rows(sessions) -> None:
         version = ModelVersion(version="v-test", dim=4, config={})
         session.add(version)
         session.flush()
-        rows = [store.NewRow(sha256=f"{i:064x}", media_path=f"p{i}", content_type="image/png",
+        rows = [item_store.NewRow(sha256=f"{i:064x}", media_path=f"p{i}", content_type="image/png",
                              label=f"l{i}", camera=i, metadata={"k": i}) for i in range(2)]
         import numpy as np
 
-        ids = store.insert_items(rows, np.eye(2, 4, dtype=np.float32), session=session,
+        ids = item_store.insert_items(rows, np.eye(2, 4, dtype=np.float32), session=session,
                                  model_version=version)
-        store.delete_items(ids[:1], session=session)
+        item_store.delete_items(ids[:1], session=session)
     with sessions.begin() as session:
-        assert store.clear_deleted_items(connection=session) == 0
+        assert item_store.clear_deleted_items(connection=session) == 0
         live = session.scalars(select(GalleryItem).where(GalleryItem.id == ids[1])).one()
         assert (live.label, live.camera, live.meta) == ("l1", 1, {"k": 1})

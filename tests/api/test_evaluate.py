@@ -147,12 +147,13 @@ def test_exclude_same_camera_applies_the_reid_rule(client, tmp_path: Path,
 
     # The reference: exact ranking with the Market-1501 camera rule.
     with resources.sessions() as session:
-        from imgret.gallery.storage import store
+        from imgret.gallery.storage import query_set_store, vector_store
+        from imgret.gallery.versions import version_store
 
-        version = store.get_model_version(session=session)
-        items, query_emb = store.load_query_set("market-query", session=session,
+        version = version_store.get_model_version(session=session)
+        items, query_emb = query_set_store.load_query_set("market-query", session=session,
                                                 model_version=version)
-        page = store.fetch_vectors(resources.searcher.ids(), session=session,
+        page = vector_store.fetch_vectors(resources.searcher.ids(), session=session,
                                    model_version=version)
     expected = retrieval_metrics(
         query_emb, np.array([q.label for q in items]), page.vectors,

@@ -12,11 +12,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from imgret.gallery.media.files import sha256_hex
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, query_set_store
 from imgret.gallery.storage.db import make_sessionmaker
 from imgret.gallery.storage.scope import ALL_COLLECTIONS
 from imgret.gallery.storage.tables import ModelVersion, QueryEmbedding, QueryItem, QuerySet
 from imgret.gallery.tenancy import collections
+from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits, embed_encoded
 from tests.api.conftest import png
 from tests.api.test_models import _checkpoint
@@ -43,13 +44,13 @@ def _add_query_set(client: TestClient, collection: str, name: str, size: int, fi
     resources = client.app.state.resources
     sessions = _sessions_of(client, collection)
     blobs = [png(i % 2, first + i) for i in range(size)]
-    rows = [store.NewRow(sha256_hex(b), resources.media.put(b), "image/png", str(i % 2))
+    rows = [item_store.NewRow(sha256_hex(b), resources.media.put(b), "image/png", str(i % 2))
             for i, b in enumerate(blobs)]
     vectors = embed_encoded(blobs, embedder=resources.serving.embedder, limits=DecodeLimits())
     with sessions.begin() as session:
-        version = store.active_model_version(session=session)
-        query_set = store.get_or_create_query_set(name, session=session)
-        return store.insert_items(rows, vectors, session=session, model_version=version,
+        version = version_store.active_model_version(session=session)
+        query_set = query_set_store.get_or_create_query_set(name, session=session)
+        return item_store.insert_items(rows, vectors, session=session, model_version=version,
                                   query_set=query_set)
 
 

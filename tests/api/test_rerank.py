@@ -10,7 +10,8 @@ import pytest
 
 from imgret.embedder import Embedder
 from imgret.gallery.search.rerank import KReciprocal, QueryExpansion
-from imgret.gallery.storage import store
+from imgret.gallery.storage import vector_store
+from imgret.gallery.versions import version_store
 from imgret.images import decode_image
 from imgret.metrics import ranking_metrics
 from tests.api.conftest import add_gallery, png, search
@@ -21,8 +22,8 @@ from tests.unit.gallery.test_rerank import reference_one_query
 def _vectors(client, ids: list[int]) -> np.ndarray:
     resources = client.app.state.resources
     with resources.sessions() as session:
-        version = store.get_model_version(session=session)
-        page = store.fetch_vectors(ids, session=session, model_version=version)
+        version = version_store.get_model_version(session=session)
+        page = vector_store.fetch_vectors(ids, session=session, model_version=version)
     assert page.ids.tolist() == ids
     return page.vectors
 

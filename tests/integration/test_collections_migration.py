@@ -14,11 +14,12 @@ from sqlalchemy import inspect, text
 
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.search import Searcher
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, query_set_store, vector_store
 from imgret.gallery.storage.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from imgret.gallery.storage.tables import Base
 from imgret.gallery.tenancy import collections
 from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import version_store
 
 COUNTED = ("gallery_items", "embeddings", "gallery_changes", "model_versions",
            "model_activations", "query_sets", "query_items", "query_embeddings",
@@ -37,12 +38,13 @@ def _fill(sessions, media: MediaStore, n: int, label: str, seed: int,
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     for i in range(n):
         blob = f"{label}-{i}".encode()
-        rows.append(store.NewRow(sha256_hex(blob), media.put(blob), "image/png",
+        rows.append(item_store.NewRow(sha256_hex(blob), media.put(blob), "image/png",
                                  f"{label}{i % 5}"))
     with sessions.begin() as session:
-        version = store.active_model_version(session=session)
-        qs = store.get_or_create_query_set(query_set, session=session) if query_set else None
-        return store.insert_items(rows, vectors, session=session, model_version=version,
+        version = version_store.active_model_version(session=session)
+        qs = query_set_store.get_or_create_query_set(query_set,
+                                                     session=session) if query_set else None
+        return item_store.insert_items(rows, vectors, session=session, model_version=version,
                                   query_set=qs)
 
 
@@ -57,7 +59,7 @@ def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
     ids = _fill(default, media, 60, "a", 0)
     _fill(default, media, 8, "q", 1, query_set="queries")
     with default.begin() as session:
-        store.delete_items(ids[:5], session=session)
+        item_store.delete_items(ids[:5], session=session)
     live = ids[5:]
     shop = make_sessionmaker(engine, collections.create("shop", session_factory=default).id)
     newest = max(_fill(shop, media, 30, "s", 2))
@@ -88,10 +90,10 @@ def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
     default = make_sessionmaker(engine)
     assert [c.name for c in collections.describe(session_factory=default)] == ["default"]
     with default() as session:
-        assert [i.id for i in store.list_items(session=session, limit=100)[0]] == live
-        version = store.active_model_version(session=session)
-        page = store.fetch_vectors(live, session=session, model_version=version)
-        items, _ = store.load_query_set("queries", session=session, model_version=version)
+        assert [i.id for i in item_store.list_items(session=session, limit=100)[0]] == live
+        version = version_store.active_model_version(session=session)
+        page = vector_store.fetch_vectors(live, session=session, model_version=version)
+        items, _ = query_set_store.load_query_set("queries", session=session, model_version=version)
         assert len(items) == 8
     searcher = Searcher.open(default, tmp_path / "indexes", "Flat", version.version)
     hits = searcher.search(page.vectors, k=1)

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from imgret.gallery.media.files import MediaStore, sha256_hex
-from imgret.gallery.storage import store
+from imgret.gallery.storage import change_log, item_store, query_set_store, vector_store
 from imgret.gallery.storage.db import make_sessionmaker
 from imgret.gallery.storage.scope import ALL_COLLECTIONS
 from imgret.gallery.storage.tables import (
@@ -23,6 +23,7 @@ from imgret.gallery.storage.tables import (
 )
 from imgret.gallery.tenancy import collections
 from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import version_store
 
 
 def _unit(n: int, seed: int) -> np.ndarray:
@@ -34,11 +35,12 @@ def _add(sessions, media: MediaStore, blobs: list[bytes], labels: list[str],
          query_set: str | None = None) -> list[int]:
     rows = []
     for blob, label in zip(blobs, labels, strict=True):
-        rows.append(store.NewRow(sha256_hex(blob), media.put(blob), "image/png", label))
+        rows.append(item_store.NewRow(sha256_hex(blob), media.put(blob), "image/png", label))
     with sessions.begin() as session:
-        version = store.active_model_version(session=session)
-        qs = store.get_or_create_query_set(query_set, session=session) if query_set else None
-        return store.insert_items(rows, _unit(len(rows), len(blobs)), session=session,
+        version = version_store.active_model_version(session=session)
+        qs = query_set_store.get_or_create_query_set(query_set,
+                                                     session=session) if query_set else None
+        return item_store.insert_items(rows, _unit(len(rows), len(blobs)), session=session,
                                   model_version=version, query_set=qs)
 
 
@@ -60,35 +62,36 @@ def test_each_session_reads_and_writes_only_its_collection(two, tmp_path) -> Non
     _add(shop, media, [b"\x89PNG a query"], ["z"], query_set="q")
     with default() as session, shop() as other:
         # One checkpoint, two bound versions: each collection serves its own row.
-        mine, yours = (store.active_model_version(session=s) for s in (session, other))
+        mine, yours = (version_store.active_model_version(session=s) for s in (session, other))
         assert mine.version == yours.version and mine.id != yours.id
-        assert [i.id for i in store.list_items(session=session)[0]] == ours
-        assert [i.id for i in store.list_items(session=other)[0]] == theirs
-        assert store.count_live_items(session=session) == 2
-        assert store.get_item(theirs[0], session=session) is None  # session.get is filtered
-        assert set(store.get_items(ours + theirs, session=other)) == set(theirs)
-        assert store.find_items([sha256_hex(same)], session=session) == \
+        assert [i.id for i in item_store.list_items(session=session)[0]] == ours
+        assert [i.id for i in item_store.list_items(session=other)[0]] == theirs
+        assert item_store.count_live_items(session=session) == 2
+        assert item_store.get_item(theirs[0], session=session) is None  # session.get is filtered
+        assert set(item_store.get_items(ours + theirs, session=other)) == set(theirs)
+        assert item_store.find_items([sha256_hex(same)], session=session) == \
             {sha256_hex(same): ours[0]}
-        assert {c.item_id for c in store.changes_after(0, session=other)} == set(theirs)
-        assert [r.version for r in store.list_model_versions(session=other)] == [yours.version]
-        assert store.query_set_sizes(session=session) == []
+        assert {c.item_id for c in change_log.changes_after(0, session=other)} == set(theirs)
+        assert [r.version for r in version_store.list_model_versions(session=other)] == \
+            [yours.version]
+        assert query_set_store.query_set_sizes(session=session) == []
         with pytest.raises(Exception, match="unknown query set"):
-            store.load_query_set("q", session=session)
+            query_set_store.load_query_set("q", session=session)
         # The vectors an index is built from are the collection's own.
-        pages = list(store.iter_vector_pages(session=other, model_version=yours))
+        pages = list(vector_store.iter_vector_pages(session=other, model_version=yours))
         assert [int(i) for p in pages for i in p.ids] == theirs
     # A delete through the wrong collection's session touches nothing.
     with default.begin() as session:
-        assert store.delete_items(theirs, session=session) == []
-        deleted = store.delete_items([ours[0]], session=session)
+        assert item_store.delete_items(theirs, session=session) == []
+        deleted = item_store.delete_items([ours[0]], session=session)
     # The shared image is still used by ``shop``: its bytes stay.
     with default() as session:
-        assert store.unreferenced_media([deleted[0].sha256], session=session) == set()
-        assert store.referenced_media(session=session) >= {sha256_hex(same)}
+        assert item_store.unreferenced_media([deleted[0].sha256], session=session) == set()
+        assert item_store.referenced_media(session=session) >= {sha256_hex(same)}
     with default.kw["bind"].connect() as connection:
-        gone, _ = store.deletes_after(0, connection=connection, collection_id=1)
+        gone, _ = change_log.deletes_after(0, connection=connection, collection_id=1)
         assert gone == [ours[0]]
-        assert store.deletes_after(0, connection=connection, collection_id=2)[0] == []
+        assert change_log.deletes_after(0, connection=connection, collection_id=2)[0] == []
 
 
 def test_deleting_a_collection_removes_all_it_owned_and_nothing_else(two, tmp_path) -> None:
@@ -110,7 +113,7 @@ def test_deleting_a_collection_removes_all_it_owned_and_nothing_else(two, tmp_pa
                       "ModelCheckpoint": 1, "QueryItem": 0}
     assert media.exists(sha256_hex(same)) and not media.exists(sha256_hex(own))
     with default() as session:
-        assert [i.id for i in store.list_items(session=session)[0]] == kept
+        assert [i.id for i in item_store.list_items(session=session)[0]] == kept
     with pytest.raises(collections.CollectionNotFound):
         collections.delete("shop", session_factory=default, media=media, data_dir=tmp_path)
     # The name is free again, under a new id (index files are named by id).
@@ -144,4 +147,4 @@ def test_a_session_over_every_collection_sees_all_and_cannot_add(two, tmp_path) 
         # Raw SQL is not filtered: it is the explicit way out, used by migrations and backups.
         assert session.scalar(text("SELECT count(*) FROM gallery_items")) == 2
     with pytest.raises(ValueError, match="every collection"), every.begin() as session:
-        store.get_or_create_query_set("q", session=session)
+        query_set_store.get_or_create_query_set("q", session=session)

@@ -18,7 +18,8 @@ from imgret.gallery.ingest import NewItem, add_items
 from imgret.gallery.media.files import sha256_hex
 from imgret.gallery.media.gc import purge_media, sweep_media
 from imgret.gallery.search import Searcher
-from imgret.gallery.storage import store
+from imgret.gallery.storage import change_log, item_store, vector_store
+from imgret.gallery.versions import version_store
 from tests.support.gallery_state import add_query_item
 from tests.support.images import class_image, image_bytes
 from tests.support.threads import run_in_threads
@@ -34,9 +35,9 @@ def _add(sessions, media, embedder, *images: bytes, label: str = "x"):
                      media=media, embedder=embedder)
 
 
-def _delete(sessions, ids) -> list[store.DeletedItem]:
+def _delete(sessions, ids) -> list[item_store.DeletedItem]:
     with sessions.begin() as session:
-        return store.delete_items(ids, session=session)
+        return item_store.delete_items(ids, session=session)
 
 
 def _found(searcher: Searcher, vector: np.ndarray, item_id: int) -> bool:
@@ -63,8 +64,8 @@ def test_a_replay_that_fetched_vectors_before_the_delete_does_not_revive_it(
     added = _add(sessions, media, embedder, image_bytes(class_image(2, 0)))
     (item_id,) = added.ids
     with sessions() as session:  # the follower read the add and its vector ...
-        version = store.get_model_version(session=session, version=embedder.model_version)
-        page = store.fetch_vectors([item_id], session=session, model_version=version)
+        version = version_store.get_model_version(session=session, version=embedder.model_version)
+        page = vector_store.fetch_vectors([item_id], session=session, model_version=version)
     _delete(sessions, [item_id])  # ... a delete committed and was applied ...
     searcher.remove([item_id])
     searcher.add(page.ids, page.vectors, page.infos)  # ... then the follower added it
@@ -99,7 +100,7 @@ def test_dedup_waits_for_a_concurrent_delete_instead_of_acknowledging_a_deleted_
     deleting = sessions.begin()
     session = deleting.__enter__()
     try:
-        store.delete_items([old_id], session=session)  # holds the gallery write lock
+        item_store.delete_items([old_id], session=session)  # holds the gallery write lock
         upload = threading.Thread(
             target=lambda: result.update(added=_add(sessions, media, embedder, data))
         )
@@ -112,7 +113,7 @@ def test_dedup_waits_for_a_concurrent_delete_instead_of_acknowledging_a_deleted_
     added = result["added"]
     assert added.ids != [old_id] and added.created == [True]
     with sessions() as check:
-        assert store.get_item(added.ids[0], session=check) is not None
+        assert item_store.get_item(added.ids[0], session=check) is not None
     assert media.exists(sha256_hex(data))  # the new item's bytes stayed
 
 
@@ -132,15 +133,15 @@ def test_re_embedding_skips_items_deleted_meanwhile(sessions, media, embedder):
                  image_bytes(class_image(6, 1)))
     _delete(sessions, [added.ids[0]])
     with sessions.begin() as session:
-        other = store.register_model_version(session=session, version="other-v2",
+        other = version_store.register_model_version(session=session, version="other-v2",
                                              dim=embedder.dim)
-        done = store.add_embeddings(list(added.ids), added.vectors, session=session,
+        done = item_store.add_embeddings(list(added.ids), added.vectors, session=session,
                                     model_version=other)
     assert done == [added.ids[1]]
     with sessions() as session:
-        ops = [(c.item_id, c.op) for c in store.changes_after(0, session=session)]
-        other = store.get_model_version(session=session, version="other-v2")
-        assert store.fetch_vectors(added.ids, session=session,
+        ops = [(c.item_id, c.op) for c in change_log.changes_after(0, session=session)]
+        other = version_store.get_model_version(session=session, version="other-v2")
+        assert vector_store.fetch_vectors(added.ids, session=session,
                                    model_version=other).ids.tolist() == [added.ids[1]]
     assert (added.ids[0], "add") not in ops[3:]  # no add logged after the delete
 
@@ -153,9 +154,10 @@ def test_a_delete_removes_the_bytes_and_the_embeddings(sessions, media, embedder
     assert purge_media([d.sha256 for d in deleted], session_factory=sessions, media=media) == 1
     assert not media.exists(sha256_hex(data))
     with sessions() as session:
-        version = store.get_model_version(session=session, version=embedder.model_version)
-        assert store.count_vectors(session=session, model_version_id=version.id) == 0
-        assert len(store.fetch_vectors([item_id], session=session, model_version=version).ids) \
+        version = version_store.get_model_version(session=session, version=embedder.model_version)
+        assert vector_store.count_vectors(session=session, model_version_id=version.id) == 0
+        assert len(vector_store.fetch_vectors([item_id], session=session,
+                   model_version=version).ids) \
             == 0
 
 

@@ -11,9 +11,10 @@ from sqlalchemy import update
 
 from imgret.gallery.search import Searcher, SearchFilter
 from imgret.gallery.search.manifest import INDEX_FILE, MANIFEST_FILE, index_dir
-from imgret.gallery.storage import store
-from imgret.gallery.storage.store import NewRow
+from imgret.gallery.storage import item_store, vector_store
+from imgret.gallery.storage.item_store import NewRow
 from imgret.gallery.storage.tables import GalleryItem
+from imgret.gallery.versions import version_store
 from tests.unit.gallery.vectors import clustered_vectors
 
 VERSION = "synthetic-v1"
@@ -35,25 +36,25 @@ _counter = iter(range(10**9))
 def seed(sessions, vectors: np.ndarray, labels: int = 5) -> list[int]:
     """Insert gallery items with the given vectors straight through the store."""
     with sessions.begin() as session:
-        version = store.register_model_version(session=session, version=VERSION,
+        version = version_store.register_model_version(session=session, version=VERSION,
                                                dim=vectors.shape[1])
         rows = []
         for _ in range(len(vectors)):
             n = next(_counter)
             rows.append(NewRow(sha256=f"{n:064x}", media_path=f"00/00/{n}", content_type="x",
                                label=f"l{n % labels}", camera=n % 3, metadata={"n": n % 2}))
-        return store.insert_items(rows, vectors, session=session, model_version=version)
+        return item_store.insert_items(rows, vectors, session=session, model_version=version)
 
 
 def delete(sessions, ids) -> list[int]:
     with sessions.begin() as session:
-        return [item.id for item in store.delete_items(ids, session=session)]
+        return [item.id for item in item_store.delete_items(ids, session=session)]
 
 
 def db_vectors(sessions) -> tuple[np.ndarray, np.ndarray]:
     with sessions() as session:
-        version = store.get_model_version(session=session, version=VERSION)
-        pages = list(store.iter_vector_pages(session=session, model_version=version,
+        version = version_store.get_model_version(session=session, version=VERSION)
+        pages = list(vector_store.iter_vector_pages(session=session, model_version=version,
                                              page_size=7))  # several pages
     return np.concatenate([p.ids for p in pages]), np.concatenate([p.vectors for p in pages])
 
@@ -215,10 +216,10 @@ def test_a_service_starts_on_an_empty_database(sessions, tmp_path):
     assert searcher.size == 0
     assert searcher.search(clustered_vectors(2), 5) == [[], []]
     with sessions() as session:
-        version = store.get_model_version(session=session)
+        version = version_store.get_model_version(session=session)
     assert version.version == "served-v1" and version.is_active
     with sessions.begin() as session:
-        ids = store.insert_items(
+        ids = item_store.insert_items(
             [NewRow(sha256="f" * 64, media_path="ff/ff/x", content_type="x", label="a")],
             clustered_vectors(1, seed=4), session=session, model_version=version,
         )

@@ -14,7 +14,7 @@ from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
 from imgret.gallery.ingest import NewItem, add_items, ingest_source
 from imgret.gallery.media.files import sha256_hex
-from imgret.gallery.storage import store
+from imgret.gallery.storage import change_log, item_store, query_set_store, vector_store
 from imgret.gallery.storage.tables import (
     Embedding,
     GalleryChange,
@@ -22,6 +22,7 @@ from imgret.gallery.storage.tables import (
     ModelVersion,
     QueryItem,
 )
+from imgret.gallery.versions import version_store
 from imgret.images import decode_image
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes, write_market_folder
@@ -61,8 +62,8 @@ def test_ingest_twice_adds_nothing_and_skips_corrupt_files(sessions, media, embe
 
     with sessions() as session:
         items = session.scalars(select(GalleryItem)).all()
-        version = store.get_model_version(session=session)
-        page = store.fetch_vectors([i.id for i in items], session=session,
+        version = version_store.get_model_version(session=session)
+        page = vector_store.fetch_vectors([i.id for i in items], session=session,
                                    model_version=version)
     by_id = {i.id: i for i in items}
     for item_id, vector in zip(page.ids, page.vectors, strict=True):
@@ -83,9 +84,10 @@ def test_query_set_images_are_not_gallery_items(sessions, media, embedder, image
     assert (report.added, again.added, again.duplicates) == (20, 0, 20)
     assert count(sessions, GalleryItem) == 0 and count(sessions, QueryItem) == 20
     with sessions() as session:
-        version = store.get_model_version(session=session)
-        items, vectors = store.load_query_set("holdout", session=session, model_version=version)
-        assert store.count_vectors(session=session, model_version_id=version.id) == 0
+        version = version_store.get_model_version(session=session)
+        items, vectors = query_set_store.load_query_set("holdout", session=session,
+                                                        model_version=version)
+        assert vector_store.count_vectors(session=session, model_version_id=version.id) == 0
     assert len(items) == 20 and vectors.shape == (20, 16)
     assert {i.label for i in items} == {f"class_{c}" for c in range(4)}
 
@@ -111,14 +113,14 @@ def test_add_items_for_uploads_in_one_transaction(sessions, media, embedder):
     assert added.ids[1] == first.ids[0] and added.ids[0] == added.ids[2]
     assert added.created == [True, False, False]
     # The image that was already stored says so, with what is stored (not the caller's label).
-    assert added.existing == {1: store.ItemInfo("one", 3, {"shop": "x"})}
+    assert added.existing == {1: vector_store.ItemInfo("one", 3, {"shop": "x"})}
     assert added.vector_ids.tolist() == [added.ids[0]] and added.vectors.shape == (1, 16)
     assert added.infos[0].label == "two"
     with sessions() as session:
-        item = store.get_item(first.ids[0], session=session)
+        item = item_store.get_item(first.ids[0], session=session)
         assert (item.label, item.camera, item.meta) == ("one", 3, {"shop": "x"})
-        assert store.get_item(added.ids[0], session=session).content_type == "image/jpeg"
-        assert [c.op for c in store.changes_after(0, session=session)] == ["add", "add"]
+        assert item_store.get_item(added.ids[0], session=session).content_type == "image/jpeg"
+        assert [c.op for c in change_log.changes_after(0, session=session)] == ["add", "add"]
 
     with pytest.raises(ImageDecodeError, match=r"images\[1\]"):
         add_items([NewItem(image_bytes(class_image(3, 0)), "ok"), NewItem(b"junk", "bad")],
@@ -131,16 +133,16 @@ def test_delete_is_soft_logged_and_content_can_come_back(sessions, media, embedd
     (item_id,) = add_items([NewItem(data, "x")], session_factory=sessions, media=media,
                            embedder=embedder).ids
     with sessions.begin() as session:
-        assert [d.id for d in store.delete_items([item_id, 999], session=session)] == [item_id]
-        assert store.delete_items([item_id], session=session) == []
+        assert [d.id for d in item_store.delete_items([item_id, 999], session=session)] == [item_id]
+        assert item_store.delete_items([item_id], session=session) == []
     with sessions.begin() as session:
-        assert store.get_item(item_id, session=session) is None
-        assert store.get_item(item_id, session=session, include_deleted=True) is not None
+        assert item_store.get_item(item_id, session=session) is None
+        assert item_store.get_item(item_id, session=session, include_deleted=True) is not None
     again = add_items([NewItem(data, "x")], session_factory=sessions, media=media,
                       embedder=embedder)
     assert again.created == [True] and again.ids[0] > item_id  # ids are never reused
     with sessions() as session:
-        ops = [(c.item_id, c.op) for c in store.changes_after(0, session=session)]
+        ops = [(c.item_id, c.op) for c in change_log.changes_after(0, session=session)]
     assert ops == [(item_id, "add"), (item_id, "delete"), (again.ids[0], "add")]
 
 
@@ -163,9 +165,9 @@ def test_a_new_model_version_embeds_the_existing_gallery(sessions, media, embedd
     with sessions() as session:
         versions = session.scalars(select(ModelVersion).order_by(ModelVersion.id)).all()
         assert [v.is_active for v in versions] == [True, False]  # the first stays active
-        store.activate_model_version(session=session, version=second.model_version)
+        version_store.activate_model_version(session=session, version=second.model_version)
         session.commit()
-        assert store.get_model_version(session=session).version == second.model_version
+        assert version_store.get_model_version(session=session).version == second.model_version
 
 
 def _run_cli(monkeypatch, capsys, env: dict[str, str], *args: str) -> tuple[int, str, str]:
@@ -226,8 +228,8 @@ def test_ingest_and_search_embed_a_large_photo_the_same_way(sessions, media, emb
     ingest_source(folder.parent, session_factory=sessions, media=media, embedder=embedder,
                   progress=False)
     with sessions() as session:
-        version = store.get_model_version(session=session)
+        version = version_store.get_model_version(session=session)
         (item,) = session.scalars(select(GalleryItem)).all()
-        stored = store.fetch_vectors([item.id], session=session, model_version=version)
+        stored = vector_store.fetch_vectors([item.id], session=session, model_version=version)
     served = embed_encoded([data], embedder=embedder, limits=DecodeLimits())
     np.testing.assert_allclose(stored.vectors, served, atol=1e-5)

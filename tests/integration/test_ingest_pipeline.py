@@ -12,8 +12,9 @@ from sqlalchemy import select
 from imgret.gallery.ingest import ingest_source, pipeline, writer
 from imgret.gallery.ingest.workers import EmbedWorkers, _warm_up
 from imgret.gallery.media.files import sha256_hex
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, vector_store
 from imgret.gallery.storage.tables import GalleryItem
+from imgret.gallery.versions import version_store
 from imgret.images import DEFAULT_MAX_PIXELS, decode_for_embedding
 from tests.support.threads import torch_threads
 
@@ -21,8 +22,8 @@ from tests.support.threads import torch_threads
 def _vectors(sessions) -> dict[str, np.ndarray]:
     with sessions() as session:
         items = {i.id: i.sha256 for i in session.scalars(select(GalleryItem))}
-        version = store.get_model_version(session=session)
-        page = store.fetch_vectors(items, session=session, model_version=version)
+        version = version_store.get_model_version(session=session)
+        page = vector_store.fetch_vectors(items, session=session, model_version=version)
     return {items[int(i)]: v for i, v in zip(page.ids, page.vectors, strict=True)}
 
 
@@ -33,7 +34,7 @@ def test_workers_and_in_process_decoding_store_the_same(sessions, media, embedde
     assert (report.added, report.failed) == (20, [])
     with_workers = _vectors(sessions)
     with sessions.begin() as session:
-        store.delete_items(list(range(1, 100)), session=session)
+        item_store.delete_items(list(range(1, 100)), session=session)
     # Deleted items' bytes come back: added again, decoded in this process this time.
     again = ingest_source(image_folder, session_factory=sessions, media=media,
                           embedder=embedder, chunk_size=8, workers=0, progress=False)

@@ -16,7 +16,7 @@ from imgret.gallery.ingest import NewItem, add_items
 from imgret.gallery.media.blobs import DatabaseMediaStore, open_media_store
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.media.gc import purge_media, sweep_media
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.tables import GalleryItem, MediaBlob
 from imgret.settings import Settings
 from tests.support.gallery_state import add_query_item
@@ -82,7 +82,7 @@ def test_a_delete_removes_the_blob_only_when_unreferenced(sessions, embedder) ->
     add_query_item(sessions, shared, model_version=embedder.model_version, dim=embedder.dim)
     assert _blob_count(sessions) == 2  # the query item reuses the gallery item's blob
     with sessions.begin() as session:
-        deleted = store.delete_items(added.ids, session=session)
+        deleted = item_store.delete_items(added.ids, session=session)
     assert purge_media([d.sha256 for d in deleted], session_factory=sessions, media=media) == 1
     assert media.exists(sha256_hex(shared)) and not media.exists(sha256_hex(alone))
     with pytest.raises(FileNotFoundError):
@@ -95,7 +95,7 @@ def test_the_start_up_sweep_finishes_an_interrupted_delete(sessions, embedder) -
     ids = add_items([NewItem(kept, "x"), NewItem(deleted, "x")], session_factory=sessions,
                     media=media, embedder=embedder).ids
     with sessions.begin() as session:
-        store.delete_items([ids[1]], session=session)  # a crash here: never purged
+        item_store.delete_items([ids[1]], session=session)  # a crash here: never purged
     assert sweep_media(session_factory=sessions, media=media) == 1
     assert media.exists(sha256_hex(kept)) and not media.exists(sha256_hex(deleted))
 
@@ -148,7 +148,7 @@ def test_migrate_moves_every_image_and_leaves_none_behind(sessions, db_url, embe
     add_query_item(sessions, images[4], model_version=embedder.model_version, dim=embedder.dim)
     with sessions.begin() as session:
         files.put_many([(images[4], sha256_hex(images[4]))], session=session)
-        store.delete_items([ids[3]], session=session)  # deleted, bytes never purged: leftover
+        item_store.delete_items([ids[3]], session=session)  # deleted, bytes never purged: leftover
         # An interrupted earlier run: this image reached the target, not yet left the source.
         blobs.put_many([(images[0], sha256_hex(images[0]))], session=session)
     wanted = {sha256_hex(data): data for data in images[:3] + images[4:]}
@@ -242,7 +242,7 @@ def test_migrate_beside_a_live_writer_of_the_new_backend(sessions, embedder, tmp
 
     def delete(item_id: int) -> None:
         with sessions.begin() as session:
-            deleted = store.delete_items([item_id], session=session)
+            deleted = item_store.delete_items([item_id], session=session)
         purge_media([d.sha256 for d in deleted], session_factory=sessions, media=target)
         del live[item_id]
 
@@ -316,7 +316,7 @@ def test_migrate_moves_bytes_uploaded_again_after_the_listing(sessions, embedder
     ids = add_items([NewItem(data, "old") for data in images], session_factory=sessions,
                     media=source, embedder=embedder).ids
     with sessions.begin() as session:  # deleted; its bytes not purged from the old store
-        store.delete_items([ids[0]], session=session)
+        item_store.delete_items([ids[0]], session=session)
     again = []
 
     def upload_again(_n: int) -> None:

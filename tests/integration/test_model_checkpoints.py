@@ -19,7 +19,6 @@ from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
 from imgret.gallery.ingest import NewItem, add_items
 from imgret.gallery.media.files import MediaStore
-from imgret.gallery.storage import store
 from imgret.gallery.storage.db import (
     alembic_config,
     downgrade,
@@ -34,8 +33,7 @@ from imgret.gallery.storage.tables import (
     QueryEmbedding,
 )
 from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import records as version_store
-from imgret.gallery.versions import reembed
+from imgret.gallery.versions import reembed, version_store
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 
@@ -154,7 +152,8 @@ def test_start_up_import_stores_older_releases_files(sessions, tmp_path: Path,
     data_dir = tmp_path / "data"
     embedder = Embedder.from_checkpoint(runs[1], device="cpu")
     with sessions.begin() as session:
-        store.register_model_version(session=session, version=embedder.model_version, dim=16)
+        version_store.register_model_version(session=session, version=embedder.model_version,
+                                             dim=16)
     old = versions.checkpoint_file(data_dir, embedder.model_version)
     old.parent.mkdir(parents=True)
     shutil.copyfile(runs[1] / "model.pt", old)

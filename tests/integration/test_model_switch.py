@@ -46,8 +46,9 @@ import pytest
 
 from benchmarks.harness import running_server
 from imgret.embedder import Embedder
-from imgret.gallery.storage import store
+from imgret.gallery.storage import vector_store
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
+from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits, embed_encoded
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, server_env
@@ -189,8 +190,8 @@ def _stored_vectors(db_url: str, version: str) -> tuple[np.ndarray, np.ndarray]:
     engine = make_engine(db_url)
     try:
         with make_sessionmaker(engine)() as session:
-            row = store.get_model_version(session=session, version=version)
-            pages = list(store.iter_vector_pages(session=session, model_version=row))
+            row = version_store.get_model_version(session=session, version=version)
+            pages = list(vector_store.iter_vector_pages(session=session, model_version=row))
     finally:
         engine.dispose()
     return (np.concatenate([p.ids for p in pages]),

@@ -21,9 +21,10 @@ from sqlalchemy import func, select
 
 from imgret.gallery.ingest import IngestReport, ingest_source
 from imgret.gallery.media.files import MediaStore
-from imgret.gallery.storage import store
+from imgret.gallery.storage import vector_store
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.gallery.storage.tables import GalleryItem
+from imgret.gallery.versions import version_store
 from tests.conftest import TEST_DEVICE, require
 from tests.support.images import write_image_folder
 
@@ -72,8 +73,8 @@ def _contents(sessions) -> dict[str, tuple]:
     """sha256 -> (label, camera, source, vector) of the live gallery."""
     with sessions() as session:
         items = {i.id: i for i in session.scalars(select(GalleryItem))}
-        version = store.get_model_version(session=session)
-        page = store.fetch_vectors(list(items), session=session, model_version=version)
+        version = version_store.get_model_version(session=session)
+        page = vector_store.fetch_vectors(list(items), session=session, model_version=version)
     return {items[int(i)].sha256: (items[int(i)].label, items[int(i)].camera,
                                    items[int(i)].source, vector)
             for i, vector in zip(page.ids, page.vectors, strict=True)}

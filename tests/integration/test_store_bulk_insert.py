@@ -1,5 +1,5 @@
-"""``imgret.gallery.storage.store.insert_rows``, the one bulk insert (COPY on PostgreSQL, a DBAPI
-executemany on
+"""``imgret.gallery.storage.bulk.insert_rows``, the one bulk insert (COPY on PostgreSQL, a
+DBAPI executemany on
 SQLite), on both databases: rows stored exactly as SQLAlchemy stores them, and the ids handed
 back in the order of the rows."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import delete, insert, select, text
 
-from imgret.gallery.storage import store
+from imgret.gallery.storage import bulk
 from imgret.gallery.storage.tables import GalleryItem, MediaBlob, utcnow
 
 
@@ -25,11 +25,11 @@ def test_rows_are_stored_as_sqlalchemy_stores_them(sessions) -> None:
     table = GalleryItem.__table__
     now = utcnow()
     with sessions.begin() as session:
-        ours = store.insert_rows(session, table, [_row(1, now), _row(3, now, None)],
+        ours = bulk.insert_rows(session, table, [_row(1, now), _row(3, now, None)],
                                  return_ids=True)
         theirs = [session.scalar(insert(table).returning(table.c.id), row)
                   for row in (_row(2, now), _row(4, now, None))]
-        store.insert_rows(session, MediaBlob.__table__,
+        bulk.insert_rows(session, MediaBlob.__table__,
                           [{"sha256": "a" * 64, "data": b"\x00\xffbytes", "created_at": now}])
         session.execute(insert(MediaBlob.__table__),
                         [{"sha256": "b" * 64, "data": b"\x00\xffbytes", "created_at": now}])
@@ -61,15 +61,15 @@ def test_ids_come_back_in_row_order_after_deletes(sessions) -> None:
     table = GalleryItem.__table__
     now = utcnow()
     with sessions.begin() as session:
-        first = store.insert_rows(session, table, [_row(n, now) for n in range(10)],
+        first = bulk.insert_rows(session, table, [_row(n, now) for n in range(10)],
                                   return_ids=True)
         session.execute(delete(table).where(table.c.id >= first[7]))
     with sessions.begin() as session:
-        second = store.insert_rows(session, table, [_row(n, now) for n in range(20, 25)],
+        second = bulk.insert_rows(session, table, [_row(n, now) for n in range(20, 25)],
                                    return_ids=True)
-        assert store.insert_rows(session, table, []) == []
+        assert bulk.insert_rows(session, table, []) == []
         with pytest.raises(ValueError, match="sqlite_autoincrement"):
-            store.insert_rows(session, MediaBlob.__table__, [], return_ids=True)
+            bulk.insert_rows(session, MediaBlob.__table__, [], return_ids=True)
     assert min(second) > max(first)
     with sessions() as session:
         by_id = dict(session.execute(select(table.c.id, table.c.sha256)).all())
@@ -94,7 +94,7 @@ def test_concurrent_writers_each_get_their_own_ids(sessions) -> None:
             for batch in range(15):
                 keys = [worker * 10_000 + batch * 100 + i for i in range(1 + batch % 7)]
                 with sessions.begin() as session:
-                    ids = store.insert_rows(session, table, [_row(k, utcnow()) for k in keys],
+                    ids = bulk.insert_rows(session, table, [_row(k, utcnow()) for k in keys],
                                             return_ids=True)
                 got.setdefault(worker, []).append((ids, [f"{k:064x}" for k in keys]))
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread

@@ -17,9 +17,10 @@ from imgret.errors import IndexStale
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.search.faiss_index import read_index, stored_ids
 from imgret.gallery.search.manifest import Manifest, ids_checksum, index_dir
-from imgret.gallery.storage import store
+from imgret.gallery.storage import change_log, item_store, query_set_store
 from imgret.gallery.storage.db import make_engine, make_sessionmaker
 from imgret.gallery.storage.tables import GalleryItem
+from imgret.gallery.versions import version_store
 from tests.support.images import class_image, image_bytes
 
 # Writes and /evaluate carry this key: the servers under test are started with it, so the
@@ -124,8 +125,8 @@ def manifest_problems(data_dir: Path, db_url: str, model_version: str) -> list[s
     engine = make_engine(db_url)
     try:
         with make_sessionmaker(engine)() as session:
-            db_seq = store.max_change_seq(session=session)
-            changes = store.changes_after(manifest.change_seq, session=session,
+            db_seq = change_log.max_change_seq(session=session)
+            changes = change_log.changes_after(manifest.change_seq, session=session,
                                           limit=10_000_000)
     finally:
         engine.dispose()
@@ -152,10 +153,10 @@ def add_query_item(sessions, data: bytes, *, model_version: str, dim: int,
     key as a gallery item with those bytes: the bytes then outlive that item's delete."""
     key = sha256_hex(data)
     with sessions.begin() as session:
-        version = store.get_model_version(session=session, version=model_version)
-        target = store.get_or_create_query_set(query_set, session=session)
-        store.insert_items(
-            [store.NewRow(key, MediaStore.relative_path(key), "image/png", "x")],
+        version = version_store.get_model_version(session=session, version=model_version)
+        target = query_set_store.get_or_create_query_set(query_set, session=session)
+        item_store.insert_items(
+            [item_store.NewRow(key, MediaStore.relative_path(key), "image/png", "x")],
             np.zeros((1, dim), np.float32), session=session, model_version=version,
             query_set=target,
         )

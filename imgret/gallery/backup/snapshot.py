@@ -3,7 +3,7 @@ files it refers to pinned, written as one SQLite file and cleaned of deleted ite
 
 **Media consistent with the snapshot, with a short write pause.** First every stored file is
 pinned (:mod:`imgret.gallery.backup.pins`) without any lock; then, holding the gallery write
-lock (``imgret.gallery.storage.store.lock_gallery_writes``, which every writer and every media
+lock (``imgret.gallery.storage.item_store.lock_gallery_writes``, which every writer and every media
 clean-up takes), the snapshot is pinned (its read transaction opened), the hashes it refers to
 listed, and the few files stored since the first pass linked. Writers wait only for that
 (``write_pause_ms`` in the report: one query and a few links), then everything is copied from
@@ -38,7 +38,7 @@ from imgret.gallery.backup.errors import BackupError
 from imgret.gallery.backup.layout import MODELS_DIR
 from imgret.gallery.backup.pins import Pins
 from imgret.gallery.backup.tables import carry_pg_sequences, copy_tables, migrate_to
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.db import make_sessionmaker
 from imgret.gallery.tenancy.collections import CollectionNotFound
 
@@ -173,14 +173,14 @@ def check_media(snap: Snapshot, pins: Pins) -> None:
 
 def clear_personal_leftovers(path: Path) -> None:
     """Leave nothing of deleted items in the snapshot file: their rows' personal fields (a row
-    deleted before deletes cleared them, :func:`imgret.gallery.storage.store.clear_deleted_items`),
-    image bytes in ``media_blobs`` that no live row refers to (a delete whose purge did not run
-    yet),
+    deleted before deletes cleared them,
+    :func:`imgret.gallery.storage.item_store.clear_deleted_items`), image bytes in ``media_blobs``
+    that no live row refers to (a delete whose purge did not run yet),
     and, by a ``VACUUM``, the free pages that a page-by-page copy of SQLite carries along."""
     engine = plain_sqlite_engine(path)
     try:
         with engine.begin() as connection:
-            store.clear_deleted_items(connection=connection)
+            item_store.clear_deleted_items(connection=connection)
             if connection.execute(text(BLOBS_TABLE_SQL["sqlite"])).scalar_one():
                 connection.execute(text(
                     "DELETE FROM media_blobs WHERE sha256 NOT IN (SELECT sha256 FROM "
@@ -241,7 +241,7 @@ def pin_snapshot(engine: Engine, url: str, pins: Pins) -> Iterator[Snapshot]:
 def _pin_under_lock(engine: Engine, snap: Snapshot, pins: Pins,
                     begin: Callable[[], object]) -> None:
     with make_sessionmaker(engine)() as session:
-        store.lock_gallery_writes(session=session)
+        item_store.lock_gallery_writes(session=session)
         started = time.perf_counter()
         begin()
         snap.read_facts()  # the first read fixes the snapshot: no writer can commit now

@@ -50,9 +50,9 @@ from imgret.gallery.evaluation.retrieval import (
 )
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_summary
-from imgret.gallery.storage import store
+from imgret.gallery.storage import query_set_store
 from imgret.gallery.storage.tables import ModelCalibration, QueryItem
-from imgret.gallery.versions import records as version_store
+from imgret.gallery.versions import version_store
 from imgret.images import DEFAULT_MAX_PIXELS
 
 
@@ -171,7 +171,7 @@ def query_set_digest(items: Sequence[QueryItem]) -> str:
 
 def _digest_of(name: str, session_factory: sessionmaker[Session]) -> str:
     with session_factory() as session:
-        items, _ = store.load_query_set(name, session=session)
+        items, _ = query_set_store.load_query_set(name, session=session)
     if not items:
         raise EvaluationError(f"query set {name!r} is empty: nothing to calibrate on")
     return query_set_digest(items)

@@ -70,8 +70,9 @@ from imgret.gallery.evaluation import open_set as open_set_evaluation
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search import Hit, Searcher, SearchFilter
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_summary
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, query_set_store
 from imgret.gallery.storage.tables import QueryItem
+from imgret.gallery.versions import version_store
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from imgret.metrics import per_query_table, ranking_metrics
 from imgret.metrics.openset import OpenSetSearches
@@ -187,11 +188,12 @@ def load_query_batch(
         GalleryError: no such query set or model version.
         EvaluationError: no stored embeddings for the version and no model to make them.
     """
-    version = store.get_model_version(session=session, version=model_version)
+    version = version_store.get_model_version(session=session, version=model_version)
     try:
-        items, vectors = store.load_query_set(name, session=session, model_version=version)
+        items, vectors = query_set_store.load_query_set(name, session=session,
+                                                        model_version=version)
     except GalleryError:
-        items, _ = store.load_query_set(name, session=session)  # unknown name raises here
+        items, _ = query_set_store.load_query_set(name, session=session)  # unknown name raises here
         if embedder is None or media is None or embedder.model_version != version.version:
             raise EvaluationError(
                 f"query set {name!r} has no embeddings for model version {version.version}; "
@@ -475,7 +477,7 @@ def _nothing_to_rank(version: str, session_factory: sessionmaker[Session] | None
                 f"empty (add items with POST /gallery), or the version is not embedded; "
                 f"{embed}")
     with session_factory() as session:
-        _, live = store.list_items(session=session, limit=1)
+        _, live = item_store.list_items(session=session, limit=1)
     if live == 0:
         return "the gallery is empty: add items (POST /gallery) first"
     return (f"model version {version} has no vectors of the {live} gallery items: {embed}")

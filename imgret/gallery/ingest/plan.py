@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy.orm import Session
 
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.tables import ModelVersion, QuerySet
 
 # Plan -> embed -> plan again under the lock: rounds before giving up on a gallery that keeps
@@ -62,7 +62,7 @@ def make_plan(
     query_set: QuerySet | None,
 ) -> Plan:
     """Plan ``cands`` against what the gallery (or ``query_set``) holds now."""
-    known = store.known_items((c.sha256 for c in cands), session=session, query_set=query_set,
+    known = item_store.known_items((c.sha256 for c in cands), session=session, query_set=query_set,
                               model_version_id=model_version.id)
     return _split(cands, known.ids, known.embedded)
 

@@ -132,16 +132,19 @@ class KnownFilter:
 
     def _embedded(self, shas: list[str]) -> set[str]:
         """The hashes whose live item already has this version's vector."""
-        from imgret.gallery.storage import store
+        from imgret.gallery.storage import item_store, query_set_store
+        from imgret.gallery.versions import version_store
 
         if not shas:
             return set()
         # The writer registered the version and made the query set before Ray started.
         with self.sessions() as session:
-            version = store.get_model_version(session=session, version=self.plan.model_version)
-            query_set = (store.get_or_create_query_set(self.plan.query_set, session=session)
+            version = version_store.get_model_version(session=session,
+                                                      version=self.plan.model_version)
+            query_set = (query_set_store.get_or_create_query_set(self.plan.query_set,
+                                                                 session=session)
                          if self.plan.query_set else None)
-            return store.known_items(shas, session=session, query_set=query_set,
+            return item_store.known_items(shas, session=session, query_set=query_set,
                                      model_version_id=version.id).embedded_shas
 
 

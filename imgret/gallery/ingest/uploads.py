@@ -21,8 +21,9 @@ from imgret.gallery.ingest.plan import PLAN_ROUNDS, Candidate, make_plan, stack_
 from imgret.gallery.ingest.writer import write_planned
 from imgret.gallery.media.files import MediaBackend, sha256_hex
 from imgret.gallery.media.gc import purge_media
-from imgret.gallery.storage import store
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage import item_store
+from imgret.gallery.storage.vector_store import ItemInfo
+from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits, embed_encoded
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,8 @@ def add_items(
         for i, it in enumerate(items)
     ]
     with session_factory.begin() as session:
-        store.require_collection(session=session)
-        model_version = store.register_model_version(
+        item_store.require_collection(session=session)
+        model_version = version_store.register_model_version(
             session=session, version=embedder.model_version, dim=embedder.dim,
             config=embedder.spec.to_dict(),
         )
@@ -133,14 +134,14 @@ def add_items(
         try:
             with session_factory.begin() as session:
                 if require_active:
-                    store.lock_gallery_writes(session=session)
-                    store.check_active(session=session, version=model_version)
+                    item_store.lock_gallery_writes(session=session)
+                    version_store.check_active(session=session, version=model_version)
                 plan, ids_by_sha = write_planned(cands, vectors_by_sha, session=session,
                                                  media=media, model_version=model_version,
                                                  query_set=None)
                 if ids_by_sha is None:
                     continue
-                existing = store.get_items(
+                existing = item_store.get_items(
                     [*plan.resolved.values(), *(c.existing_id for c in plan.embed_existing)],
                     session=session,
                 )

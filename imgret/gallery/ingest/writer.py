@@ -32,9 +32,10 @@ from imgret.errors import GalleryError
 from imgret.gallery.ingest.plan import Candidate, Plan, make_plan, stack_vectors
 from imgret.gallery.ingest.report import IngestReport, StageTimer
 from imgret.gallery.media.files import MediaBackend, sniff_content_type
-from imgret.gallery.storage import store
-from imgret.gallery.storage.store import NewRow
+from imgret.gallery.storage import item_store, query_set_store
+from imgret.gallery.storage.item_store import NewRow
 from imgret.gallery.storage.tables import ModelVersion, QuerySet
+from imgret.gallery.versions import version_store
 
 
 def register_target(
@@ -44,9 +45,10 @@ def register_target(
     """Register the model version being ingested (the first one registered becomes active)
     and find or make the named query set; what the bulk writers write against."""
     with session_factory.begin() as session:
-        model_version = store.register_model_version(session=session, version=version, dim=dim,
-                                                     config=dict(config))
-        target = store.get_or_create_query_set(query_set, session=session) if query_set else None
+        model_version = version_store.register_model_version(
+            session=session, version=version, dim=dim, config=dict(config))
+        target = (query_set_store.get_or_create_query_set(query_set, session=session)
+                  if query_set else None)
     return model_version, target
 
 
@@ -185,8 +187,8 @@ def write_planned(
     Raises:
         CollectionNotFound: the collection was deleted meanwhile (nothing written).
     """
-    store.lock_gallery_writes(session=session)
-    store.require_collection(session=session)
+    item_store.lock_gallery_writes(session=session)
+    item_store.require_collection(session=session)
     plan = make_plan(cands, session=session, model_version=model_version, query_set=query_set)
     if any(c.sha256 not in vectors_by_sha for c in plan.work):
         return plan, None
@@ -214,10 +216,10 @@ def _write(
                label=c.label, camera=c.camera, metadata=c.metadata, source=c.source)
         for c, path in zip(plan.create, paths, strict=True)
     ]
-    new_ids = store.insert_items(rows, vectors[:n_create], session=session,
+    new_ids = item_store.insert_items(rows, vectors[:n_create], session=session,
                                  model_version=model_version, query_set=query_set)
     existing_ids = [c.existing_id for c in plan.embed_existing]
-    store.add_embeddings(existing_ids, vectors[n_create:], session=session,
+    item_store.add_embeddings(existing_ids, vectors[n_create:], session=session,
                          model_version=model_version, query_set=query_set)
     ids = {c.sha256: i for c, i in zip(plan.create, new_ids, strict=True)}
     ids.update({c.sha256: c.existing_id for c in plan.embed_existing})

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import ImgretError
 from imgret.gallery.media.files import MediaBackend, MediaStore
-from imgret.gallery.storage import store
+from imgret.gallery.storage import bulk, item_store
 from imgret.gallery.storage.tables import MediaBlob, utcnow
 from imgret.settings import Settings
 
@@ -68,12 +68,12 @@ class DatabaseMediaStore:
         # pays one round of statement handling per row. Safe under the gallery write lock, which
         # every writer of media_blobs holds: no key can appear between the read and the insert
         # (a writer without it would make the insert fail on the key, not store twice).
-        for chunk in store.chunks(sorted(rows)):
+        for chunk in bulk.chunks(sorted(rows)):
             for sha in session.scalars(select(MediaBlob.sha256)
                                        .where(MediaBlob.sha256.in_(chunk))):
                 del rows[sha]
         now = utcnow()
-        store.insert_rows(session, MediaBlob.__table__,
+        bulk.insert_rows(session, MediaBlob.__table__,
                           [{"sha256": sha, "data": data, "created_at": now}
                            for sha, data in rows.items()])
         return paths
@@ -112,7 +112,7 @@ class DatabaseMediaStore:
             keys.append(key)
         found: dict[str, bytes] = {}
         with self.session_factory() as session:
-            for chunk in store.chunks(sorted(set(keys))):
+            for chunk in bulk.chunks(sorted(set(keys))):
                 found.update(
                     (sha, bytes(data)) for sha, data in session.execute(
                         select(MediaBlob.sha256, MediaBlob.data)
@@ -128,7 +128,7 @@ class DatabaseMediaStore:
         once that transaction commits, no process reads the bytes any more.
         """
         removed = 0
-        for chunk in store.chunks(sorted(set(sha256s))):
+        for chunk in bulk.chunks(sorted(set(sha256s))):
             result = session.execute(delete(MediaBlob).where(MediaBlob.sha256.in_(chunk)))
             removed += int(result.rowcount or 0)
         return removed
@@ -214,7 +214,7 @@ def migrate_media(
     started = time.perf_counter()
     report = MediaMigration(source.backend, target.backend)
     with session_factory() as session:
-        keys = sorted(store.referenced_media(session=session))
+        keys = sorted(item_store.referenced_media(session=session))
     _move_batches(keys, source=source, target=target, session_factory=session_factory,
                   batch_size=batch_size, on_batch=on_batch, report=report, count_missing=True)
     # What the source still holds: bytes no row referred to at the listing, some of which a
@@ -238,9 +238,9 @@ def _move_batches(
     for start in range(0, len(keys), batch_size):
         batch = keys[start : start + batch_size]
         with session_factory.begin() as session:
-            store.lock_gallery_writes(session=session)
+            item_store.lock_gallery_writes(session=session)
             # Asked again under the lock: a live writer may have deleted some since the listing.
-            gone = store.unreferenced_media(batch, session=session)
+            gone = item_store.unreferenced_media(batch, session=session)
             live = [key for key in batch if key not in gone]
             found = source.read_many([MediaStore.relative_path(key) for key in live])
             present = [(data, key) for data, key in zip(found, live, strict=True)
@@ -250,7 +250,7 @@ def _move_batches(
             target.put_many(present, session=session)
             report.leftovers += source.remove(gone, session=session)
         with session_factory.begin() as session:
-            store.lock_gallery_writes(session=session)
+            item_store.lock_gallery_writes(session=session)
             report.moved += source.remove([key for _, key in present], session=session)
         if on_batch is not None:
             on_batch(len(batch))

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.gallery.media.files import MediaBackend
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +43,15 @@ def purge_media(
     if not wanted:
         return 0
     with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
-        gone = store.unreferenced_media(wanted, session=session)
+        item_store.lock_gallery_writes(session=session)
+        gone = item_store.unreferenced_media(wanted, session=session)
         return media.remove(gone, session=session)
 
 
 def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) -> int:
     """Remove every stored image no row refers to, and temporary files of killed writes;
     clear the personal data that deleted rows still hold
-    (:func:`imgret.gallery.storage.store.clear_deleted_items`:
+    (:func:`imgret.gallery.storage.item_store.clear_deleted_items`:
     rows deleted before deletes cleared it, or restored from an older backup).
 
     Images that rows refer to but the store lacks are only counted and logged as an error:
@@ -63,7 +63,7 @@ def sweep_media(*, session_factory: sessionmaker[Session], media: MediaBackend) 
         How many images were removed.
     """
     with session_factory.begin() as session:
-        cleared = store.clear_deleted_items(connection=session)
+        cleared = item_store.clear_deleted_items(connection=session)
     if cleared:
         logger.info("cleared the personal data (label, camera, metadata, source, hash) of %d "
                     "deleted gallery items, deleted before deletes cleared it", cleared)
@@ -96,7 +96,7 @@ def remove_unreferenced(
     media.sweep_temporaries()
     stored = set(media.stored_keys())
     with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
-        referenced = store.referenced_media(session=session)
+        item_store.lock_gallery_writes(session=session)
+        referenced = item_store.referenced_media(session=session)
         removed = media.remove(stored - referenced, session=session) if stored else 0
     return removed, referenced, stored

@@ -23,8 +23,9 @@ from imgret.gallery.search.faiss_index import (
     train_index,
 )
 from imgret.gallery.search.manifest import Manifest, ids_checksum, now_iso
-from imgret.gallery.storage import store
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage import change_log, vector_store
+from imgret.gallery.storage.vector_store import ItemInfo
+from imgret.gallery.versions import version_store
 
 
 @dataclass
@@ -64,11 +65,11 @@ def build_from_sql(
         InvalidIndexFactory: a bad factory, or too few vectors to train it.
     """
     with session_factory() as session:
-        version = store.get_model_version(session=session, version=model_version)
+        version = version_store.get_model_version(session=session, version=model_version)
         # Read the sequence first: changes after it may or may not be in the pages, and
         # replaying them later is idempotent; changes before it are all in.
-        seq = store.max_change_seq(session=session)
-        total = store.count_vectors(session=session, model_version_id=version.id)
+        seq = change_log.max_change_seq(session=session)
+        total = vector_store.count_vectors(session=session, model_version_id=version.id)
     info = check_factory(factory, version.dim)
     info.check_vector_count(total, version.version)
     index = create_index(info, version.dim)
@@ -81,7 +82,7 @@ def build_from_sql(
     with timed(f"adding {total} vectors to {info.factory}"), session_factory() as session, tqdm(
         total=total, unit="vec", desc=f"index {info.factory}", disable=not progress
     ) as bar:
-        for page in store.iter_vector_pages(
+        for page in vector_store.iter_vector_pages(
             session=session, model_version=version, page_size=page_size
         ):
             index.add_with_ids(page.vectors, page.ids)
@@ -105,14 +106,14 @@ def _training_sample(
     # by class, and centroids trained on a few classes would be poor for the rest.
     with session_factory() as session:
         ids = np.concatenate(
-            [p.ids for p in store.iter_vector_pages(
+            [p.ids for p in vector_store.iter_vector_pages(
                 session=session, model_version=version, page_size=100_000, with_vectors=False
             )] or [np.zeros(0, np.int64)]
         )
         chosen = np.sort(np.random.default_rng(seed).choice(ids, size=size, replace=False))
         parts = []
         for start in range(0, len(chosen), 20_000):
-            parts.append(store.fetch_vectors(
+            parts.append(vector_store.fetch_vectors(
                 chosen[start : start + 20_000].tolist(), session=session, model_version=version
             ).vectors)
     return np.concatenate(parts)

@@ -12,9 +12,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.errors import DatabaseError
-from imgret.gallery.storage import store
+from imgret.gallery.storage import change_log, vector_store
 from imgret.gallery.storage.scope import collection_of_factory
-from imgret.gallery.storage.store import VectorPage
+from imgret.gallery.storage.vector_store import VectorPage
+from imgret.gallery.versions import version_store
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class ChangeLog:
         with self._deletes_lock:
             try:
                 with self.session_factory.kw["bind"].connect() as connection:
-                    deleted, seq = store.deletes_after(
+                    deleted, seq = change_log.deletes_after(
                         self._deletes_seq, connection=connection,
                         collection_id=self._collection_id)
             except SQLAlchemyError as exc:
@@ -85,7 +86,7 @@ class ChangeLog:
         """The changes after ``after_seq`` (at most ``page_size``); ``None`` when there are
         none. Adds of ids already ``indexed`` need no vectors and are left out."""
         with self.session_factory() as session:
-            changes = store.changes_after(after_seq, session=session, limit=page_size)
+            changes = change_log.changes_after(after_seq, session=session, limit=page_size)
             if not changes:
                 return None
             last_op: dict[int, str] = {}
@@ -95,6 +96,7 @@ class ChangeLog:
             deletes = [i for i, op in last_op.items() if op == "delete"]
             vectors = None
             if adds:
-                version = store.get_model_version(session=session, version=self.model_version)
-                vectors = store.fetch_vectors(adds, session=session, model_version=version)
+                version = version_store.get_model_version(session=session,
+                                                          version=self.model_version)
+                vectors = vector_store.fetch_vectors(adds, session=session, model_version=version)
         return ChangePage(deletes, vectors, changes[-1].seq, len(changes))

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 
 
 @dataclass(frozen=True)

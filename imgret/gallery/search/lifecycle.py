@@ -32,9 +32,10 @@ from imgret.gallery.search.faiss_index import (
 )
 from imgret.gallery.search.live import Snapshot
 from imgret.gallery.search.manifest import Manifest, ids_checksum, index_dir, now_iso
-from imgret.gallery.storage import store
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage import change_log, vector_store
 from imgret.gallery.storage.tables import ModelVersion
+from imgret.gallery.storage.vector_store import ItemInfo
+from imgret.gallery.versions import version_store
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,11 @@ def open_searcher(
     """
     with session_factory.begin() as session:
         try:
-            version = store.get_model_version(session=session, version=model_version)
+            version = version_store.get_model_version(session=session, version=model_version)
         except GalleryError:
             if model_version is None or dim is None:
                 raise
-            version = store.register_model_version(
+            version = version_store.register_model_version(
                 session=session, version=model_version, dim=dim, config=config
             )
     check_factory(factory, version.dim)  # refuse a bad string before any work
@@ -109,7 +110,7 @@ def _load(make: Callable[..., S], folder: Path, version: ModelVersion, factory: 
     if reasons:
         raise IndexStale("manifest differs: " + "; ".join(reasons))
     with session_factory() as session:
-        db_seq = store.max_change_seq(session=session)
+        db_seq = change_log.max_change_seq(session=session)
     if manifest.change_seq > db_seq:
         raise IndexStale(
             f"the manifest is at change {manifest.change_seq} but the database only at "
@@ -147,7 +148,7 @@ def _load_infos(session_factory: sessionmaker[Session],
     """id -> filter info of every live item with an embedding of ``version``."""
     infos: dict[int, ItemInfo] = {}
     with session_factory() as session:
-        for page in store.iter_vector_pages(session=session, model_version=version,
+        for page in vector_store.iter_vector_pages(session=session, model_version=version,
                                             page_size=50_000, with_vectors=False):
             infos.update(zip(page.ids.tolist(), page.infos, strict=True))
     return infos

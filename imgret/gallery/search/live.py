@@ -27,7 +27,7 @@ from imgret.gallery.search.filters import Catalog, SearchFilter, grown
 from imgret.gallery.search.manifest import normalise_factory
 from imgret.gallery.search.ranking import Hit, complete, search_allowed, to_hits
 from imgret.gallery.search.threads import ExactFlat, faiss_threads, uses_blas_path
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 
 logger = logging.getLogger(__name__)
 

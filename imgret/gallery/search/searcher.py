@@ -8,9 +8,10 @@ together. Deletes are final, in every process, at once:
   an ``add`` that arrives late (an upload whose DELETE committed before its index update, a
   replay that fetched vectors before the delete) cannot bring it back;
 - before every search, a Searcher with a database reads the deletes committed since it last
-  looked (one indexed query, :func:`imgret.gallery.storage.store.deletes_after`) and applies them,
-  so a DELETE acknowledged by any process is honoured by every search that starts after it. Adds
-  made by other processes arrive with the follower (``refresh_from_changes``), within its interval.
+  looked (one indexed query, :func:`imgret.gallery.storage.change_log.deletes_after`) and applies
+  them, so a DELETE acknowledged by any process is honoured by every search that starts after it.
+  Adds made by other processes arrive with the follower (``refresh_from_changes``), within its
+  interval.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from imgret.gallery.search.manifest import collection_root, index_dir, normalise
 from imgret.gallery.search.ranking import Hit
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_search
 from imgret.gallery.storage.scope import collection_of_factory
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 from imgret.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -41,9 +41,9 @@ from imgret.errors import GalleryError
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.media.gc import purge_media
 from imgret.gallery.search.manifest import collection_root
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
+from imgret.gallery.storage.item_store import CollectionNotFound
 from imgret.gallery.storage.scope import ALL_COLLECTIONS
-from imgret.gallery.storage.store import CollectionNotFound
 from imgret.gallery.storage.tables import (
     DEFAULT_COLLECTION,
     Collection,
@@ -54,7 +54,7 @@ from imgret.gallery.storage.tables import (
     QuerySet,
     utcnow,
 )
-from imgret.gallery.versions import records as version_store
+from imgret.gallery.versions import version_store
 
 __all__ = ["CollectionNotFound"]  # defined beside the writes that check it; named here too
 from imgret.settings import COLLECTION_NAME_PATTERN
@@ -235,7 +235,7 @@ def delete(name: str, *, session_factory: sessionmaker[Session], media: MediaBac
     if name == DEFAULT_COLLECTION:
         raise ValueError("the default collection cannot be deleted")
     with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
+        item_store.lock_gallery_writes(session=session)
         row = get(name, session=session)
         collection_id = row.id
         items = session.execute(

@@ -1,6 +1,6 @@
 """Model versions: a checkpoint bound to a collection, with its vectors of the gallery.
 
-- ``records``: a version's own SQL (lookups, checkpoint bytes, activation history,
+- ``version_store``: a version's own SQL (lookups, checkpoint bytes, activation history,
   coverage, the claims and heartbeats of re-embedding jobs);
 - ``lifecycle``: register a checkpoint, describe, compare and delete versions, switch the
   served one (gated on a paired verdict), roll back (``/models``, ``imgret models``);

@@ -1,7 +1,7 @@
 """Model versions in production: register a checkpoint, describe and compare versions,
 switch the served one atomically (gated on a paired verdict), roll back, delete. One code
 path for ``/models`` and ``imgret models``. This module sequences the steps; the SQL is
-:mod:`imgret.gallery.storage.store`'s and :mod:`imgret.gallery.versions.records`'s, and the
+:mod:`imgret.gallery.storage.store`'s and :mod:`imgret.gallery.versions.version_store`'s, and the
 background re-embedding of
 the gallery for a version is :mod:`imgret.gallery.versions.reembed`.
 
@@ -82,13 +82,15 @@ from imgret.gallery.evaluation.retrieval import (
 )
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search.manifest import Manifest, collection_root, index_dir
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.scope import ALL_COLLECTIONS
 from imgret.gallery.storage.tables import ModelVersion, utcnow
-from imgret.gallery.versions import records as version_store
-from imgret.gallery.versions.records import VersionNotFound as VersionNotFound  # raised here too
-from imgret.gallery.versions.records import as_utc
+from imgret.gallery.versions import version_store
 from imgret.gallery.versions.reembed import EMBED_CHUNK, embed_missing, embed_stored
+from imgret.gallery.versions.version_store import (
+    VersionNotFound as VersionNotFound,  # raised here too
+)
+from imgret.gallery.versions.version_store import as_utc
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits
 
 logger = logging.getLogger(__name__)
@@ -291,9 +293,9 @@ def _register_loaded(data: bytes, loaded: Checkpoint, *, session_factory: sessio
     sha = hashlib.sha256(data).hexdigest()
     with session_factory.begin() as session:
         # Serialised with deletes and activations (they take the same lock).
-        store.lock_gallery_writes(session=session)
+        item_store.lock_gallery_writes(session=session)
         new = version_store.find_version(version, session=session) is None
-        row = store.register_model_version(session=session, version=version,
+        row = version_store.register_model_version(session=session, version=version,
                                            dim=loaded.spec.dim, config=loaded.spec.to_dict())
         if row.content_digest is not None and row.content_digest != loaded.digest:
             raise VersionConflict(
@@ -437,7 +439,7 @@ def describe(
 ) -> list[dict[str, Any]]:
     """Every version as ``GET /models`` shows it (see :func:`describe_one`)."""
     with session_factory() as session:
-        rows = store.list_model_versions(session=session)
+        rows = version_store.list_model_versions(session=session)
         return [_describe(session, row, data_dir, index_sizes or {}) for row in rows]
 
 
@@ -666,7 +668,7 @@ def activate(
     requirements = requirements_of(require)
     with session_factory() as session:
         row = _get(session, version)
-        active = store.active_model_version(session=session)
+        active = version_store.active_model_version(session=session)
         active_name = active.version if active is not None else None
         if not version_store.has_checkpoint(row.id, session=session):
             raise ActivationRefused(
@@ -717,7 +719,7 @@ def activate(
     limits = DecodeLimits(image_pixels=max_pixels, request_pixels=2**62)
     with session_factory.begin() as session:
         # ... then the last ones under the gallery write lock: nothing commits in between.
-        store.lock_gallery_writes(session=session)
+        item_store.lock_gallery_writes(session=session)
         row = _get(session, version)
         while batch := version_store.missing_items(row.id, session=session, after=0,
                                                    limit=EMBED_CHUNK, queries=False):
@@ -726,7 +728,7 @@ def activate(
                 raise ActivationRefused(
                     f"stored images of items {broken[:10]} cannot be decoded with {version}"
                 )
-            caught_up += len(store.add_embeddings(ids, vectors, session=session,
+            caught_up += len(item_store.add_embeddings(ids, vectors, session=session,
                                                   model_version=row))
         # The previous version served until now, so every item so far has its vector too
         # (writes check it): both are covered through the newest item.
@@ -767,7 +769,7 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
         VersionInUse: active, the rollback target, or being re-embedded.
     """
     with session_factory.begin() as session:
-        store.lock_gallery_writes(session=session)
+        item_store.lock_gallery_writes(session=session)
         row = _get(session, version)
         if row.is_active:
             raise VersionInUse(f"model version {version} is active; activate another version "
@@ -798,7 +800,7 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
 
 def served_state(*, session_factory: sessionmaker[Session]) -> tuple[str | None, int | None]:
     """``(active version, id of its newest calibration)`` (see
-    :func:`imgret.gallery.versions.records.served_state`)."""
+    :func:`imgret.gallery.versions.version_store.served_state`)."""
     with session_factory() as session:
         return version_store.served_state(session=session)
 
@@ -806,7 +808,7 @@ def served_state(*, session_factory: sessionmaker[Session]) -> tuple[str | None,
 def active_version(*, session_factory: sessionmaker[Session]) -> str | None:
     """The name of the active version (``None`` on an empty database)."""
     with session_factory() as session:
-        active = store.active_model_version(session=session)
+        active = version_store.active_model_version(session=session)
         return active.version if active is not None else None
 
 

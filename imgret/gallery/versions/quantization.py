@@ -8,8 +8,8 @@ only after the paired A/B verdict against its parent says it may
 keeps the parent's float weights beside the graph and names the parent in ``extra``.
 
 Calibration images: up to ``images`` live gallery items spread evenly over the id order
-(:func:`imgret.gallery.storage.store.spread_items`), decoded under the same pixel limit as ingest
-and preprocessed by the parent's Embedder, so the ranges are those of the inputs the version
+(:func:`imgret.gallery.storage.item_store.spread_items`), decoded under the same pixel limit as
+ingest and preprocessed by the parent's Embedder, so the ranges are those of the inputs the version
 will see. Unreadable stored images are skipped.
 """
 
@@ -29,7 +29,7 @@ from imgret.checkpoint import Quantized, checkpoint_bytes
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
 from imgret.gallery.media.files import MediaBackend
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.versions import lifecycle as versions
 from imgret.images import preprocess_encoded
 from imgret.onnx_export import onnx_bytes
@@ -126,7 +126,7 @@ def calibration_inputs(embedder: Embedder, *, session_factory: sessionmaker[Sess
         GalleryError: the gallery has no readable stored image.
     """
     with session_factory() as session:
-        picked = store.spread_items(images, session=session)
+        picked = item_store.spread_items(images, session=session)
     inputs = []
     for (item_id, _), data in zip(picked, media.read_many([p for _, p in picked]), strict=True):
         if data is None:

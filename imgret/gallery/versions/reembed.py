@@ -1,7 +1,7 @@
 """The background re-embedding of the stored gallery for a model version: a claimed job with
 a heartbeat (:func:`claim_job`, :func:`run_embed_job`), the scan it runs
 (:func:`embed_missing`), and the :class:`Throttle` that keeps it from starving searches.
-The SQL is :mod:`imgret.gallery.versions.records`'s and :mod:`imgret.gallery.storage.store`'s.
+The SQL is :mod:`imgret.gallery.versions.version_store`'s and :mod:`imgret.gallery.storage.store`'s.
 
 - **It reads the media store**, never a source folder. It is stateless: each chunk takes the
   next live items (in id order) that lack an embedding of the version, so a crash loses at
@@ -11,7 +11,7 @@ The SQL is :mod:`imgret.gallery.versions.records`'s and :mod:`imgret.gallery.sto
   lock), so a delete never comes back. Query-set items are embedded after the gallery.
 - **The job's state and heartbeat are columns of** ``model_versions``, so every process sees
   progress; a ``running`` job whose heartbeat is older than
-  :data:`imgret.gallery.versions.records.HEARTBEAT_STALE_S` was interrupted and may be claimed
+  :data:`imgret.gallery.versions.version_store.HEARTBEAT_STALE_S` was interrupted and may be claimed
   again. The heartbeat beats from its own thread (every third of that), not per chunk: a slow chunk
   plus its throttle pause never looks dead.
 - **Throttle**: the job computes at most ``duty`` of the wall time (it sleeps in between) and
@@ -34,10 +34,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImageDecodeError
 from imgret.gallery.media.files import MediaBackend
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store
 from imgret.gallery.storage.tables import ModelVersion
-from imgret.gallery.versions import records as version_store
-from imgret.gallery.versions.records import STATE_DONE, STATE_FAILED
+from imgret.gallery.versions import version_store
+from imgret.gallery.versions.version_store import STATE_DONE, STATE_FAILED
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def run_embed_job(
     with session_factory() as session:
         # Every item up to here is covered once the scan ends (items added later may be too,
         # but an activation checks those itself).
-        through = store.newest_item_id(session=session)
+        through = item_store.newest_item_id(session=session)
     try:
         with _beating(version, session_factory):
             report = embed_missing(
@@ -220,7 +220,7 @@ def embed_missing(
                     written = _add_query_embeddings(session, row, ids, vectors)
                     report.queries_embedded += written
                 else:
-                    written = len(store.add_embeddings(ids, vectors, session=session,
+                    written = len(item_store.add_embeddings(ids, vectors, session=session,
                                                        model_version=row))
                     report.gallery_embedded += written
                     report.skipped_deleted += len(ids) - written
@@ -277,10 +277,10 @@ def _add_query_embeddings(session: Session, row: ModelVersion, ids: list[int],
     if not ids:
         return 0
     # An ingest of the same query set may have stored some meanwhile: skip those.
-    have = store.ids_with_embedding(ids, session=session, model_version_id=row.id,
-                                    query_set=store.ANY_QUERY_SET)
+    have = item_store.ids_with_embedding(ids, session=session, model_version_id=row.id,
+                                    query_set=item_store.ANY_QUERY_SET)
     keep = [j for j, item_id in enumerate(ids) if item_id not in have]
     if keep:
-        store.add_embeddings([ids[j] for j in keep], vectors[keep], session=session,
-                             model_version=row, query_set=store.ANY_QUERY_SET)
+        item_store.add_embeddings([ids[j] for j in keep], vectors[keep], session=session,
+                             model_version=row, query_set=item_store.ANY_QUERY_SET)
     return len(keep)

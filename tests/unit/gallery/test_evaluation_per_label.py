@@ -23,7 +23,7 @@ from imgret.gallery.evaluation.retrieval import (
 )
 from imgret.gallery.search import Searcher
 from imgret.gallery.search.faiss_index import check_factory, create_index
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 
 DIM = 8
 

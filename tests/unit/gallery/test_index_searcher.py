@@ -10,7 +10,7 @@ import pytest
 
 from imgret.gallery.search import Hit, ReadWriteLock, Searcher, SearchFilter
 from imgret.gallery.search.faiss_index import check_factory, create_index, set_search_defaults
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 from tests.support.threads import Overlap, run_in_threads
 from tests.unit.gallery.vectors import clustered_vectors
 

@@ -12,7 +12,7 @@ import pytest
 from imgret.gallery.search import Searcher, SearchFilter
 from imgret.gallery.search.faiss_index import check_factory, create_index
 from imgret.gallery.search.threads import ExactFlat, faiss_threads, uses_blas_path, yielding_to
-from imgret.gallery.storage.store import ItemInfo
+from imgret.gallery.storage.vector_store import ItemInfo
 from tests.support.threads import omp_threads
 from tests.unit.gallery.vectors import clustered_vectors
 

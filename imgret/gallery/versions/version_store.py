@@ -5,10 +5,10 @@ job's claim and heartbeat (columns of ``model_versions``), and which items still
 version's vector.
 
 A sibling of :mod:`imgret.gallery.storage.store`, which keeps the gallery's rows and the version
-they are served with (:func:`imgret.gallery.storage.store.active_model_version`, the one answer to
-"which version is active"). They are two modules because these records are read and written only by
-the model-version lifecycle (:mod:`imgret.gallery.versions.lifecycle`) and the re-embedding runner
-(:mod:`imgret.gallery.versions.reembed`), while every writer and searcher uses
+they are served with (:func:`imgret.gallery.versions.version_store.active_model_version`, the one
+answer to "which version is active"). They are two modules because these records are read and
+written only by the model-version lifecycle (:mod:`imgret.gallery.versions.lifecycle`) and the
+re-embedding runner (:mod:`imgret.gallery.versions.reembed`), while every writer and searcher uses
 :mod:`imgret.gallery.storage.store`, which is
 large enough already.
 
@@ -24,10 +24,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, delete, exists, func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from imgret.errors import GalleryError
-from imgret.gallery.storage import store
+from imgret.gallery.storage import item_store, vector_store
+from imgret.gallery.storage.item_store import logger
 from imgret.gallery.storage.scope import ALL_COLLECTIONS
 from imgret.gallery.storage.tables import (
     Embedding,
@@ -41,6 +43,7 @@ from imgret.gallery.storage.tables import (
     QueryItem,
     utcnow,
 )
+from imgret.gallery.versions import version_store
 
 # A running job whose heartbeat is older than this was interrupted (crash, kill).
 HEARTBEAT_STALE_S = 30.0
@@ -68,7 +71,7 @@ def get_version(version: str, *, session: Session) -> ModelVersion:
     """
     row = find_version(version, session=session)
     if row is None:
-        known = [r.version for r in store.list_model_versions(session=session)]
+        known = [r.version for r in version_store.list_model_versions(session=session)]
         raise VersionNotFound(
             f"unknown model version {version!r}; registered: {', '.join(known) or 'none'}"
         )
@@ -164,7 +167,7 @@ def latest_calibration(version_id: int, *, session: Session) -> ModelCalibration
 def served_state(*, session: Session) -> tuple[str | None, int | None]:
     """``(active version, id of its newest calibration)``: what a process serves, read in
     one transaction (a follower compares both with what it holds)."""
-    active = store.active_model_version(session=session)
+    active = version_store.active_model_version(session=session)
     if active is None:
         return None, None
     newest = session.scalar(select(func.max(ModelCalibration.id))
@@ -224,11 +227,11 @@ def switch_active(row: ModelVersion, *, session: Session, reason: str,
     Returns:
         The version that was active before.
     """
-    previous = store.active_model_version(session=session)
-    newest = store.newest_item_id(session=session)
+    previous = version_store.active_model_version(session=session)
+    newest = item_store.newest_item_id(session=session)
     if previous is not None:
         previous.covered_through = newest
-    store.activate_model_version(session=session, version=row.version)
+    version_store.activate_model_version(session=session, version=row.version)
     row.covered_through = newest
     record_activation(row, session=session, previous=previous, reason=reason, gate=gate)
     return previous
@@ -236,7 +239,7 @@ def switch_active(row: ModelVersion, *, session: Session, reason: str,
 
 def rollback_target(*, session: Session) -> ModelVersion | None:
     """The version the active one replaced (the last switch to it), if any."""
-    active = store.active_model_version(session=session)
+    active = version_store.active_model_version(session=session)
     if active is None:
         return None
     target = session.scalar(
@@ -275,8 +278,8 @@ class Coverage:
 
 def coverage(version_id: int, *, session: Session) -> Coverage:
     """How much of the live gallery has a vector of the version (two counts)."""
-    return Coverage(store.count_vectors(session=session, model_version_id=version_id),
-                    store.count_live_items(session=session))
+    return Coverage(vector_store.count_vectors(session=session, model_version_id=version_id),
+                    item_store.count_live_items(session=session))
 
 
 def count_missing(version_id: int, *, session: Session, through: int | None) -> int:
@@ -394,3 +397,105 @@ def running_jobs(*, session: Session) -> list[ModelVersion]:
     """The versions whose job is marked running (live or interrupted)."""
     return list(session.scalars(select(ModelVersion)
                                 .where(ModelVersion.embed_state == STATE_RUNNING)))
+
+
+def register_model_version(
+    *, session: Session, version: str, dim: int, config: Mapping[str, Any] | None = None
+) -> ModelVersion:
+    """Get or create a model version; the first one registered becomes the active one.
+
+    Safe against concurrent registration (several API processes starting together): the
+    insert runs in a savepoint and a unique-key conflict reads the winner's row instead.
+    """
+    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+    if row is None:
+        has_active = active_model_version(session=session) is not None
+        # Try as the active version if there is none yet, else (or on a lost race) inactive.
+        for is_active in (True, False) if not has_active else (False,):
+            try:
+                with session.begin_nested():
+                    row = ModelVersion(
+                        version=version, dim=dim, config=dict(config or {}), is_active=is_active
+                    )
+                    session.add(row)
+                    session.flush()
+                logger.info("registered model version %s (dim %d, active: %s)", version, dim,
+                            is_active)
+                break
+            except IntegrityError:
+                # Another process registered this version, or another one as active.
+                row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+                if row is not None:
+                    break
+    if row is None:
+        raise GalleryError(f"could not register model version {version}")
+    if row.dim != dim:
+        raise GalleryError(f"model version {version} is registered with dim {row.dim}, not {dim}")
+    return row
+
+
+def get_model_version(*, session: Session, version: str | None = None) -> ModelVersion:
+    """A model version by name, or the active one when ``version`` is ``None``.
+
+    Raises:
+        GalleryError: no such version, or no active version (nothing ingested yet).
+    """
+    if version is None:
+        row = active_model_version(session=session)
+        if row is None:
+            raise GalleryError(
+                "no active model version: the gallery is empty; run "
+                "`imgret ingest PATH --model CKPT` first"
+            )
+        return row
+    row = session.scalar(select(ModelVersion).where(ModelVersion.version == version))
+    if row is None:
+        known = session.scalars(select(ModelVersion.version)).all()
+        raise GalleryError(
+            f"unknown model version {version!r}; known: {', '.join(known) or 'none'}"
+        )
+    return row
+
+
+def active_model_version(*, session: Session) -> ModelVersion | None:
+    """The active model version (the one searches and writes use), ``None`` before any."""
+    return session.scalar(select(ModelVersion).where(ModelVersion.is_active))
+
+
+def activate_model_version(*, session: Session, version: str) -> ModelVersion:
+    """Make ``version`` the active one (blue/green switch): one UPDATE pair, one transaction."""
+    row = get_model_version(session=session, version=version)
+    session.execute(update(ModelVersion).where(ModelVersion.is_active).values(is_active=False))
+    session.flush()
+    row.is_active = True
+    session.flush()
+    return row
+
+
+class ModelSwitched(GalleryError):
+    """The served model version changed while a write was being embedded (retry with the
+    new one). Attributes: ``active``: the version now active."""
+
+    def __init__(self, written: str, active: str | None):
+        self.active = active
+        super().__init__(f"the served model version changed from {written} to {active} while "
+                         "this upload was embedded; send it again")
+
+
+def check_active(*, session: Session, version: ModelVersion) -> None:
+    """Refuse a gallery write embedded with a version that is no longer the active one.
+
+    Call it under :func:`lock_gallery_writes`: an activation flips the flag under the same
+    lock, so a write that passes this check commits before the switch (and the switch embeds
+    it for the new version) or not at all.
+
+    Raises:
+        ModelSwitched: another version is active.
+    """
+    active = active_model_version(session=session)
+    if active is not None and active.id != version.id:
+        raise ModelSwitched(version.version, active.version)
+
+
+def list_model_versions(*, session: Session) -> list[ModelVersion]:
+    return list(session.scalars(select(ModelVersion).order_by(ModelVersion.id)))
