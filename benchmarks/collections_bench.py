@@ -115,13 +115,12 @@ def _fill(data_dir: Path, db_url: str, run_dir: Path, n: int, items: int) -> lis
     from imgret.gallery.storage import item_store
     from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
     from imgret.gallery.tenancy import collections
-    from imgret.gallery.versions import lifecycle as versions
-    from imgret.gallery.versions import version_store
+    from imgret.gallery.versions import intake, version_store
 
     upgrade_to_head(db_url)
     engine = make_engine(db_url)
     default = make_sessionmaker(engine)
-    versions.register_checkpoint(run_dir, session_factory=default, data_dir=data_dir)
+    intake.register_checkpoint(run_dir, session_factory=default, data_dir=data_dir)
     rng = np.random.default_rng(1)
     names, started = [], time.perf_counter()
     for c in range(n):

@@ -217,11 +217,11 @@ def delete_command(
     """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
     (``DELETE /models/{version}``)."""
     from imgret.cli.jobs.gallery import open_gallery
-    from imgret.gallery.versions import lifecycle as versions
+    from imgret.gallery.versions import lifecycle
 
     settings = _settings()
     with open_gallery(settings) as sessions:
-        versions.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
+        lifecycle.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
     typer.echo(f"deleted {version}")
 
 

@@ -17,8 +17,7 @@ from imgret.gallery.evaluation import retrieval as evaluation
 from imgret.gallery.evaluation.open_set import OpenSetRequest
 from imgret.gallery.search.rerank import Rerank
 from imgret.gallery.storage import query_set_store
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import version_store
+from imgret.gallery.versions import lifecycle, version_store
 from imgret.images import DecodeLimits
 from imgret.service.request_rules import NotFound
 from imgret.service.resources.bundle import Resources
@@ -48,7 +47,7 @@ def evaluate_version(
         media=resources.media, max_pixels=resources.settings.max_image_pixels, k=k,
         exclude_same_camera=exclude_same_camera, worst=worst, open_set=open_set,
     )
-    run = versions.evaluate_recorded if record else evaluation.evaluate_query_set
+    run = lifecycle.evaluate_recorded if record else evaluation.evaluate_query_set
     return run(resources.searcher_for(version), query_set, rerank=rerank, **options)
 
 
@@ -61,7 +60,7 @@ def compare_named(
     (:func:`imgret.gallery.versions.lifecycle.comparison_report`), both ranked with ``rerank``."""
     options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
                    open_set=open_set)
-    return versions.comparison_report(evaluate_version(resources, query_set, a, **options),
+    return lifecycle.comparison_report(evaluate_version(resources, query_set, a, **options),
                            evaluate_version(resources, query_set, b, **options))
 
 
@@ -74,7 +73,7 @@ def compare_rerank(
     named query set, paired like two versions: B − A per metric with its 95% interval."""
     options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst,
                    open_set=open_set)
-    return versions.comparison_report(
+    return lifecycle.comparison_report(
         evaluate_version(resources, query_set, version, **options),
         evaluate_version(resources, query_set, version, rerank=rerank, **options),
     )
@@ -134,7 +133,7 @@ def compare_open_set(resources: Resources, a: str, b: str, query_set: str,
     a_eval, b_eval = (evaluate_version(resources, query_set, version, open_set=request,
                                        rerank=calibration.rerank_option(), record=False)
                       for version in (a, b))
-    return versions.fnir_comparison(a_eval, b_eval, calibration.target_fpir)
+    return lifecycle.fnir_comparison(a_eval, b_eval, calibration.target_fpir)
 
 
 def calibrate_version(resources: Resources, version: str, query_set: str, target_fpir: float,
@@ -196,4 +195,4 @@ def evaluate_uploaded(
     ]
     if len(results) == 1:
         return results[0].report
-    return versions.comparison_report(*results)
+    return lifecycle.comparison_report(*results)

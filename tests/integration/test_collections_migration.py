@@ -18,8 +18,7 @@ from imgret.gallery.storage import item_store, query_set_store, vector_store
 from imgret.gallery.storage.db import downgrade, make_engine, make_sessionmaker, upgrade_to_head
 from imgret.gallery.storage.tables import Base
 from imgret.gallery.tenancy import collections
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import version_store
+from imgret.gallery.versions import intake, version_store
 
 COUNTED = ("gallery_items", "embeddings", "gallery_changes", "model_versions",
            "model_activations", "query_sets", "query_items", "query_embeddings",
@@ -55,7 +54,7 @@ def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(
     engine = make_engine(db_url)
     default = make_sessionmaker(engine)
     media = MediaStore(tmp_path / "media")
-    versions.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
+    intake.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
     ids = _fill(default, media, 60, "a", 0)
     _fill(default, media, 8, "q", 1, query_set="queries")
     with default.begin() as session:
@@ -121,7 +120,7 @@ def test_query_vectors_made_across_collections_are_removed_and_the_rest_kept(
     engine = make_engine(db_url)
     default = make_sessionmaker(engine)
     media = MediaStore(tmp_path / "media")
-    versions.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
+    intake.register_checkpoint(tiny_checkpoint, session_factory=default, data_dir=tmp_path)
     shop = make_sessionmaker(engine, collections.create("shop", session_factory=default).id)
     _fill(default, media, 4, "own", 2, query_set="faces")
     _fill(shop, media, 3, "theirs", 3, query_set="cams")

@@ -22,8 +22,7 @@ from imgret.gallery.storage.tables import (
     QueryItem,
 )
 from imgret.gallery.tenancy import collections
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import version_store
+from imgret.gallery.versions import intake, version_store
 
 
 def _unit(n: int, seed: int) -> np.ndarray:
@@ -47,7 +46,7 @@ def _add(sessions, media: MediaStore, blobs: list[bytes], labels: list[str],
 @pytest.fixture
 def two(sessions, tmp_path, tiny_checkpoint):
     """``default`` serving the tiny model, and ``shop`` bound to the same checkpoint."""
-    versions.register_checkpoint(tiny_checkpoint, session_factory=sessions, data_dir=tmp_path)
+    intake.register_checkpoint(tiny_checkpoint, session_factory=sessions, data_dir=tmp_path)
     info = collections.create("shop", session_factory=sessions)
     shop = make_sessionmaker(sessions.kw["bind"], info.id)
     return sessions, shop

@@ -31,7 +31,7 @@ def run(*args: str) -> str:
 def test_an_int8_version_is_calibrated_registered_compared_and_gated(
         env: Path, image_folder: Path) -> None:
     from imgret.cli.jobs.gallery import open_gallery
-    from imgret.gallery.versions import lifecycle as versions
+    from imgret.gallery.versions import intake
     from imgret.settings import get_settings
 
     run("ingest", str(image_folder), "--no-progress")
@@ -66,10 +66,10 @@ def test_an_int8_version_is_calibrated_registered_compared_and_gated(
     # service's runtime setting says torch.
     settings = get_settings()
     with open_gallery(settings) as sessions:
-        embedder = versions.load_embedder(int8, session_factory=sessions,
+        embedder = intake.load_embedder(int8, session_factory=sessions,
                                           data_dir=settings.data_dir, device="cpu",
                                           runtime="torch")
-        again = versions.load_embedder(parent, session_factory=sessions,
+        again = intake.load_embedder(parent, session_factory=sessions,
                                        data_dir=settings.data_dir, device="cpu")
     assert embedder.runtime == "onnxruntime" and embedder.scheme == "int8"
     assert again.runtime == "torch" and again.scheme is None

@@ -32,8 +32,7 @@ from imgret.gallery.storage.tables import (
     ModelVersion,
     QueryEmbedding,
 )
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import reembed, version_store
+from imgret.gallery.versions import intake, lifecycle, reembed, version_store
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
 
@@ -102,14 +101,14 @@ def test_migration_0005_up_and_down_keeps_the_versions(db_url: str, runs: list[P
 
 def test_a_version_loads_from_the_database_without_any_file(sessions, tmp_path: Path,
                                                             runs: list[Path]) -> None:
-    first = versions.register_checkpoint(runs[0], session_factory=sessions,
+    first = intake.register_checkpoint(runs[0], session_factory=sessions,
                                          data_dir=tmp_path / "one")
     assert first["active"] and first["checkpoint_stored"]
     # The first version of a fresh database is active through a recorded switch.
-    assert versions.history(session_factory=sessions)[0]["version"] == first["version"]
+    assert lifecycle.history(session_factory=sessions)[0]["version"] == first["version"]
     # Another data dir, no models folder: the bytes come from SQL.
     other = tmp_path / "two"
-    embedder = versions.load_embedder(first["version"], session_factory=sessions,
+    embedder = intake.load_embedder(first["version"], session_factory=sessions,
                                       data_dir=other, device=TEST_DEVICE)
     reference = Embedder.from_checkpoint(runs[0], device=TEST_DEVICE)
     image = class_image(1, 2)
@@ -120,7 +119,7 @@ def test_a_version_loads_from_the_database_without_any_file(sessions, tmp_path: 
 def test_same_weights_are_idempotent_other_weights_never_rebind(sessions, tmp_path: Path,
                                                                 runs: list[Path]) -> None:
     data_dir = tmp_path / "data"
-    version = versions.register_checkpoint(runs[0], session_factory=sessions,
+    version = intake.register_checkpoint(runs[0], session_factory=sessions,
                                            data_dir=data_dir)["version"]
     with sessions() as session:
         stored = session.scalar(select(ModelCheckpoint.data))
@@ -130,7 +129,7 @@ def test_same_weights_are_idempotent_other_weights_never_rebind(sessions, tmp_pa
     model = Embedder.from_checkpoint(runs[0], device="cpu").model.cpu()
     resaved = save_checkpoint(tmp_path / "resaved", model, extra={"note": "other bytes"})
     assert resaved == version
-    again = versions.register_checkpoint(tmp_path / "resaved", session_factory=sessions,
+    again = intake.register_checkpoint(tmp_path / "resaved", session_factory=sessions,
                                          data_dir=data_dir)
     assert again["version"] == version
     with sessions() as session:
@@ -138,8 +137,8 @@ def test_same_weights_are_idempotent_other_weights_never_rebind(sessions, tmp_pa
     # The name bound to other weights (a 48-bit prefix collision, forged here): refused.
     with sessions.begin() as session:
         session.execute(update(ModelVersion).values(content_digest="f" * 64))
-    with pytest.raises(versions.VersionConflict, match="never re-bound"):
-        versions.register_checkpoint(runs[0], session_factory=sessions, data_dir=data_dir)
+    with pytest.raises(intake.VersionConflict, match="never re-bound"):
+        intake.register_checkpoint(runs[0], session_factory=sessions, data_dir=data_dir)
     with sessions() as session:
         assert session.scalar(select(ModelVersion.content_digest)) == "f" * 64
         assert session.scalar(select(ModelCheckpoint.data)) == stored
@@ -154,17 +153,17 @@ def test_start_up_import_stores_older_releases_files(sessions, tmp_path: Path,
     with sessions.begin() as session:
         version_store.register_model_version(session=session, version=embedder.model_version,
                                              dim=16)
-    old = versions.checkpoint_file(data_dir, embedder.model_version)
+    old = intake.checkpoint_file(data_dir, embedder.model_version)
     old.parent.mkdir(parents=True)
     shutil.copyfile(runs[1] / "model.pt", old)
     with pytest.raises(Exception, match="no stored checkpoint"):
-        versions.load_embedder(embedder.model_version, session_factory=sessions,
+        intake.load_embedder(embedder.model_version, session_factory=sessions,
                                data_dir=tmp_path / "elsewhere")
-    assert versions.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == [
+    assert intake.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == [
         embedder.model_version]
-    assert versions.load_embedder(embedder.model_version, session_factory=sessions,
+    assert intake.load_embedder(embedder.model_version, session_factory=sessions,
                                   data_dir=tmp_path / "elsewhere", device="cpu")
-    assert versions.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == []
+    assert intake.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == []
 
 
 def test_stale_incoming_uploads_are_swept_fresh_ones_kept(tmp_path: Path) -> None:
@@ -177,7 +176,7 @@ def test_stale_incoming_uploads_are_swept_fresh_ones_kept(tmp_path: Path) -> Non
     import os
 
     os.utime(stale, (hour_ago, hour_ago))
-    assert versions.sweep_incoming(tmp_path) == 1
+    assert intake.sweep_incoming(tmp_path) == 1
     assert not stale.exists() and fresh.exists()
 
 
@@ -193,33 +192,33 @@ def test_delete_removes_everything_but_never_the_active_or_rollback_target(
         sessions, tmp_path: Path, runs: list[Path]) -> None:
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
-    names = [versions.register_checkpoint(r, session_factory=sessions,
+    names = [intake.register_checkpoint(r, session_factory=sessions,
                                           data_dir=data_dir)["version"] for r in runs]
     a, b, c = names
-    embedders = {v: versions.load_embedder(v, session_factory=sessions, data_dir=data_dir,
+    embedders = {v: intake.load_embedder(v, session_factory=sessions, data_dir=data_dir,
                                            device=TEST_DEVICE) for v in names}
     _gallery(sessions, media, embedders[a])
     for v in (b, c):
         reembed.run_embed_job(v, session_factory=sessions, media=media, embedder=embedders[v])
-    versions.activate(b, session_factory=sessions, data_dir=data_dir, media=media,
+    lifecycle.activate(b, session_factory=sessions, data_dir=data_dir, media=media,
                       embedder=embedders[b])
-    with pytest.raises(versions.VersionInUse, match="active"):
-        versions.delete_version(b, session_factory=sessions, data_dir=data_dir)
-    with pytest.raises(versions.VersionInUse, match="rollback target"):
-        versions.delete_version(a, session_factory=sessions, data_dir=data_dir)
-    with pytest.raises(versions.VersionNotFound):
-        versions.delete_version("nope", session_factory=sessions, data_dir=data_dir)
+    with pytest.raises(lifecycle.VersionInUse, match="active"):
+        lifecycle.delete_version(b, session_factory=sessions, data_dir=data_dir)
+    with pytest.raises(lifecycle.VersionInUse, match="rollback target"):
+        lifecycle.delete_version(a, session_factory=sessions, data_dir=data_dir)
+    with pytest.raises(lifecycle.VersionNotFound):
+        lifecycle.delete_version("nope", session_factory=sessions, data_dir=data_dir)
     with sessions() as session:
         c_id = session.scalar(select(ModelVersion.id).where(ModelVersion.version == c))
     assert _counts(sessions, c_id)["embeddings"] == 6
-    versions.delete_version(c, session_factory=sessions, data_dir=data_dir)
+    lifecycle.delete_version(c, session_factory=sessions, data_dir=data_dir)
     assert _counts(sessions, c_id) == {"embeddings": 0, "query_embeddings": 0,
                                        "model_checkpoints": 0}
-    assert not versions.checkpoint_file(data_dir, c).exists()
-    assert versions.active_version(session_factory=sessions) == b
-    assert versions.previous_version(session_factory=sessions) == a
+    assert not intake.checkpoint_file(data_dir, c).exists()
+    assert lifecycle.active_version(session_factory=sessions) == b
+    assert lifecycle.previous_version(session_factory=sessions) == a
     # Registering the same weights again starts afresh.
-    again = versions.register_checkpoint(runs[2], session_factory=sessions, data_dir=data_dir)
+    again = intake.register_checkpoint(runs[2], session_factory=sessions, data_dir=data_dir)
     assert again["version"] == c and again["coverage"]["embedded"] == 0
 
 
@@ -231,18 +230,18 @@ def _race(sessions, data_dir: Path, media, version: str, embedder: Embedder) -> 
     def activate() -> None:
         start.wait()
         try:
-            versions.activate(version, session_factory=sessions, data_dir=data_dir,
+            lifecycle.activate(version, session_factory=sessions, data_dir=data_dir,
                               media=media, embedder=embedder)
             result["activate"] = "ok"
-        except versions.GalleryError as exc:
+        except lifecycle.GalleryError as exc:
             result["activate"] = type(exc).__name__
 
     def remove() -> None:
         start.wait()
         try:
-            versions.delete_version(version, session_factory=sessions, data_dir=data_dir)
+            lifecycle.delete_version(version, session_factory=sessions, data_dir=data_dir)
             result["delete"] = "ok"
-        except versions.GalleryError as exc:
+        except lifecycle.GalleryError as exc:
             result["delete"] = type(exc).__name__
 
     threads = [threading.Thread(target=activate), threading.Thread(target=remove)]
@@ -257,33 +256,33 @@ def test_a_delete_racing_an_activation_never_leaves_the_active_version_without_i
         sessions, tmp_path: Path, runs: list[Path]) -> None:
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
-    a = versions.register_checkpoint(runs[0], session_factory=sessions,
+    a = intake.register_checkpoint(runs[0], session_factory=sessions,
                                      data_dir=data_dir)["version"]
-    embedder_a = versions.load_embedder(a, session_factory=sessions, data_dir=data_dir,
+    embedder_a = intake.load_embedder(a, session_factory=sessions, data_dir=data_dir,
                                         device=TEST_DEVICE)
     _gallery(sessions, media, embedder_a, n=4)
     for round_ in range(4):
-        b = versions.register_checkpoint(runs[1 + round_ % 2], session_factory=sessions,
+        b = intake.register_checkpoint(runs[1 + round_ % 2], session_factory=sessions,
                                          data_dir=data_dir)["version"]
-        embedder_b = versions.load_embedder(b, session_factory=sessions, data_dir=data_dir,
+        embedder_b = intake.load_embedder(b, session_factory=sessions, data_dir=data_dir,
                                             device=TEST_DEVICE)
         reembed.run_embed_job(b, session_factory=sessions, media=media, embedder=embedder_b)
         result = _race(sessions, data_dir, media, b, embedder_b)
         # Exactly one of them won; the active version always has its checkpoint and vectors.
         assert sorted(result.values()).count("ok") == 1, result
-        active = versions.active_version(session_factory=sessions)
+        active = lifecycle.active_version(session_factory=sessions)
         with sessions() as session:
             row = session.scalar(select(ModelVersion).where(ModelVersion.is_active))
             assert _counts(sessions, row.id)["model_checkpoints"] == 1
             assert _counts(sessions, row.id)["embeddings"] == 4
-        assert versions.load_embedder(active, session_factory=sessions, data_dir=data_dir,
+        assert intake.load_embedder(active, session_factory=sessions, data_dir=data_dir,
                                       device=TEST_DEVICE)
         if active != a:  # back to A, and the other one deleted, for the next round
-            versions.activate(a, session_factory=sessions, data_dir=data_dir, media=media,
+            lifecycle.activate(a, session_factory=sessions, data_dir=data_dir, media=media,
                               embedder=embedder_a)
             with sessions.begin() as session:
                 session.execute(text("DELETE FROM model_activations"))
-            versions.delete_version(b, session_factory=sessions, data_dir=data_dir)
+            lifecycle.delete_version(b, session_factory=sessions, data_dir=data_dir)
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -300,13 +299,13 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 6.0)
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
-    a = versions.register_checkpoint(runs[0], session_factory=sessions,
+    a = intake.register_checkpoint(runs[0], session_factory=sessions,
                                      data_dir=data_dir)["version"]
-    b = versions.register_checkpoint(runs[1], session_factory=sessions,
+    b = intake.register_checkpoint(runs[1], session_factory=sessions,
                                      data_dir=data_dir)["version"]
     load = dict(session_factory=sessions, data_dir=data_dir, device=TEST_DEVICE)
-    _gallery(sessions, media, versions.load_embedder(a, **load), n=3)
-    embedder_b = versions.load_embedder(b, **load)
+    _gallery(sessions, media, intake.load_embedder(a, **load), n=3)
+    embedder_b = intake.load_embedder(b, **load)
 
     class Slow(reembed.Throttle):
         def pause(self, worked_s: float) -> None:

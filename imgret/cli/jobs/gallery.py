@@ -101,7 +101,7 @@ def ingest(
     from imgret.embedder import Embedder
     from imgret.gallery.ingest import ingest_source
     from imgret.gallery.media.blobs import open_media_store
-    from imgret.gallery.versions import lifecycle as versions
+    from imgret.gallery.versions import intake
 
     checkpoint = model or settings.model
     if checkpoint is None:
@@ -116,7 +116,7 @@ def ingest(
     with open_gallery(settings) as sessions:
         # Keep the checkpoint under the data dir: any server can then load this version
         # (compare it, switch to it) without the run directory.
-        versions.register_checkpoint(checkpoint, session_factory=sessions,
+        intake.register_checkpoint(checkpoint, session_factory=sessions,
                                      data_dir=settings.data_dir)
         if ray is not None:
             from imgret.gallery.ingest.ray import ingest_with_ray
@@ -193,7 +193,7 @@ def evaluate_named(
     from imgret.embedder import Embedder
     from imgret.gallery.media.blobs import open_media_store
     from imgret.gallery.search import Searcher
-    from imgret.gallery.versions import lifecycle as versions
+    from imgret.gallery.versions import lifecycle
 
     embedder = (
         Embedder.from_checkpoint(settings.model, device=settings.device,
@@ -205,7 +205,7 @@ def evaluate_named(
     with open_gallery(settings) as sessions:
         searcher = Searcher.from_settings(sessions, settings, model_version)  # None: active
         # On record as the version's last evaluation (GET /models shows it), unless re-ranked.
-        return versions.evaluate_recorded(
+        return lifecycle.evaluate_recorded(
             searcher, name, session_factory=sessions, embedder=embedder,
             media=open_media_store(settings, sessions),
             max_pixels=settings.max_image_pixels, k=ks,

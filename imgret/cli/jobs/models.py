@@ -15,8 +15,7 @@ from typing import Any
 from imgret.cli.jobs.gallery import open_gallery
 from imgret.gallery.evaluation import calibration as calibrations
 from imgret.gallery.media.blobs import open_media_store
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import quantization, reembed
+from imgret.gallery.versions import intake, lifecycle, quantization, reembed
 from imgret.onnx_export import OnnxExport, export_onnx
 from imgret.settings import Settings
 
@@ -25,16 +24,16 @@ def list_models(settings: Settings) -> dict[str, Any]:
     """`imgret models list`: what ``GET /models`` shows."""
     with open_gallery(settings) as sessions:
         return {
-            "active": versions.active_version(session_factory=sessions),
-            "models": versions.describe(session_factory=sessions, data_dir=settings.data_dir),
-            "history": versions.history(session_factory=sessions),
+            "active": lifecycle.active_version(session_factory=sessions),
+            "models": lifecycle.describe(session_factory=sessions, data_dir=settings.data_dir),
+            "history": lifecycle.history(session_factory=sessions),
         }
 
 
 def register(settings: Settings, run: str | Path) -> dict[str, Any]:
     """`imgret models register RUN`: what ``POST /models {"path": RUN}`` does."""
     with open_gallery(settings) as sessions:
-        return versions.register_checkpoint(run, session_factory=sessions,
+        return intake.register_checkpoint(run, session_factory=sessions,
                                             data_dir=settings.data_dir)
 
 
@@ -52,7 +51,7 @@ def embed(settings: Settings, version: str, *,
     from imgret.gallery.search import Searcher
 
     with open_gallery(settings) as sessions:
-        embedder = versions.load_embedder(version, session_factory=sessions,
+        embedder = intake.load_embedder(version, session_factory=sessions,
                                           data_dir=settings.data_dir, device=settings.device,
                                           runtime=settings.runtime)
         report = reembed.run_embed_job(
@@ -72,7 +71,7 @@ def export(settings: Settings, version: str, out: str | Path, *,
     if fmt != "onnx":
         raise ValueError(f"unknown export format {fmt!r}; known: onnx")
     with open_gallery(settings) as sessions:
-        loaded = versions.load_version_checkpoint(version, session_factory=sessions,
+        loaded = intake.load_version_checkpoint(version, session_factory=sessions,
                                                   data_dir=settings.data_dir)
     return export_onnx(loaded.model, loaded.spec, out, model_version=version,
                        graph=loaded.quantized.graph if loaded.quantized else None)
@@ -107,10 +106,10 @@ def calibrate(settings: Settings, version: str, query_set: str,
 
     calibrations.check_fpir(target_fpir)
     with open_gallery(settings) as sessions:
-        versions.describe_one(version, session_factory=sessions,
+        lifecycle.describe_one(version, session_factory=sessions,
                               data_dir=settings.data_dir)  # an unknown version raises here
         try:
-            embedder = versions.load_embedder(version, session_factory=sessions,
+            embedder = intake.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
                                               device=settings.device,
                                               runtime=settings.runtime)
@@ -124,16 +123,16 @@ def calibrate(settings: Settings, version: str, query_set: str,
 
 
 def activate(settings: Settings, version: str, *, require: str | list[str] | None = None,
-             query_set: str | None = None, reason: str = "activate") -> versions.Activation:
+             query_set: str | None = None, reason: str = "activate") -> lifecycle.Activation:
     """`imgret models activate VERSION [--require better|not_worse|fnir_not_worse ...
     --query-set NAME]`."""
     from imgret.gallery.search import Searcher
 
     with open_gallery(settings) as sessions:
-        return versions.activate(
+        return lifecycle.activate(
             version, session_factory=sessions, data_dir=settings.data_dir,
             media=open_media_store(settings, sessions),
-            embedder=versions.load_embedder(version, session_factory=sessions,
+            embedder=intake.load_embedder(version, session_factory=sessions,
                                             data_dir=settings.data_dir,
                                             device=settings.device,
                                             runtime=settings.runtime),
@@ -146,10 +145,10 @@ def activate(settings: Settings, version: str, *, require: str | list[str] | Non
         )
 
 
-def rollback(settings: Settings) -> versions.Activation:
+def rollback(settings: Settings) -> lifecycle.Activation:
     """`imgret models rollback`: ``POST /models/rollback``."""
     with open_gallery(settings) as sessions:
-        previous = versions.previous_version(session_factory=sessions)
+        previous = lifecycle.previous_version(session_factory=sessions)
     return activate(settings, previous, reason="rollback")
 
 
@@ -165,7 +164,7 @@ def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
     results = []
     for version in (a, b):
         try:
-            embedder = versions.load_embedder(version, session_factory=sessions,
+            embedder = intake.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
                                               device=settings.device,
                                               runtime=settings.runtime)
@@ -177,7 +176,7 @@ def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
             max_pixels=settings.max_image_pixels, rerank=calibration.rerank_option(),
             open_set=request,
         ))
-    return versions.fnir_comparison(*results, calibration.target_fpir)
+    return lifecycle.fnir_comparison(*results, calibration.target_fpir)
 
 
 def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
@@ -189,15 +188,15 @@ def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
     results = []
     for version in (a, b):
         try:
-            embedder = versions.load_embedder(version, session_factory=sessions,
+            embedder = intake.load_embedder(version, session_factory=sessions,
                                               data_dir=settings.data_dir,
                                               device=settings.device,
                                               runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
-        results.append(versions.evaluate_recorded(
+        results.append(lifecycle.evaluate_recorded(
             Searcher.from_settings(sessions, settings, version), query_set,
             session_factory=sessions, embedder=embedder, media=media,
             max_pixels=settings.max_image_pixels, k=k,
         ))
-    return versions.comparison_report(*results)
+    return lifecycle.comparison_report(*results)

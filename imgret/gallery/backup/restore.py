@@ -103,9 +103,9 @@ def restore_backup(settings: Settings, src: str | Path, *, on_phase: Phase | Non
         phase("indexes")
         active = backup.snapshot.get("active_version")
         if active is not None and active in _stored_checkpoints(backup):
-            from imgret.gallery.versions import lifecycle as versions
+            from imgret.gallery.versions import intake
 
-            versions.load_embedder(active, session_factory=sessions, data_dir=data_dir,
+            intake.load_embedder(active, session_factory=sessions, data_dir=data_dir,
                                    device=settings.device)
         with sessions() as session:
             items = session.execute(text(

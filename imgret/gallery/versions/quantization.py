@@ -30,7 +30,7 @@ from imgret.embedder import Embedder
 from imgret.errors import GalleryError, ImgretError
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.storage import item_store
-from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import intake
 from imgret.images import preprocess_encoded
 from imgret.onnx_export import onnx_bytes
 from imgret.quantize import quantize_int8, throughput
@@ -80,7 +80,7 @@ def quantize_version(
         GalleryError: ``version`` is itself quantised, or no stored gallery image could be
             read to calibrate on.
     """
-    loaded = versions.load_version_checkpoint(version, session_factory=session_factory,
+    loaded = intake.load_version_checkpoint(version, session_factory=session_factory,
                                               data_dir=data_dir)
     if loaded.quantized is not None:
         raise GalleryError(f"{version} is already a {loaded.quantized.scheme} version; "
@@ -98,7 +98,7 @@ def quantize_version(
         "method": "minmax", "weights": "int8 per channel", "activations": "uint8 per tensor",
     }}
     _, data = checkpoint_bytes(loaded.model, extra, quantized)
-    registered = versions.register_bytes(data, session_factory=session_factory,
+    registered = intake.register_bytes(data, session_factory=session_factory,
                                          data_dir=data_dir, name=f"the int8 version of {version}")
     int8 = Embedder(loaded.model, loaded.spec, device="cpu",
                     model_version=registered["version"], quantized=quantized)

@@ -18,7 +18,7 @@ from imgret.gallery.evaluation import calibration as calibrations
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search import Searcher
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION, DEFAULT_COLLECTION_ID
-from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import intake, lifecycle
 from imgret.process import in_own_thread
 from imgret.service.batching import DynamicBatcher
 from imgret.service.pipeline import Answer, ImageQuery, Serving
@@ -136,7 +136,7 @@ class Resources:
             if embedder is None:
                 # Loaded on a thread that ends with it (imgret.process.in_own_thread).
                 embedder = in_own_thread(
-                    versions.load_embedder, version, session_factory=self.sessions,
+                    intake.load_embedder, version, session_factory=self.sessions,
                     data_dir=self.settings.data_dir, device=self.settings.device,
                     runtime=self.settings.runtime,
                 )
@@ -190,7 +190,7 @@ class Resources:
         Returns:
             Whether this process switched (version or threshold).
         """
-        active, calibration_id = versions.served_state(session_factory=self.sessions)
+        active, calibration_id = lifecycle.served_state(session_factory=self.sessions)
         serving = self.serving
         if active is None or (active == serving.version
                               and calibration_id == _calibration_id(serving.calibration)):

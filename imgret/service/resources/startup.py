@@ -19,8 +19,7 @@ from imgret.gallery.media.gc import sweep_media
 from imgret.gallery.search import Searcher
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION, DEFAULT_COLLECTION_ID
-from imgret.gallery.versions import lifecycle as versions
-from imgret.gallery.versions import reembed
+from imgret.gallery.versions import intake, lifecycle, reembed
 from imgret.service.pipeline import Serving, build_search_batcher
 from imgret.service.resources.bundle import Resources
 from imgret.service.resources.embed_jobs import EmbedJobs
@@ -39,10 +38,10 @@ def _register_configured(settings: Settings, sessions: sessionmaker[Session]) ->
     with its history row. Nothing here changes an active version.
     """
     assert settings.model is not None
-    versions.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
+    intake.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
                                      max_bytes=settings.max_checkpoint_bytes)
-    versions.sweep_incoming(settings.data_dir)
-    return versions.register_checkpoint(
+    intake.sweep_incoming(settings.data_dir)
+    return intake.register_checkpoint(
         settings.model, session_factory=sessions, data_dir=settings.data_dir,
         max_bytes=settings.max_checkpoint_bytes)["version"]
 
@@ -65,8 +64,8 @@ def check_active_servable(settings: Settings) -> None:
     try:
         sessions = make_sessionmaker(engine)
         configured = _register_configured(settings, sessions)
-        active = versions.active_version(session_factory=sessions) or configured
-        if not versions.has_checkpoint(active, session_factory=sessions):
+        active = lifecycle.active_version(session_factory=sessions) or configured
+        if not lifecycle.has_checkpoint(active, session_factory=sessions):
             raise CheckpointError(_cannot_serve(active, "its checkpoint is not stored in the "
                                                         "database; register it again"))
     finally:
@@ -103,9 +102,9 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     # Checkpoint files of older releases: into the database, for every version lacking its
     # bytes there; temporary uploads of killed processes: removed.
     configured = _register_configured(settings, sessions)
-    active = versions.active_version(session_factory=sessions) or configured
+    active = lifecycle.active_version(session_factory=sessions) or configured
     try:
-        embedder = versions.load_embedder(active, session_factory=sessions,
+        embedder = intake.load_embedder(active, session_factory=sessions,
                                           data_dir=settings.data_dir, device=settings.device,
                                           runtime=settings.runtime)
     except (GalleryError, CheckpointError) as exc:
@@ -174,12 +173,12 @@ def load_collection(base: Resources, collection_id: int, name: str,
         CheckpointError: the collection's active version cannot be loaded.
     """
     sessions = make_sessionmaker(base.engine, collection_id)
-    active = versions.active_version(session_factory=sessions)
+    active = lifecycle.active_version(session_factory=sessions)
     if active is None:
         raise CheckpointError(f"collection {name} has no active model version")
     embedder = shared(active)
     if embedder is None:
-        embedder = versions.load_embedder(
+        embedder = intake.load_embedder(
             active, session_factory=sessions, data_dir=base.settings.data_dir,
             device=base.settings.device, runtime=base.settings.runtime)
     return _assemble(base.settings, base.engine, sessions, base.media, base.metrics, active,

@@ -11,7 +11,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from pydantic import ValidationError
 
-from imgret.gallery.versions import lifecycle as versions
+from imgret.gallery.versions import intake, lifecycle
 from imgret.process import in_own_thread
 from imgret.service.deps import ResourcesDep, require_api_key
 from imgret.service.forms import form_schema, open_form
@@ -48,7 +48,7 @@ _SWITCH = threading.Lock()
 
 
 def _describe(resources: Resources, version: str) -> dict[str, Any]:
-    return versions.describe_one(version, session_factory=resources.sessions,
+    return lifecycle.describe_one(version, session_factory=resources.sessions,
                                  data_dir=resources.settings.data_dir,
                                  index_sizes=resources.index_sizes())
 
@@ -58,11 +58,11 @@ def list_models(resources: ResourcesDep) -> ModelList:
     """Every registered version with coverage, index and job state; the active one; the
     recent switches."""
     return ModelList(
-        active=versions.active_version(session_factory=resources.sessions),
-        models=versions.describe(session_factory=resources.sessions,
+        active=lifecycle.active_version(session_factory=resources.sessions),
+        models=lifecycle.describe(session_factory=resources.sessions,
                                  data_dir=resources.settings.data_dir,
                                  index_sizes=resources.index_sizes()),
-        history=versions.history(session_factory=resources.sessions),
+        history=lifecycle.history(session_factory=resources.sessions),
     )
 
 
@@ -111,7 +111,7 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
                   max_bytes=cap)
 
     def by_path(path: str) -> dict[str, Any]:
-        return versions.register_path(_checked_path(path), roots=settings.model_roots,
+        return intake.register_path(_checked_path(path), roots=settings.model_roots,
                                       **kwargs)
 
     try:
@@ -126,17 +126,17 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
                     upload = form.checkpoint
                     assert upload is not None  # the form holds exactly one of them
                     if upload.size is not None and upload.size > cap:
-                        raise versions.CheckpointTooLarge(
+                        raise intake.CheckpointTooLarge(
                             f"the checkpoint is {upload.size} bytes, over "
                             f"IMGRET_MAX_CHECKPOINT_BYTES ({cap})")
                     # The upload is spooled to a temporary file; one byte over the cap is
                     # enough to refuse it, so no more than that is read into memory.
                     data = await upload.read(cap + 1)
                     info = await anyio.to_thread.run_sync(
-                        lambda: versions.register_upload(data, **kwargs))
+                        lambda: intake.register_upload(data, **kwargs))
         else:
             raise HTTPException(415, 'send JSON {"path": ...} or a multipart `checkpoint` file')
-    except versions.CheckpointTooLarge as exc:
+    except intake.CheckpointTooLarge as exc:
         raise HTTPException(413, str(exc)) from None
     return ModelInfo.model_validate(_describe(resources, info["version"]))
 
@@ -164,7 +164,7 @@ async def delete_model(version: VersionPath, resources: ResourcesDep) -> Respons
     switch replaced): its checkpoint, embeddings, query embeddings, saved index and row."""
     def drop() -> None:
         with _SWITCH:  # not while this process switches
-            versions.delete_version(version, session_factory=resources.sessions,
+            lifecycle.delete_version(version, session_factory=resources.sessions,
                                     data_dir=resources.settings.data_dir)
         resources.forget(version)
     await anyio.to_thread.run_sync(drop)
@@ -269,8 +269,8 @@ def _switch(resources: Resources, version: str | None, require: list[str] | None
             query_set: str | None, reason: str) -> Switch:
     with _SWITCH:
         if version is None:
-            version = versions.previous_version(session_factory=resources.sessions)
-        result = versions.activate(
+            version = lifecycle.previous_version(session_factory=resources.sessions)
+        result = lifecycle.activate(
             version, session_factory=resources.sessions, data_dir=resources.settings.data_dir,
             media=resources.media, embedder=resources.embedder_for(version), require=require,
             query_set=query_set,
