@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from imgret import onnx_graph
-from imgret.checkpoint import EmbeddingNet, ModelSpec
+from imgret.checkpoint import EmbeddingNet, ModelSpec, Quantized
+from imgret.embedder import Embedder
 from imgret.errors import ModelRunError
+from imgret.index.reembed import job_error
 from imgret.onnx_runtime import OnnxRuntimeModel
 
 onnx = pytest.importorskip("onnx")
@@ -57,6 +59,7 @@ def test_what_onnx_runtime_cannot_load_is_an_error_in_our_words() -> None:
     with pytest.raises(ModelRunError, match="cannot load") as refused:
         OnnxRuntimeModel(hostile.dangling_output(SIZE, DIM))
     assert hostile.SECRET not in str(refused.value)
+    assert hostile.SECRET not in job_error(refused.value)
 
 
 def test_a_failed_run_is_an_error_in_our_words() -> None:
@@ -64,6 +67,12 @@ def test_a_failed_run_is_an_error_in_our_words() -> None:
     with pytest.raises(ModelRunError, match="failed running") as refused:
         model.run(np.zeros((2, 3, SIZE + 1, SIZE), dtype=np.float32))  # not its input shape
     assert hostile.SECRET not in str(refused.value)
+
+
+def test_a_job_keeps_no_foreign_error_text() -> None:
+    assert job_error(RuntimeError(f"node {hostile.SECRET} failed")) == (
+        "the re-embedding stopped on an unexpected error (RuntimeError); the server log has "
+        "the details")
 
 
 def test_a_run_takes_at_most_the_checked_batch() -> None:
@@ -81,3 +90,17 @@ def test_a_run_takes_at_most_the_checked_batch() -> None:
                     .astype(np.float32))
     assert out.shape == (onnx_graph.MAX_RUN_BATCH + 3, DIM)
     assert calls == [onnx_graph.MAX_RUN_BATCH, 3]
+
+
+@pytest.mark.parametrize("case", sorted(hostile.NON_FINITE_ON_IMAGES))
+def test_non_finite_vectors_are_refused_where_the_model_runs(case: str) -> None:
+    """Finite on a zero image (so the graph registers), NaN or infinite on real ones: the
+    Embedder refuses them, whatever called it."""
+    graph = hostile.NON_FINITE_ON_IMAGES[case](SIZE, DIM)
+    assert onnx_graph.graph_problem(graph, image_size=SIZE, dim=DIM) is None
+    torch.manual_seed(0)
+    embedder = Embedder(EmbeddingNet(SPEC).eval(), SPEC, device="cpu",
+                        quantized=Quantized("int8", graph))
+    assert embedder.embed_tensors(torch.zeros(1, 3, SIZE, SIZE)).shape == (1, DIM)
+    with pytest.raises(ModelRunError, match="non-finite vectors"):
+        embedder.embed_tensors(torch.rand(4, 3, SIZE, SIZE) + 0.5)
