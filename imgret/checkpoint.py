@@ -25,8 +25,10 @@ an order where nothing large is allocated before it is known to fit, and every r
    finite values (a NaN or infinite weight makes every embedding NaN, which no index can
    rank, so such a model is refused rather than served).
 7. A quantised version's graph (optional ``quantized``: ``scheme`` and ``graph``, the ONNX
-   bytes as a uint8 tensor) passes :func:`imgret.onnx_graph.graph_problem`: no external
-   data, allowed operators only, the spec's input and output shapes.
+   bytes as a uint8 tensor) passes :func:`imgret.onnx_graph.graph_problem`: its structure
+   (no external data, allowed operators only, the spec's input and output shapes), its
+   tensors' sizes by shape inference, then ONNX Runtime's own load and a trial run on one
+   zero image.
 8. Only then the real model is built and loaded, and ``model_version`` must be the version
    its weights, spec (and graph) hash to.
 """

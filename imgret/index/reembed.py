@@ -32,7 +32,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
-from imgret.errors import GalleryError, ImageDecodeError
+from imgret.errors import GalleryError, ImageDecodeError, ImgretError
 from imgret.images import DEFAULT_MAX_PIXELS, DecodeLimits, embed_encoded
 from imgret.index import store, version_store
 from imgret.index.media import MediaBackend
@@ -137,6 +137,17 @@ def _finish_job(version: str, session_factory: sessionmaker[Session], state: str
                                  covered_through=covered_through)
 
 
+def job_error(exc: BaseException) -> str:
+    """The error a failed job keeps (``GET /models/{v}`` shows it): imgret's own message for
+    an error it raises on purpose (a model that cannot run, non-finite vectors), never the
+    text of another exception, which may quote a stored file (ONNX Runtime's errors name the
+    graph's nodes); that text goes to the log."""
+    if isinstance(exc, ImgretError):
+        return str(exc)[:500]
+    return (f"the re-embedding stopped on an unexpected error ({type(exc).__name__}); the "
+            "server log has the details")
+
+
 def run_embed_job(
     version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
@@ -165,7 +176,7 @@ def run_embed_job(
                 progress=progress, stop=stop, heartbeat=True,
             )
     except BaseException as exc:
-        _finish_job(version, session_factory, STATE_FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        _finish_job(version, session_factory, STATE_FAILED, job_error(exc))
         raise
     error = (f"{len(report.failed)} stored images could not be decoded (ids "
              f"{report.failed[:10]})" if report.failed else None)

@@ -144,6 +144,13 @@ def decode_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
     flat = np.frombuffer(b"".join(blobs), dtype="<f4")
     if flat.size != len(blobs) * dim:
         raise GalleryError(f"stored vectors are not all {dim}-dimensional")
+    if not np.isfinite(flat).all():
+        # Written before non-finite vectors were refused (_check_vectors): nothing can rank
+        # them, so every reader (an index, an evaluation, a search by id) refuses them too.
+        raise GalleryError(
+            "stored vectors hold NaN or infinite values (written by an older release from a "
+            "model that produced them); delete that model version and register one whose "
+            "vectors are finite")
     return flat.reshape(len(blobs), dim).astype(np.float32, copy=False)
 
 
@@ -817,6 +824,10 @@ def _check_vectors(vectors: np.ndarray, n: int, model_version: ModelVersion) -> 
             f"expected ({n}, {model_version.dim}) vectors for model version "
             f"{model_version.version}, got {tuple(vectors.shape)}"
         )
+    if not np.isfinite(vectors).all():
+        # Ranked by nothing and served as JSON null: never stored.
+        raise GalleryError(f"model version {model_version.version} produced non-finite "
+                           "vectors (NaN or infinite values); they are not stored")
 
 
 def _insert_changes(item_ids: Sequence[int], op: str, session: Session) -> None:
