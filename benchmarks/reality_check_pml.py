@@ -11,7 +11,9 @@ AdamW at the run's learning rate with the same cosine schedule over the epoch ca
 early stopping on validation MAP@R with the run's patience (PML's ``end_of_epoch_hook``).
 The test split is embedded here (eval transform, forward pass, no imgret ``Embedder``) and
 scored by PML's ``AccuracyCalculator`` (``k="max_bin_count"``): each fold model alone and the
-K models concatenated, as the table reports them.
+K models concatenated, as the table reports them. A fold whose best validation epoch is
+still the untrained network (epoch 0) did not learn: its run, and a loss with such a run,
+say "did not learn" instead of numbers, as imgret's table does.
 
 What agrees by construction: data, split, architecture, hyper-parameters. What is
 independent: the training loop (batches, steps, early stopping), the embedding of the test
@@ -174,7 +176,7 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
     trainer.train(num_epochs=config.epochs)
     model.load_state_dict(state["weights"])
     return model, {"best_epoch": state["best_epoch"], "val_map_at_r": state["best"],
-                   "val_curve": state["curve"]}, test
+                   "val_curve": state["curve"], "learned": state["best_epoch"] > 0}, test
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -211,24 +213,28 @@ def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict
                   flush=True)
         concatenated = np.concatenate(vectors, axis=1) / math.sqrt(len(vectors))
         rows.append({"seed": seed_dir.name, "folds": info, "alone": alone,
-                     "concatenated": map_at_r(calculator, concatenated, labels)})
+                     "concatenated": map_at_r(calculator, concatenated, labels),
+                     "learned": all(f["learned"] for f in info)})
     imgret = json.loads((run_dir / "results.json").read_text())
     row = next(r for r in imgret["rows"] if r["kind"] == "loss" and r["name"] == loss)
-    pml_alone = interval([float(np.mean(r["alone"])) for r in rows])
-    pml_concat = interval([r["concatenated"]["mean_average_precision_at_r"] for r in rows])
-    theirs = {kind: {"mean": m["mean"], "low": m["ci"][0], "high": m["ci"][1]}
-              for kind, m in (("concatenated", row["metrics"]["map_at_r"]),
-                              ("alone", row["separate"]["map_at_r"]))}
-    return {
-        "loss": loss, "runs": rows,
-        "pml": {"alone": pml_alone, "concatenated": pml_concat},
-        "imgret": theirs,
-        "within": {
-            "alone": theirs["alone"]["low"] <= pml_alone[0] <= theirs["alone"]["high"],
-            "concatenated": (theirs["concatenated"]["low"] <= pml_concat[0]
-                             <= theirs["concatenated"]["high"]),
-        },
-    }
+    # A run with a fold that kept its untrained weights has no trained model to score.
+    pml_learned = all(r["learned"] for r in rows)
+    pml = ({"alone": interval([float(np.mean(r["alone"])) for r in rows]),
+            "concatenated": interval([r["concatenated"]["mean_average_precision_at_r"]
+                                      for r in rows])} if pml_learned else None)
+    theirs = None
+    if row.get("metrics") is not None:
+        theirs = {kind: {"mean": m["mean"], "low": m["ci"][0], "high": m["ci"][1]}
+                  for kind, m in (("concatenated", row["metrics"]["map_at_r"]),
+                                  ("alone", row["separate"]["map_at_r"]))}
+    within = None
+    if pml is not None and theirs is not None:
+        within = {kind: theirs[kind]["low"] <= pml[kind][0] <= theirs[kind]["high"]
+                  for kind in ("alone", "concatenated")}
+    return {"loss": loss, "runs": rows, "pml": pml, "imgret": theirs, "within": within,
+            "did_not_learn": {"pml": sum(not r["learned"] for r in rows),
+                              "imgret": (row.get("did_not_learn") or {}).get("runs", 0),
+                              "of": len(rows)}}
 
 
 def main() -> None:
@@ -248,12 +254,20 @@ def main() -> None:
     print("| loss | model | PML | imgret | PML mean inside imgret's interval |")
     print("|---|---|---|---|---|")
     for c in checks:
+        missing = c["did_not_learn"]
         for kind in ("concatenated", "alone"):
-            mean, low, high = c["pml"][kind]
-            ours = c["imgret"][kind]
-            print(f"| {c['loss']} | {kind} | {mean:.3f} [{low:.3f}, {high:.3f}] | "
-                  f"{ours['mean']:.3f} [{ours['low']:.3f}, {ours['high']:.3f}] | "
-                  f"{'yes' if c['within'][kind] else 'no'} |")
+            if c["pml"] is None:
+                theirs = f"did not learn ({missing['pml']} of {missing['of']} runs)"
+            else:
+                mean, low, high = c["pml"][kind]
+                theirs = f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+            if c["imgret"] is None:
+                ours = f"did not learn ({missing['imgret']} of {missing['of']} runs)"
+            else:
+                o = c["imgret"][kind]
+                ours = f"{o['mean']:.3f} [{o['low']:.3f}, {o['high']:.3f}]"
+            agree = ("-" if c["within"] is None else "yes" if c["within"][kind] else "no")
+            print(f"| {c['loss']} | {kind} | {theirs} | {ours} | {agree} |")
     print(f"\n{out['seconds']} s")
 
 

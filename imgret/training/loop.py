@@ -5,14 +5,17 @@ It reads top to bottom in named stages, like nanoGPT's ``train.py``:
 1. :func:`prepare_data`: the source, its split and the training set;
 2. :func:`build_parts`: the model, the loss (+ its own optimiser when it has parameters),
    learning-rate schedules, the seeded m-per-class batches;
-3. :func:`start_run` (validates the untrained network as epoch 0) or :func:`resume_run`
-   (from ``last.pt``);
+3. :func:`start_run` (validates the untrained network as epoch 0: the bar every trained
+   epoch must clear) or :func:`resume_run` (from ``last.pt``);
 4. per epoch, :func:`train_one_epoch` (forward / backward / step) then
-   :func:`validate_and_checkpoint` (validation MAP@R through ``Embedder.from_model``, the best
-   checkpoint by validation only, the resume state);
+   :func:`validate_and_checkpoint` (validation MAP@R through ``Embedder.from_model``, the
+   validation embeddings' geometry and the collapse rule of :mod:`imgret.training.geometry`,
+   the best checkpoint by validation only, the resume state);
 5. :func:`final_evaluation`: the best checkpoint evaluated once on the test split, beside two
    baselines measured by the same function on the same images: raw pixels and the untrained
-   network (same architecture, same seed initialisation).
+   network (same architecture, same seed initialisation). A run whose best epoch is still
+   epoch 0 did not learn: it is recorded so (``"learned": false``), logged as an error, and
+   no model is saved.
 
 Every stage calls a :class:`~imgret.training.distributed.Distributed` unconditionally: for one
 process
@@ -36,7 +39,13 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, save_checkpoint
+from imgret.checkpoint import (
+    CHECKPOINT_FILE,
+    EmbeddingNet,
+    ModelSpec,
+    load_checkpoint,
+    save_checkpoint,
+)
 from imgret.training.config import TrainConfig, TrainConfigError
 from imgret.training.data import (
     DataSplit,
@@ -51,6 +60,7 @@ from imgret.training.data import (
     train_transform,
 )
 from imgret.training.distributed import Distributed, ShardedBatchSampler, connect
+from imgret.training.geometry import collapse
 from imgret.training.plots import plot_run_curves
 from imgret.training.registry import (
     LossBundle,
@@ -68,6 +78,7 @@ from imgret.training.run_dir import (
     finished_run,
     keep_if_best,
     load_state,
+    not_learned_message,
     read_record,
     save_state,
     write_record,
@@ -151,6 +162,8 @@ def train(
                                 "since epoch %d (patience %d)", run.record["epochs"][-1]["epoch"],
                                 run.record["best"]["epoch"], data.config.patience)
                 break
+            if dist.any(dist.is_main and run.record.get("collapse") is not None):
+                break  # validate_and_checkpoint logged it
             train_loss, steps = train_one_epoch(epoch, net, data, parts, run, dist, progress)
             if dist.is_main:  # rank 0 validates and saves; the others wait
                 validate_and_checkpoint(epoch, train_loss, steps, data, parts, run, out, started)
@@ -339,8 +352,9 @@ def start_run(data: Data, parts: Parts, out: Path, dist: Distributed) -> Run:
     record = _new_record(data, parts, dist)
     if dist.is_main:
         write_split(out, data.split, data.source)
-        val = parts.evaluator.validate(parts.model, epoch=0)
-        _checkpoint(epoch_row(0, None, None, 0.0, 0.0, 0, val), data, parts, record, out)
+        val, geometry = parts.evaluator.validate(parts.model, epoch=0)
+        _checkpoint(epoch_row(0, None, None, 0.0, 0.0, 0, val, geometry), data, parts, record,
+                    out)
     return Run(record, next_epoch=1)
 
 
@@ -430,13 +444,18 @@ def validate_and_checkpoint(
     epoch: int, train_loss: float | None, steps: int, data: Data, parts: Parts, run: Run,
     out: Path, started: float,
 ) -> None:
-    """Validate the bare network, record the epoch, keep the best checkpoint, save the resume
-    state; redraw the curves now and then."""
-    val = parts.evaluator.validate(parts.model, epoch=epoch)
+    """Validate the bare network, record the epoch and its embeddings' geometry, keep the best
+    checkpoint, record a collapse (which stops the run), save the resume state; redraw the
+    curves now and then."""
+    val, geometry = parts.evaluator.validate(parts.model, epoch=epoch)
     elapsed = run.prior_elapsed + time.perf_counter() - started
     lr = parts.schedulers[0].get_last_lr()[0]
-    _checkpoint(epoch_row(epoch, train_loss, lr, run.train_time, elapsed, steps, val),
-                data, parts, run.record, out)
+    row = epoch_row(epoch, train_loss, lr, run.train_time, elapsed, steps, val, geometry)
+    collapsed = collapse([*run.record["epochs"], row])
+    if collapsed is not None:
+        logger.error("%s", collapsed["message"])
+        run.record["collapse"] = collapsed
+    _checkpoint(row, data, parts, run.record, out)
     if time.perf_counter() - run.last_plot > PLOT_EVERY_S:
         # Redrawing costs about a second: worth it for long epochs, not for short ones.
         plot_run_curves(run.record, out / CURVES_FILE)
@@ -451,15 +470,21 @@ def final_evaluation(
     Writes the final record, ``model.pt`` with the test numbers, and the curves. Without
     ``test`` (a tuning trial) the record ends at validation and the test split stays unseen."""
     record = run.record
-    best = load_checkpoint(out)
+    record["learned"] = learned = record["best"]["epoch"] > 0
+    record.setdefault("collapse", None)
     record["test"] = record["baselines"] = record["verdict"] = None
+    # Where training ended: the last validated epoch, and whether patience ended it.
+    record["stopped_epoch"] = record["epochs"][-1]["epoch"]
+    record["early_stopped"] = out_of_patience(record, data.config.patience)
+    record["status"] = "finished"
+    if not learned:
+        _finish_unlearned(data, parts, record, out, dist, started, run, test=test)
+        return
+    best = load_checkpoint(out)
     if test:
         untrained = _untrained_model(data.config, data.spec, dist.device)
         scored = parts.evaluator.test(best.model.to(dist.device), per_query=True)
-        baselines = {
-            "raw_pixels": parts.evaluator.test_pixels(per_query=True),
-            "untrained": parts.evaluator.test(untrained, per_query=True),
-        }
+        baselines = _baselines(parts, untrained)
         record["verdict"] = {
             "baselines": baseline_verdicts(scored, baselines),
             "interval": f"paired percentile bootstrap 95%, {VERDICT_BOOTSTRAP} resamples of "
@@ -470,10 +495,6 @@ def final_evaluation(
         record["test"] = _without_per_query(scored)
         record["baselines"] = {k: _without_per_query(v) for k, v in baselines.items()}
     record["model_version"] = best.model_version
-    # Where training ended: the last validated epoch, and whether patience ended it.
-    record["stopped_epoch"] = record["epochs"][-1]["epoch"]
-    record["early_stopped"] = out_of_patience(record, data.config.patience)
-    record["status"] = "finished"
     record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
     # Re-save the best weights with the test numbers in `extra` (same weights, same version).
     save_checkpoint(out, best.model.cpu(), extra=checkpoint_extra(record))
@@ -488,6 +509,32 @@ def final_evaluation(
         )
         for line in verdict_lines(record["verdict"]):
             logger.info("%s", line)
+
+
+def _finish_unlearned(
+    data: Data, parts: Parts, record: dict[str, Any], out: Path, dist: Distributed,
+    started: float, run: Run, *, test: bool,
+) -> None:
+    """The end of a run whose best epoch is the untrained network: no model, no test of one;
+    the baselines are still measured (a benchmark's baseline rows read them), and the
+    failure is logged as an error."""
+    # A model.pt here could only be the untrained network (from a run written before epoch 0
+    # stopped being saved): it must not pass for a trained model.
+    (out / CHECKPOINT_FILE).unlink(missing_ok=True)
+    if test:
+        untrained = _untrained_model(data.config, data.spec, dist.device)
+        record["baselines"] = {k: _without_per_query(v)
+                               for k, v in _baselines(parts, untrained).items()}
+    record["model_version"] = None
+    record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
+    write_record(out, record)
+    plot_run_curves(record, out / CURVES_FILE)
+    logger.error("%s: %s", out, not_learned_message(record["best"]["val"], record["collapse"]))
+
+
+def _baselines(parts: Parts, untrained: EmbeddingNet) -> dict[str, dict[str, Any]]:
+    return {"raw_pixels": parts.evaluator.test_pixels(per_query=True),
+            "untrained": parts.evaluator.test(untrained, per_query=True)}
 
 
 # ----------------------------------------------------------------------------- helpers

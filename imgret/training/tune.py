@@ -294,7 +294,8 @@ def test_trials(
     only once every study is finished and every winner chosen.
 
     Returns:
-        One record per trial: ``loss``, ``trial``, ``val`` (its objective), ``test`` (the
+        One record per trial whose runs learned (a trial with an untrained fold has no model
+        to test): ``loss``, ``trial``, ``val`` (its objective), ``test`` (the
         concatenated models' test MAP@R; one model's without folds) and ``test_alone``
         (the fold models' mean).
     """
@@ -308,6 +309,8 @@ def test_trials(
             with (tracker or Progress({"trial test": 1})).piece("trial test", label,
                                                                fresh=fresh):
                 result = test_run(run, folds)
+            if not result.get("learned", True):
+                continue  # no model: nothing to correlate with its validation score
             records.append({
                 "loss": name, "trial": trial.number, "val": trial.value,
                 "test": result["concatenated"][SELECTION_METRIC],
