@@ -5,9 +5,11 @@ For each chosen loss of a finished ``imgret tune --cv-folds K`` output, every fi
 (``runs/<loss>/seed<s>/fold<j>/``) is trained again outside imgret's loop, from the same
 inputs: the same split (imgret's ``make_split`` of the run's config: the same training,
 validation and test images), the same trunk and head (``EmbeddingNet`` of the same spec,
-seeded the same way), the loss and miner built directly from PML with the run's tuned
-parameters, PML's ``MPerClassSampler`` (8 classes x 4, epochs as long as the training split),
-AdamW at the run's learning rate with the same cosine schedule over the epoch cap, and
+seeded the same way, with the recipe's neck), the loss and miner built directly from PML with
+the run's tuned parameters, the run's recipe's batches (PML's ``MPerClassSampler``, 8
+classes x 4, for pair losses; PML's shuffled batches for proxy losses; epochs as long as the
+training split), the loss parameters at the recipe's rate, AdamW at the run's learning
+rate with the same cosine schedule over the epoch cap, and
 early stopping on validation MAP@R with the run's patience (PML's ``end_of_epoch_hook``).
 The test split is embedded here (eval transform, forward pass, no imgret ``Embedder``) and
 scored by PML's ``AccuracyCalculator`` (``k="max_bin_count"``): each fold model alone and the
@@ -48,7 +50,7 @@ from imgret.training.config import TrainConfig
 from imgret.training.data import make_split, open_source
 from imgret.training.data.datasets import TrainDataset
 from imgret.training.data.sources import model_spec_for
-from imgret.training.registry import loss_spec
+from imgret.training.recipe import M_PER_CLASS, loss_param_lr, recipe_for
 from imgret.transforms import eval_transform
 
 METRICS = ("mean_average_precision_at_r", "precision_at_1", "r_precision")
@@ -137,17 +139,18 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
     optimizers = {"trunk_optimizer": optimizer}
     schedules = {"trunk_scheduler_by_iteration": schedule}
     loss_params = list(loss.parameters())
-    if loss_params:  # proxies: their own AdamW at the run's multiple of the rate, no decay
-        mult = (config.loss.param_lr_mult if config.loss.param_lr_mult is not None
-                else loss_spec(config.loss.name).param_lr_mult)
-        proxy_optimizer = torch.optim.AdamW(loss_params, lr=config.network_lr * mult,
+    if loss_params:  # proxies: their own AdamW at the run's recipe's rate, no decay
+        proxy_optimizer = torch.optim.AdamW(loss_params, lr=loss_param_lr(config),
                                             weight_decay=0.0)
         optimizers["metric_loss_optimizer"] = proxy_optimizer
         schedules["metric_loss_scheduler_by_iteration"] = torch.optim.lr_scheduler.LambdaLR(
             proxy_optimizer, cosine)
-    sampler = samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
-                                        batch_size=config.batch_size,
-                                        length_before_new_iter=len(train_set))
+    # The run's recipe: m per class for pair losses; PML's trainer shuffles when it has no
+    # sampler, the random batches of proxy losses.
+    sampler = (samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
+                                         batch_size=config.batch_size,
+                                         length_before_new_iter=len(train_set))
+               if recipe_for(config).sampler == M_PER_CLASS else None)
     val_labels = val_set.targets
     state = {"best": -1.0, "best_epoch": 0, "weights": None, "since": 0, "curve": []}
 
@@ -199,7 +202,8 @@ def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict
         labels = None
         for fold_dir in folds:
             record = json.loads((fold_dir / "metrics.json").read_text())
-            config = TrainConfig(**record["config"])
+            # A config saved without "recipe" is from before the recipes: the shared one.
+            config = TrainConfig(**{"recipe": "shared", **record["config"]})
             start = time.perf_counter()
             model, fold_info, test = train_fold(config, calculator)
             labels = test.targets

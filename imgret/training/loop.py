@@ -4,7 +4,9 @@ It reads top to bottom in named stages, like nanoGPT's ``train.py``:
 
 1. :func:`prepare_data`: the source, its split and the training set;
 2. :func:`build_parts`: the model, the loss (+ its own optimiser when it has parameters),
-   learning-rate schedules, the seeded m-per-class batches;
+   learning-rate schedules, the seeded batches, all as the loss's recipe says
+   (:mod:`imgret.training.recipe`: m-per-class or random batches, the BatchNorm neck, the
+   loss parameters' rate, scales for the number of classes, a head warm-up);
 3. :func:`start_run` (validates the untrained network as epoch 0: the bar every trained
    epoch must clear) or :func:`resume_run` (from ``last.pt``);
 4. per epoch, :func:`train_one_epoch` (forward / backward / step) then
@@ -51,17 +53,20 @@ from imgret.training.data import (
     DataSplit,
     ImageSource,
     MPerClassSampler,
+    RandomBatchSampler,
     TrainDataset,
     describe_split,
     make_split,
     model_spec_for,
     open_source,
     plan_batches,
+    plan_random_batches,
     train_transform,
 )
 from imgret.training.distributed import Distributed, ShardedBatchSampler, connect
 from imgret.training.geometry import collapse
 from imgret.training.plots import plot_run_curves
+from imgret.training.recipe import RANDOM, class_count_options, loss_param_lr, recipe_for
 from imgret.training.registry import (
     LossBundle,
     build_loss,
@@ -214,7 +219,7 @@ class Parts:
         loss_params: the loss's own parameters (empty when it has none).
         optimizers: the network's AdamW, then the loss's when it has parameters.
         schedulers: one warmup + cosine schedule per optimiser.
-        sampler: the seeded m-per-class sampler.
+        sampler: the seeded sampler (m-per-class or random batches, by the recipe).
         loader: this process's batches of it.
         evaluator: the validation / test sets of the protocol.
     """
@@ -224,7 +229,7 @@ class Parts:
     loss_params: list[torch.nn.Parameter]
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LambdaLR]
-    sampler: MPerClassSampler
+    sampler: MPerClassSampler | RandomBatchSampler
     loader: DataLoader
     evaluator: Evaluator
 
@@ -283,6 +288,12 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
     config = resolve_config(config, np.bincount(train_set.targets), dist.world_size,
                             log=dist.is_main)
     if dist.is_main:
+        recipe = recipe_for(config)
+        logger.info("recipe %s (%s family): %s batches, %s neck%s", recipe.name,
+                    recipe.family, recipe.sampler, recipe.neck,
+                    f", head warm-up {recipe.head_warmup_epochs} epoch(s)"
+                    if recipe.head_warmup_epochs else "")
+    if dist.is_main:
         logger.info("run %s: %s", out, config.short())
         logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,7 +304,19 @@ def resolve_config(
     config: TrainConfig, class_sizes: np.ndarray, world_size: int = 1, *, log: bool = True
 ) -> TrainConfig:
     """Fill in what depends on the data (the batch composition, lowered to fit a small split
-    with a warning saying why) so the saved config is complete."""
+    with a warning saying why) so the saved config is complete. Random batches (the recipe of
+    proxy and classifier losses) only need to fit the split; ``m_per_class`` is kept as asked
+    (it does not apply to them) unless the batch had to shrink below it."""
+    if recipe_for(config).sampler == RANDOM:
+        batch, changes = plan_random_batches(config.batch_size, int(np.sum(class_sizes)),
+                                             world_size=world_size)
+        if log:
+            for change in changes:
+                logger.warning("%s", change)
+            logger.info("batches of %d: random, any classes", batch)
+        m = config.m_per_class
+        return dataclasses.replace(config, batch_size=batch,
+                                   m_per_class=m if m is not None and batch % m == 0 else None)
     plan = plan_batches(config.batch_size, config.m_per_class, class_sizes,
                         world_size=world_size)
     if log:
@@ -308,9 +331,10 @@ def build_parts(data: Data, dist: Distributed) -> Parts:
     config, train_set = data.config, data.train_set
     torch.manual_seed(config.seed)
     model = EmbeddingNet(data.spec, backbone_weights=config.backbone_weights).to(dist.device)
+    num_classes = len(train_set.class_names)
     bundle = build_loss(
-        config.loss.name, num_classes=len(train_set.class_names), embedding_size=config.dim,
-        miner=config.loss.miner, options=config.loss.options,
+        config.loss.name, num_classes=num_classes, embedding_size=config.dim,
+        miner=config.loss.miner, options=class_count_options(config, num_classes),
         miner_options=config.loss.miner_options, param_lr_mult=config.loss.param_lr_mult,
     )
     bundle.loss.to(dist.device)
@@ -320,12 +344,16 @@ def build_parts(data: Data, dist: Distributed) -> Parts:
     if loss_params:
         # Proxies / class weights get their own optimiser and learning rate; no weight decay,
         # which would only shrink the scale a cosine classifier normalises away anyway.
-        optimizers.append(torch.optim.AdamW(
-            loss_params, lr=config.network_lr * bundle.param_lr_mult, weight_decay=0.0
-        ))
-    sampler = MPerClassSampler(
-        train_set.targets, config.m_per_class, config.batch_size, len(train_set), config.seed
-    )
+        optimizers.append(torch.optim.AdamW(loss_params, lr=loss_param_lr(config),
+                                            weight_decay=0.0))
+    sampler: MPerClassSampler | RandomBatchSampler
+    if recipe_for(config).sampler == RANDOM:
+        sampler = RandomBatchSampler(len(train_set), config.batch_size, config.seed)
+    else:
+        sampler = MPerClassSampler(
+            train_set.targets, config.m_per_class, config.batch_size, len(train_set),
+            config.seed
+        )
     # Every process draws the same seeded batches and keeps its share (all of them alone).
     on_cuda = dist.device.startswith("cuda")
     loader = DataLoader(
@@ -405,6 +433,10 @@ def train_one_epoch(
     parts.bundle.loss.train()
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.startswith("cuda")
                 else contextlib.nullcontext())
+    # The recipe's head warm-up: the trunk's gradients are dropped (after DDP has averaged
+    # them, so every rank does the same) and AdamW skips parameters without one.
+    frozen = (list(parts.model.trunk.parameters())
+              if epoch <= recipe_for(config).head_warmup_epochs else [])
     epoch_start = time.perf_counter()
     losses = []
     bar = tqdm(parts.loader, desc=f"epoch {epoch}/{config.epochs}", leave=False,
@@ -419,6 +451,8 @@ def train_one_epoch(
             opt.zero_grad(set_to_none=True)
         loss.backward()
         dist.average_grads(parts.loss_params)
+        for param in frozen:
+            param.grad = None
         for opt in parts.optimizers:
             opt.step()
         for sched in parts.schedulers:
@@ -548,9 +582,11 @@ def _new_record(data: Data, parts: Parts, dist: Distributed) -> dict[str, Any]:
         "split_rule": data.split.rule, "model": data.spec.to_dict(),
         "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
                  "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None,
+                 "param_lr": loss_param_lr(data.config) if bundle.has_params else None,
                  "lr": data.config.network_lr,
                  "miner_options": resolve_miner_options(bundle.miner_name,
                                                         data.config.loss.miner_options)},
+        "recipe": dataclasses.asdict(recipe_for(data.config)),
         "steps_per_epoch": len(parts.loader), "world_size": dist.world_size,
         "epochs": [], "best": None,
     }

@@ -173,10 +173,12 @@ def apply_params(loss: LossConfig, space: Mapping[str, Param],
 
 
 def default_params(
-    loss: LossConfig, space: Mapping[str, Param], base_lr: float
+    loss: LossConfig, space: Mapping[str, Param], base_lr: float, recipe: str = "shared"
 ) -> dict[str, float]:
     """The documented defaults as a point of ``space`` (clipped into it): every study's
-    trial 0, so tuning can only find something at least as good on validation."""
+    trial 0, so tuning can only find something at least as good on validation. Under the
+    family recipe the loss parameters' default is its absolute rate, as a multiple of
+    ``base_lr`` (the tuned key is a multiple)."""
     spec = loss_spec(loss.name)
     miner = MINERS[resolve_miner(loss.name, loss.miner)]
     point = {}
@@ -184,7 +186,8 @@ def default_params(
         if key == LR:
             value = base_lr
         elif key == PARAM_LR_MULT:
-            value = spec.param_lr_mult
+            value = (spec.param_lr / base_lr if recipe == "family" and spec.param_lr
+                     else spec.param_lr_mult)
         elif key.startswith(MINER_PREFIX):
             value = miner.defaults[key[len(MINER_PREFIX):]]
         else:
@@ -387,7 +390,7 @@ def tune_loss(
     _check_identity(study, identity, runs)
     _requeue_interrupted(study)
     if not study.trials:
-        study.enqueue_trial(default_params(loss, space, base.lr))
+        study.enqueue_trial(default_params(loss, space, base.lr, base.recipe))
     folds = fold_ids(base)
     tracker = tracker or Progress({"trial": trials * len(folds)})
     tracker.skip("trial", len(folds) * min(trials, len(_finished(study))))

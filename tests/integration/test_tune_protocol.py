@@ -73,8 +73,8 @@ def test_trials_are_tested_after_tuning_for_the_correlation(tuned) -> None:
         assert record["test"] == saved["concatenated"]["map_at_r"]
     stat = results["tuning"]["correlation"]["all"]["test"]
     values = ([r["val"] for r in records], [r["test"] for r in records])
-    if stat["rho"] is None:  # constant values: no rank correlation to report
-        assert len(set(values[0])) < 2 or len(set(values[1])) < 2
+    if stat["rho"] is None:  # too few trials or constant values: no rank correlation
+        assert len(records) < 3 or len(set(values[0])) < 2 or len(set(values[1])) < 2
     else:
         assert stat["rho"] == pytest.approx(spearmanr(*values).statistic)
     markdown = (out / "results.md").read_text()

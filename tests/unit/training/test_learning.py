@@ -135,7 +135,7 @@ def test_proxy_anchor_collapses_under_the_shared_recipe(
     detector stops the run; multi-similarity, on the same batches, spreads them."""
     config = TrainConfig(
         data=str(forty_glyphs), backbone="small_cnn", dim=16, image_size=16, epochs=3,
-        batch_size=32, lr=1e-3, augmentation="none", device=TEST_DEVICE,
+        batch_size=32, lr=1e-3, augmentation="none", device=TEST_DEVICE, recipe="shared",
         loss=LossConfig("proxy_anchor"),
     )
     train(config, tmp_path / "proxy_anchor", progress=False, test=False)
