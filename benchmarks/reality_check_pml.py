@@ -5,13 +5,17 @@ For each chosen loss of a finished ``imgret tune --cv-folds K`` output, every fi
 (``runs/<loss>/seed<s>/fold<j>/``) is trained again outside imgret's loop, from the same
 inputs: the same split (imgret's ``make_split`` of the run's config: the same training,
 validation and test images), the same trunk and head (``EmbeddingNet`` of the same spec,
-seeded the same way), the loss and miner built directly from PML with the run's tuned
-parameters, PML's ``MPerClassSampler`` (8 classes x 4, epochs as long as the training split),
-AdamW at the run's learning rate with the same cosine schedule over the epoch cap, and
+seeded the same way, with the recipe's neck), the loss and miner built directly from PML with
+the run's tuned parameters, the run's recipe's batches (PML's ``MPerClassSampler``, 8
+classes x 4, for pair losses; PML's shuffled batches for proxy losses; epochs as long as the
+training split), the loss parameters at the recipe's rate, AdamW at the run's learning
+rate with the same cosine schedule over the epoch cap, and
 early stopping on validation MAP@R with the run's patience (PML's ``end_of_epoch_hook``).
 The test split is embedded here (eval transform, forward pass, no imgret ``Embedder``) and
 scored by PML's ``AccuracyCalculator`` (``k="max_bin_count"``): each fold model alone and the
-K models concatenated, as the table reports them.
+K models concatenated, as the table reports them. A fold whose best validation epoch is
+still the untrained network (epoch 0) did not learn: its run, and a loss with such a run,
+say "did not learn" instead of numbers, as imgret's table does.
 
 What agrees by construction: data, split, architecture, hyper-parameters. What is
 independent: the training loop (batches, steps, early stopping), the embedding of the test
@@ -46,7 +50,7 @@ from imgret.training.config import TrainConfig
 from imgret.training.data import make_split, open_source
 from imgret.training.data.datasets import TrainDataset
 from imgret.training.data.sources import model_spec_for
-from imgret.training.registry import loss_spec
+from imgret.training.recipe import M_PER_CLASS, loss_param_lr, recipe_for
 from imgret.transforms import eval_transform
 
 METRICS = ("mean_average_precision_at_r", "precision_at_1", "r_precision")
@@ -135,17 +139,18 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
     optimizers = {"trunk_optimizer": optimizer}
     schedules = {"trunk_scheduler_by_iteration": schedule}
     loss_params = list(loss.parameters())
-    if loss_params:  # proxies: their own AdamW at the run's multiple of the rate, no decay
-        mult = (config.loss.param_lr_mult if config.loss.param_lr_mult is not None
-                else loss_spec(config.loss.name).param_lr_mult)
-        proxy_optimizer = torch.optim.AdamW(loss_params, lr=config.network_lr * mult,
+    if loss_params:  # proxies: their own AdamW at the run's recipe's rate, no decay
+        proxy_optimizer = torch.optim.AdamW(loss_params, lr=loss_param_lr(config),
                                             weight_decay=0.0)
         optimizers["metric_loss_optimizer"] = proxy_optimizer
         schedules["metric_loss_scheduler_by_iteration"] = torch.optim.lr_scheduler.LambdaLR(
             proxy_optimizer, cosine)
-    sampler = samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
-                                        batch_size=config.batch_size,
-                                        length_before_new_iter=len(train_set))
+    # The run's recipe: m per class for pair losses; PML's trainer shuffles when it has no
+    # sampler, the random batches of proxy losses.
+    sampler = (samplers.MPerClassSampler(train_set.targets, m=config.m_per_class,
+                                         batch_size=config.batch_size,
+                                         length_before_new_iter=len(train_set))
+               if recipe_for(config).sampler == M_PER_CLASS else None)
     val_labels = val_set.targets
     state = {"best": -1.0, "best_epoch": 0, "weights": None, "since": 0, "curve": []}
 
@@ -174,7 +179,7 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
     trainer.train(num_epochs=config.epochs)
     model.load_state_dict(state["weights"])
     return model, {"best_epoch": state["best_epoch"], "val_map_at_r": state["best"],
-                   "val_curve": state["curve"]}, test
+                   "val_curve": state["curve"], "learned": state["best_epoch"] > 0}, test
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -197,7 +202,8 @@ def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict
         labels = None
         for fold_dir in folds:
             record = json.loads((fold_dir / "metrics.json").read_text())
-            config = TrainConfig(**record["config"])
+            # A config saved without "recipe" is from before the recipes: the shared one.
+            config = TrainConfig(**{"recipe": "shared", **record["config"]})
             start = time.perf_counter()
             model, fold_info, test = train_fold(config, calculator)
             labels = test.targets
@@ -211,24 +217,28 @@ def check_loss(run_dir: Path, loss: str, calculator: AccuracyCalculator) -> dict
                   flush=True)
         concatenated = np.concatenate(vectors, axis=1) / math.sqrt(len(vectors))
         rows.append({"seed": seed_dir.name, "folds": info, "alone": alone,
-                     "concatenated": map_at_r(calculator, concatenated, labels)})
+                     "concatenated": map_at_r(calculator, concatenated, labels),
+                     "learned": all(f["learned"] for f in info)})
     imgret = json.loads((run_dir / "results.json").read_text())
     row = next(r for r in imgret["rows"] if r["kind"] == "loss" and r["name"] == loss)
-    pml_alone = interval([float(np.mean(r["alone"])) for r in rows])
-    pml_concat = interval([r["concatenated"]["mean_average_precision_at_r"] for r in rows])
-    theirs = {kind: {"mean": m["mean"], "low": m["ci"][0], "high": m["ci"][1]}
-              for kind, m in (("concatenated", row["metrics"]["map_at_r"]),
-                              ("alone", row["separate"]["map_at_r"]))}
-    return {
-        "loss": loss, "runs": rows,
-        "pml": {"alone": pml_alone, "concatenated": pml_concat},
-        "imgret": theirs,
-        "within": {
-            "alone": theirs["alone"]["low"] <= pml_alone[0] <= theirs["alone"]["high"],
-            "concatenated": (theirs["concatenated"]["low"] <= pml_concat[0]
-                             <= theirs["concatenated"]["high"]),
-        },
-    }
+    # A run with a fold that kept its untrained weights has no trained model to score.
+    pml_learned = all(r["learned"] for r in rows)
+    pml = ({"alone": interval([float(np.mean(r["alone"])) for r in rows]),
+            "concatenated": interval([r["concatenated"]["mean_average_precision_at_r"]
+                                      for r in rows])} if pml_learned else None)
+    theirs = None
+    if row.get("metrics") is not None:
+        theirs = {kind: {"mean": m["mean"], "low": m["ci"][0], "high": m["ci"][1]}
+                  for kind, m in (("concatenated", row["metrics"]["map_at_r"]),
+                                  ("alone", row["separate"]["map_at_r"]))}
+    within = None
+    if pml is not None and theirs is not None:
+        within = {kind: theirs[kind]["low"] <= pml[kind][0] <= theirs[kind]["high"]
+                  for kind in ("alone", "concatenated")}
+    return {"loss": loss, "runs": rows, "pml": pml, "imgret": theirs, "within": within,
+            "did_not_learn": {"pml": sum(not r["learned"] for r in rows),
+                              "imgret": (row.get("did_not_learn") or {}).get("runs", 0),
+                              "of": len(rows)}}
 
 
 def main() -> None:
@@ -248,12 +258,20 @@ def main() -> None:
     print("| loss | model | PML | imgret | PML mean inside imgret's interval |")
     print("|---|---|---|---|---|")
     for c in checks:
+        missing = c["did_not_learn"]
         for kind in ("concatenated", "alone"):
-            mean, low, high = c["pml"][kind]
-            ours = c["imgret"][kind]
-            print(f"| {c['loss']} | {kind} | {mean:.3f} [{low:.3f}, {high:.3f}] | "
-                  f"{ours['mean']:.3f} [{ours['low']:.3f}, {ours['high']:.3f}] | "
-                  f"{'yes' if c['within'][kind] else 'no'} |")
+            if c["pml"] is None:
+                theirs = f"did not learn ({missing['pml']} of {missing['of']} runs)"
+            else:
+                mean, low, high = c["pml"][kind]
+                theirs = f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+            if c["imgret"] is None:
+                ours = f"did not learn ({missing['imgret']} of {missing['of']} runs)"
+            else:
+                o = c["imgret"][kind]
+                ours = f"{o['mean']:.3f} [{o['low']:.3f}, {o['high']:.3f}]"
+            agree = ("-" if c["within"] is None else "yes" if c["within"][kind] else "no")
+            print(f"| {c['loss']} | {kind} | {theirs} | {ours} | {agree} |")
     print(f"\n{out['seconds']} s")
 
 

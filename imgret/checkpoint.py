@@ -25,8 +25,10 @@ an order where nothing large is allocated before it is known to fit, and every r
    finite values (a NaN or infinite weight makes every embedding NaN, which no index can
    rank, so such a model is refused rather than served).
 7. A quantised version's graph (optional ``quantized``: ``scheme`` and ``graph``, the ONNX
-   bytes as a uint8 tensor) passes :func:`imgret.onnx_graph.graph_problem`: no external
-   data, allowed operators only, the spec's input and output shapes.
+   bytes as a uint8 tensor) passes :func:`imgret.onnx_graph.graph_problem`: its structure
+   (no external data, allowed operators only, the spec's input and output shapes), its
+   tensors' sizes by shape inference, then ONNX Runtime's own load and a trial run on one
+   zero image.
 8. Only then the real model is built and loaded, and ``model_version`` must be the version
    its weights, spec (and graph) hash to.
 """
@@ -42,7 +44,7 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,10 @@ class ModelSpec:
             :data:`MAX_IMAGE_SIZE`.
         mean, std: per-channel normalisation of the input (RGB, 0..1 scale); finite, std > 0.
         grayscale: inputs are greyscale images replicated to 3 channels (Fashion-MNIST).
+        neck: ``none`` (the linear head feeds the L2 normalisation) or ``bn`` (a BatchNorm1d
+            between them: the proxy and classifier losses' recipe, ``imgret.training.recipe``).
+            Left out of :meth:`to_dict` when ``none``, so a checkpoint saved before the field
+            existed has the same spec, digest and version as before.
     """
 
     backbone: str = "resnet18"
@@ -98,6 +104,7 @@ class ModelSpec:
     mean: tuple[_Mean, _Mean, _Mean] = (0.485, 0.456, 0.406)
     std: tuple[_Std, _Std, _Std] = (0.229, 0.224, 0.225)
     grayscale: bool = False
+    neck: Literal["none", "bn"] = "none"
 
     @field_validator("backbone")
     @classmethod
@@ -109,14 +116,19 @@ class ModelSpec:
         return name
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict (tuples kept: ``torch.load(weights_only=True)`` reads them)."""
-        return dataclasses.asdict(self)
+        """The fields as a dict (tuples kept: ``torch.load(weights_only=True)`` reads them);
+        ``neck`` only when it is not ``none``."""
+        data = dataclasses.asdict(self)
+        if data["neck"] == "none":
+            del data["neck"]
+        return data
 
 
 class EmbeddingNet(nn.Module):
-    """Backbone trunk + linear projection head + L2 normalisation.
+    """Backbone trunk + linear projection head (+ BatchNorm1d neck) + L2 normalisation.
 
-    ``forward((n, 3, H, W) float) -> (n, dim)`` unit-norm embeddings.
+    ``forward((n, 3, H, W) float) -> (n, dim)`` unit-norm embeddings. In eval mode the neck
+    is a fixed affine map (its running statistics), which ONNX exports as such.
     """
 
     def __init__(self, spec: ModelSpec, backbone_weights: str | Path | None = None):
@@ -126,9 +138,14 @@ class EmbeddingNet(nn.Module):
             spec.backbone, image_size=spec.image_size, weights=backbone_weights
         )
         self.head = nn.Linear(features, spec.dim)
+        if spec.neck == "bn":
+            self.neck = nn.BatchNorm1d(spec.dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.head(self.trunk(images)).float(), dim=1)
+        embeddings = self.head(self.trunk(images))
+        if self.spec.neck == "bn":
+            embeddings = self.neck(embeddings)
+        return F.normalize(embeddings.float(), dim=1)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from imgret.checkpoint import (
     load_checkpoint,
     model_version_of,
 )
-from imgret.errors import CheckpointError
+from imgret.errors import CheckpointError, ModelRunError
 from imgret.onnx_export import onnx_bytes
 from imgret.onnx_runtime import OnnxRuntimeModel
 from imgret.settings import resolve_device
@@ -185,6 +185,9 @@ class Embedder:
 
         Returns:
             ``(n, dim)`` float32, each row of unit L2 norm.
+
+        Raises:
+            ModelRunError: the model cannot run, or gave vectors that are not finite.
         """
         if len(images) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
@@ -196,12 +199,29 @@ class Embedder:
         if len(batch) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
         if self._onnx is not None:
-            return self._embed_onnx(batch)
+            return self._usable(self._embed_onnx(batch), len(batch))
         out = []
         for chunk in device_chunks(batch, self.batch_size, self.device):
             with self._forward_lock, self._inference():
                 out.append(self.model(chunk).float().cpu())
-        return torch.cat(out).numpy().astype(np.float32, copy=False)
+        return self._usable(torch.cat(out).numpy().astype(np.float32, copy=False), len(batch))
+
+    def _usable(self, vectors: np.ndarray, n: int) -> np.ndarray:
+        """``vectors`` when they are ``(n, dim)`` and finite. A NaN or infinite vector has no
+        rank in any index (its scores are NaN, which JSON cannot carry and metrics cannot
+        order), so no caller (ingest, re-embedding, search, evaluation) gets one: the model
+        is refused where it runs, whichever runtime runs it.
+
+        Raises:
+            ModelRunError: the wrong shape, or a value that is not finite.
+        """
+        if vectors.shape != (n, self.dim):
+            raise ModelRunError(f"model version {self.model_version} gave vectors of shape "
+                                f"{tuple(vectors.shape)} for {n} images, not ({n}, {self.dim})")
+        if not np.isfinite(vectors).all():
+            raise ModelRunError(f"model version {self.model_version} produced non-finite "
+                                "vectors (NaN or infinite values); it cannot be used")
+        return vectors
 
     def _embed_onnx(self, batch: torch.Tensor) -> np.ndarray:
         assert self._onnx is not None

@@ -18,6 +18,11 @@ class CheckpointError(ImgretError, ValueError):
     """A checkpoint file is missing, unreadable, or not an imgret checkpoint."""
 
 
+class ModelRunError(ImgretError):
+    """A model version that cannot run, or whose vectors cannot be used (NaN or infinite
+    values, the wrong shape): the version's fault, not the request's."""
+
+
 class UnknownName(ImgretError, ValueError):
     """A registry name (backbone, loss, miner, ...) or option that does not exist."""
 

@@ -16,10 +16,17 @@ forked child, so a child (an ingest worker) opens its own rather than rely on th
 Execution providers (:func:`providers_for`): on a CUDA device, TensorRT then CUDA where the
 installed ONNX Runtime has them (the ``onnxruntime-gpu`` wheel), the CPU after them for any
 operator they do not take; on the CPU, the CPU provider only.
+
+A graph that ONNX Runtime cannot load or run (a stored graph registered before the checks of
+:mod:`imgret.onnx_graph`, a provider that refuses what the CPU took) is a
+:class:`~imgret.errors.ModelRunError` in imgret's words; ONNX Runtime's own message, which
+quotes the graph's names, goes to the log only. A run takes at most
+:data:`imgret.onnx_graph.MAX_RUN_BATCH` images, the batch the graph's sizes were checked at.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
@@ -27,7 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgret.onnx_graph import INPUT_NAME
+from imgret.errors import ModelRunError
+from imgret.onnx_graph import INPUT_NAME, MAX_RUN_BATCH, open_session
+
+logger = logging.getLogger(__name__)
 
 # Tried in this order on a CUDA device; the CPU provider is always last.
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -78,7 +88,12 @@ class OnnxRuntimeModel:
         key = (os.getpid(), torch.get_num_threads())
         with self._lock:
             if self._key != key:
-                self._session = _open(self.graph, threads=key[1], providers=self.providers)
+                try:
+                    self._session = open_session(self.graph, threads=key[1],
+                                                 providers=self.providers)
+                except Exception:  # ONNX Runtime's errors quote the graph's names
+                    logger.warning("ONNX Runtime cannot load a graph", exc_info=True)
+                    raise ModelRunError("ONNX Runtime cannot load this model's graph") from None
                 self._key = key
             return self._session
 
@@ -96,18 +111,19 @@ class OnnxRuntimeModel:
         return self._key[1] if self._key else 0
 
     def run(self, batch: np.ndarray) -> np.ndarray:
+        """The graph's output for ``batch``, in runs of at most ``MAX_RUN_BATCH`` images.
+
+        Raises:
+            ModelRunError: ONNX Runtime cannot load or run the graph.
+        """
         batch = np.ascontiguousarray(batch, dtype=np.float32)
-        (out,) = self.session().run(None, {INPUT_NAME: batch})
-        return np.asarray(out, dtype=np.float32)
-
-
-def _open(graph: bytes, *, threads: int, providers: list[str]) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = max(1, threads)
-    # One graph, run one batch at a time (the Embedder's forward lock): no inter-op pool.
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.InferenceSession(graph, options, providers=providers)
+        session = self.session()
+        out = []
+        for start in range(0, len(batch), MAX_RUN_BATCH):
+            try:
+                (part,) = session.run(None, {INPUT_NAME: batch[start : start + MAX_RUN_BATCH]})
+            except Exception:  # as in session()
+                logger.warning("ONNX Runtime cannot run a graph", exc_info=True)
+                raise ModelRunError("ONNX Runtime failed running this model's graph") from None
+            out.append(np.asarray(part, dtype=np.float32))
+        return np.concatenate(out) if len(out) != 1 else out[0]

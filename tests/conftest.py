@@ -42,6 +42,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def untrained_scores_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation of the untrained network (epoch 0) scores MAP@R 0, so any trained epoch
+    beats it. For tests of the run's plumbing (files, resume, reports) on data too small to
+    show learning: a run whose best epoch is 0 saves no model, by design."""
+    from imgret.training.scoring import Evaluator
+
+    real = Evaluator.validate
+
+    def validate(self: Evaluator, model, *, epoch: int):
+        metrics, geometry = real(self, model, epoch=epoch)
+        return ({**metrics, "map_at_r": 0.0} if epoch == 0 else metrics), geometry
+
+    monkeypatch.setattr(Evaluator, "validate", validate)
+
+
+@pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     """An ImageFolder tree: 4 classes x 5 generated 32x32 PNGs."""
     from tests.support.images import write_image_folder

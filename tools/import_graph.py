@@ -24,7 +24,7 @@ SUBPACKAGES = frozenset(PACKAGES[1:]) | {"migrations"}
 
 
 def layer(module: str) -> str | None:
-    """The layer of a dotted module name (``imgret.gallery.storage.store`` -> ``gallery``,
+    """The layer of a dotted module name (``imgret.gallery.storage.db`` -> ``gallery``,
     ``imgret.settings`` -> ``core``); ``None`` for anything not imgret's."""
     parts = module.split(".")
     if parts[0] != "imgret":

@@ -85,10 +85,10 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
 
 
 def _train(run_dir: Path, epochs: int, train_images: int) -> None:
-    if (run_dir / "metrics.json").is_file():
+    if (run_dir / "metrics.json").is_file() and (run_dir / "model.pt").is_file():
         typer.echo(f"{run_dir}: trained already, reusing it (delete the folder to retrain)")
         return
-    from imgret.cli.train import echo_run
+    from imgret.cli.train import NOT_LEARNED_EXIT, echo_run
     from imgret.training.config import FASHION_MNIST, LossConfig, TrainConfig
     from imgret.training.loop import train
 
@@ -100,7 +100,11 @@ def _train(run_dir: Path, epochs: int, train_images: int) -> None:
         backbone="small_cnn", dim=64, image_size=28, epochs=epochs, augmentation="none",
         max_train_images=train_images, max_eval_images=2000,
     )
-    echo_run(train(config, run_dir))
+    result = train(config, run_dir, resume=(run_dir / "metrics.json").is_file())
+    echo_run(result)
+    if not result.learned:  # nothing to serve: the run kept no model
+        typer.secho(f"error: {result.not_learned_message()}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(NOT_LEARNED_EXIT)
 
 
 def _export(data_dir: Path, gallery_per_class: int, queries_per_class: int) -> None:

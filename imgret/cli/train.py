@@ -22,12 +22,15 @@ import typer
 from imgret.training.config import DEFAULT_LOSSES, LossConfig, TrainConfig, default_image_size
 
 _BASE = "Base config (shared by every loss in a benchmark)"
+# `imgret train`'s exit status for a run that finished without learning (2: bad options or
+# data, as every imgret command), so a script can tell the two apart.
+NOT_LEARNED_EXIT = 3
 # The base-config options of both commands, in the order --help lists them.
 BASE_OPTIONS = (
     "data", "backbone", "dim", "epochs", "image_size", "batch_size", "m_per_class", "lr",
     "weight_decay", "warmup_epochs", "protocol", "split_seed", "val_fraction", "test_fraction",
     "backbone_weights", "max_train_images", "max_eval_images", "time_budget_s", "augmentation",
-    "device", "num_workers", "cv_folds", "patience",
+    "device", "num_workers", "cv_folds", "patience", "recipe",
 )
 # Where an option differs from its field: a run must name its data, the input side defaults by
 # data set (resolved in _config), the trunk weights are a path, and the budget flag is shorter.
@@ -124,16 +127,30 @@ def train_command(
 
     result = train(config, out, resume=resume, progress=progress)
     if int(os.environ.get("RANK", "0")) != 0:
-        return  # under torchrun, rank 0 reports the run
+        return  # under torchrun, rank 0 reports the run (and its exit status)
     echo_run(result)
+    if not result.learned:
+        typer.secho(f"error: {result.not_learned_message()}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(NOT_LEARNED_EXIT)
 
 
 def echo_run(result: Any) -> None:
     """Print a finished run (a ``imgret.training.loop.RunResult``): where, split, val, test and
-    the verdict against the baselines."""
+    the verdict against the baselines; for a run that did not learn, what it has (the
+    baselines) and no model."""
     from imgret.training.data import describe_split
     from imgret.training.scoring import format_metric, verdict_lines
 
+    if not result.learned:
+        typer.echo(f"run: {result.out} (did not learn: no model saved)")
+        typer.echo(f"split: {describe_split(result.split)}")
+        typer.echo(f"best epoch 0 (the untrained network): validation MAP@R "
+                   f"{format_metric(result.val)}")
+        if result.baselines:
+            typer.echo(f"test MAP@R (95% CI) of the baselines: untrained "
+                       f"{format_metric(result.baselines['untrained'])}, raw pixels "
+                       f"{format_metric(result.baselines['raw_pixels'])}")
+        return
     typer.echo(f"run: {result.out} (model version {result.model_version})")
     typer.echo(f"split: {describe_split(result.split)}")
     typer.echo(f"best epoch {result.best_epoch}: validation MAP@R {format_metric(result.val)}")
@@ -254,7 +271,12 @@ def echo_results(results: dict[str, Any], out: Path) -> None:
     if cv:
         typer.echo(f"(the {results['cross_validation']['folds']} fold models concatenated; "
                    "alone: the mean of the fold models tested by themselves)")
+    from imgret.training.report import did_not_learn
+
     for row in results["rows"]:
+        if row["metrics"] is None:
+            typer.echo(f"{row['name']:<24} {did_not_learn(row)}")
+            continue
         stats = [row["metrics"][m] for m in ("map_at_r", "r_precision", "precision_at_1")]
         if cv:
             stats.append((row.get("separate") or row["metrics"])["map_at_r"])

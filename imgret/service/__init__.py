@@ -1,7 +1,7 @@
 """The FastAPI service: search, gallery management, evaluation, model versions, the web page.
 
 It turns HTTP into calls of ``index`` (and ``imgret``) and their results back into HTTP; no
-SQL is written here (that is ``imgret.gallery.storage.store``'s).
+SQL is written here (that is ``imgret.gallery.storage``'s).
 
 Start-up and the app:
 

@@ -50,6 +50,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.IndexStale, 503),
     (errors.DatabaseError, 503),
     (errors.GalleryError, 409),
+    (errors.ModelRunError, 409),
     (errors.InvalidIndexFactory, 422),
     (errors.CheckpointError, 422),
     (errors.ImgretError, 400),

@@ -2,7 +2,7 @@
 stored images (gallery and query sets), and search with a stored item.
 
 The routers (:mod:`imgret.service.routers.gallery`, ``search``, ``query_sets``) turn HTTP into these
-calls and their results back into HTTP; SQL stays in :mod:`imgret.gallery.storage.store`. Refusals
+calls and their results back into HTTP; SQL stays in :mod:`imgret.gallery.storage`. Refusals
 are domain errors (:class:`~imgret.service.request_rules.NotFound`, :class:`NoEmbedding`) that
 :mod:`imgret.service.errors` answers.
 

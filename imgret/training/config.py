@@ -32,7 +32,14 @@ PER_RUN_FIELDS = ("loss", "seed", "fold", "control")
 # Fields saved only when they differ from these defaults, so a run made before they existed
 # saves (and resumes with) the keys it always did.
 OPTIONAL_FIELDS: dict[str, Any] = {"cv_folds": 0, "fold": None, "patience": None,
-                                   "control": None}
+                                   "control": None, "recipe": "shared"}
+# How each loss is trained (imgret.training.recipe): "family" = its family's recipe from the
+# loss's own paper and code (batches, embedding head, loss-parameter rate, scale, warm-up);
+# "shared" = one recipe for every loss (m-per-class batches, a bare linear head, loss
+# parameters at a multiple of the network's rate, the registry's fixed scales), which is what
+# every run made before the recipes existed used; such a run's saved config has no "recipe"
+# key, which is why "shared" is the value left unsaved.
+RECIPES = ("family", "shared")
 # The controls a benchmark can run beside the losses (under the same base config):
 # shuffled_labels = training labels permuted (nothing to learn: must land near the untrained
 # network); oracle = trained on the test classes themselves (a held-out share of their images
@@ -167,6 +174,7 @@ class TrainConfig:
             ``k - 1`` folds and validates on fold ``fold`` (:mod:`imgret.training.data.splits`).
         fold: which fold validates (set per run by the benchmark and tuning; not an option).
         patience: early stopping on validation MAP@R; the best epoch's checkpoint is kept.
+        recipe: :data:`RECIPES`; ``imgret.training.recipe`` says what each one sets.
         control: a control run of the benchmark (:data:`CONTROLS`), set per run; not an
             option.
         loss: the loss block.
@@ -225,6 +233,10 @@ class TrainConfig:
         "MAP@R (default: train every epoch)")
     fold: int | None = Field(
         None, ge=0, description="the fold a cross-validated run validates on (set per run)")
+    recipe: Literal["family", "shared"] = Field(
+        "family", description="family (each loss trained the way its paper and code do: "
+        "batches, embedding head, loss-parameter rate, scale) or shared (one recipe for "
+        "every loss: m-per-class batches, a linear head, the registry's scales)")
     control: Literal["shuffled_labels", "oracle"] | None = Field(
         None, description="a control run of the benchmark (set per run): shuffled_labels or "
         "oracle")

@@ -28,7 +28,7 @@ from imgret.checkpoint import load_checkpoint
 from imgret.files import write_atomic
 from imgret.training.config import TrainConfig, TrainConfigError
 from imgret.training.data import make_split, open_source
-from imgret.training.run_dir import METRICS_FILE, read_record
+from imgret.training.run_dir import METRICS_FILE, learned, read_record
 from imgret.training.scoring import Evaluator, to_jsonable
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,9 @@ def test_run(run: Path, folds: Sequence[int | None], *, device: str = "auto") ->
     Returns:
         ``{"folds", "model_versions", "separate": [metrics per fold model],
         "separate_mean": {metric: mean over the fold models}, "concatenated": metrics,
-        "dim": k x d}``.
+        "dim": k x d, "learned": True}``; when a fold run did not learn (it has no model),
+        only ``{"folds", "learned": False, "not_learned": [those folds]}``: a run with an
+        untrained fold has no number to report.
 
     Raises:
         TrainConfigError: a fold run is missing or unfinished, or the data no longer gives
@@ -80,6 +82,11 @@ def test_run(run: Path, folds: Sequence[int | None], *, device: str = "auto") ->
         if not is_finished(path):
             raise TrainConfigError(f"{path}: no finished run to test")
     records = [read_record(path) for path in dirs]
+    unlearned = [fold for fold, r in zip(folds, records, strict=True) if not learned(r)]
+    if unlearned:
+        logger.warning("%s: fold run(s) %s did not learn; the run is not tested", run,
+                       ", ".join(map(str, unlearned)))
+        return {"folds": list(folds), "learned": False, "not_learned": unlearned}
     # A finished run names its model's version; a diverged one only in its checkpoint.
     versions = [r.get("model_version") or load_checkpoint(path).model_version
                 for r, path in zip(records, dirs, strict=True)]
@@ -102,7 +109,7 @@ def test_run(run: Path, folds: Sequence[int | None], *, device: str = "auto") ->
     keys = [k for k, v in scored["separate"][0].items() if isinstance(v, int | float)]
     result = to_jsonable({
         "folds": list(folds), "model_versions": versions,
-        "dim": sum(m.spec.dim for m in models), **scored,
+        "dim": sum(m.spec.dim for m in models), **scored, "learned": True,
         "separate_mean": {k: sum(float(s[k]) for s in scored["separate"]) / len(models)
                           for k in keys},
     })

@@ -4,15 +4,20 @@ It reads top to bottom in named stages, like nanoGPT's ``train.py``:
 
 1. :func:`prepare_data`: the source, its split and the training set;
 2. :func:`build_parts`: the model, the loss (+ its own optimiser when it has parameters),
-   learning-rate schedules, the seeded m-per-class batches;
-3. :func:`start_run` (validates the untrained network as epoch 0) or :func:`resume_run`
-   (from ``last.pt``);
+   learning-rate schedules, the seeded batches, all as the loss's recipe says
+   (:mod:`imgret.training.recipe`: m-per-class or random batches, the BatchNorm neck, the
+   loss parameters' rate, scales for the number of classes, a head warm-up);
+3. :func:`start_run` (validates the untrained network as epoch 0: the bar every trained
+   epoch must clear) or :func:`resume_run` (from ``last.pt``);
 4. per epoch, :func:`train_one_epoch` (forward / backward / step) then
-   :func:`validate_and_checkpoint` (validation MAP@R through ``Embedder.from_model``, the best
-   checkpoint by validation only, the resume state);
+   :func:`validate_and_checkpoint` (validation MAP@R through ``Embedder.from_model``, the
+   validation embeddings' geometry and the collapse rule of :mod:`imgret.training.geometry`,
+   the best checkpoint by validation only, the resume state);
 5. :func:`final_evaluation`: the best checkpoint evaluated once on the test split, beside two
    baselines measured by the same function on the same images: raw pixels and the untrained
-   network (same architecture, same seed initialisation).
+   network (same architecture, same seed initialisation). A run whose best epoch is still
+   epoch 0 did not learn: it is recorded so (``"learned": false``), logged as an error, and
+   no model is saved.
 
 Every stage calls a :class:`~imgret.training.distributed.Distributed` unconditionally: for one
 process
@@ -36,22 +41,32 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, save_checkpoint
+from imgret.checkpoint import (
+    CHECKPOINT_FILE,
+    EmbeddingNet,
+    ModelSpec,
+    load_checkpoint,
+    save_checkpoint,
+)
 from imgret.training.config import TrainConfig, TrainConfigError
 from imgret.training.data import (
     DataSplit,
     ImageSource,
     MPerClassSampler,
+    RandomBatchSampler,
     TrainDataset,
     describe_split,
     make_split,
     model_spec_for,
     open_source,
     plan_batches,
+    plan_random_batches,
     train_transform,
 )
 from imgret.training.distributed import Distributed, ShardedBatchSampler, connect
+from imgret.training.geometry import collapse
 from imgret.training.plots import plot_run_curves
+from imgret.training.recipe import RANDOM, class_count_options, loss_param_lr, recipe_for
 from imgret.training.registry import (
     LossBundle,
     build_loss,
@@ -68,6 +83,7 @@ from imgret.training.run_dir import (
     finished_run,
     keep_if_best,
     load_state,
+    not_learned_message,
     read_record,
     save_state,
     write_record,
@@ -151,6 +167,8 @@ def train(
                                 "since epoch %d (patience %d)", run.record["epochs"][-1]["epoch"],
                                 run.record["best"]["epoch"], data.config.patience)
                 break
+            if dist.any(dist.is_main and run.record.get("collapse") is not None):
+                break  # validate_and_checkpoint logged it
             train_loss, steps = train_one_epoch(epoch, net, data, parts, run, dist, progress)
             if dist.is_main:  # rank 0 validates and saves; the others wait
                 validate_and_checkpoint(epoch, train_loss, steps, data, parts, run, out, started)
@@ -201,7 +219,7 @@ class Parts:
         loss_params: the loss's own parameters (empty when it has none).
         optimizers: the network's AdamW, then the loss's when it has parameters.
         schedulers: one warmup + cosine schedule per optimiser.
-        sampler: the seeded m-per-class sampler.
+        sampler: the seeded sampler (m-per-class or random batches, by the recipe).
         loader: this process's batches of it.
         evaluator: the validation / test sets of the protocol.
     """
@@ -211,7 +229,7 @@ class Parts:
     loss_params: list[torch.nn.Parameter]
     optimizers: list[torch.optim.Optimizer]
     schedulers: list[torch.optim.lr_scheduler.LambdaLR]
-    sampler: MPerClassSampler
+    sampler: MPerClassSampler | RandomBatchSampler
     loader: DataLoader
     evaluator: Evaluator
 
@@ -270,6 +288,12 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
     config = resolve_config(config, np.bincount(train_set.targets), dist.world_size,
                             log=dist.is_main)
     if dist.is_main:
+        recipe = recipe_for(config)
+        logger.info("recipe %s (%s family): %s batches, %s neck%s", recipe.name,
+                    recipe.family, recipe.sampler, recipe.neck,
+                    f", head warm-up {recipe.head_warmup_epochs} epoch(s)"
+                    if recipe.head_warmup_epochs else "")
+    if dist.is_main:
         logger.info("run %s: %s", out, config.short())
         logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +304,19 @@ def resolve_config(
     config: TrainConfig, class_sizes: np.ndarray, world_size: int = 1, *, log: bool = True
 ) -> TrainConfig:
     """Fill in what depends on the data (the batch composition, lowered to fit a small split
-    with a warning saying why) so the saved config is complete."""
+    with a warning saying why) so the saved config is complete. Random batches (the recipe of
+    proxy and classifier losses) only need to fit the split; ``m_per_class`` is kept as asked
+    (it does not apply to them) unless the batch had to shrink below it."""
+    if recipe_for(config).sampler == RANDOM:
+        batch, changes = plan_random_batches(config.batch_size, int(np.sum(class_sizes)),
+                                             world_size=world_size)
+        if log:
+            for change in changes:
+                logger.warning("%s", change)
+            logger.info("batches of %d: random, any classes", batch)
+        m = config.m_per_class
+        return dataclasses.replace(config, batch_size=batch,
+                                   m_per_class=m if m is not None and batch % m == 0 else None)
     plan = plan_batches(config.batch_size, config.m_per_class, class_sizes,
                         world_size=world_size)
     if log:
@@ -295,9 +331,10 @@ def build_parts(data: Data, dist: Distributed) -> Parts:
     config, train_set = data.config, data.train_set
     torch.manual_seed(config.seed)
     model = EmbeddingNet(data.spec, backbone_weights=config.backbone_weights).to(dist.device)
+    num_classes = len(train_set.class_names)
     bundle = build_loss(
-        config.loss.name, num_classes=len(train_set.class_names), embedding_size=config.dim,
-        miner=config.loss.miner, options=config.loss.options,
+        config.loss.name, num_classes=num_classes, embedding_size=config.dim,
+        miner=config.loss.miner, options=class_count_options(config, num_classes),
         miner_options=config.loss.miner_options, param_lr_mult=config.loss.param_lr_mult,
     )
     bundle.loss.to(dist.device)
@@ -307,12 +344,16 @@ def build_parts(data: Data, dist: Distributed) -> Parts:
     if loss_params:
         # Proxies / class weights get their own optimiser and learning rate; no weight decay,
         # which would only shrink the scale a cosine classifier normalises away anyway.
-        optimizers.append(torch.optim.AdamW(
-            loss_params, lr=config.network_lr * bundle.param_lr_mult, weight_decay=0.0
-        ))
-    sampler = MPerClassSampler(
-        train_set.targets, config.m_per_class, config.batch_size, len(train_set), config.seed
-    )
+        optimizers.append(torch.optim.AdamW(loss_params, lr=loss_param_lr(config),
+                                            weight_decay=0.0))
+    sampler: MPerClassSampler | RandomBatchSampler
+    if recipe_for(config).sampler == RANDOM:
+        sampler = RandomBatchSampler(len(train_set), config.batch_size, config.seed)
+    else:
+        sampler = MPerClassSampler(
+            train_set.targets, config.m_per_class, config.batch_size, len(train_set),
+            config.seed
+        )
     # Every process draws the same seeded batches and keeps its share (all of them alone).
     on_cuda = dist.device.startswith("cuda")
     loader = DataLoader(
@@ -339,8 +380,9 @@ def start_run(data: Data, parts: Parts, out: Path, dist: Distributed) -> Run:
     record = _new_record(data, parts, dist)
     if dist.is_main:
         write_split(out, data.split, data.source)
-        val = parts.evaluator.validate(parts.model, epoch=0)
-        _checkpoint(epoch_row(0, None, None, 0.0, 0.0, 0, val), data, parts, record, out)
+        val, geometry = parts.evaluator.validate(parts.model, epoch=0)
+        _checkpoint(epoch_row(0, None, None, 0.0, 0.0, 0, val, geometry), data, parts, record,
+                    out)
     return Run(record, next_epoch=1)
 
 
@@ -391,6 +433,10 @@ def train_one_epoch(
     parts.bundle.loss.train()
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.startswith("cuda")
                 else contextlib.nullcontext())
+    # The recipe's head warm-up: the trunk's gradients are dropped (after DDP has averaged
+    # them, so every rank does the same) and AdamW skips parameters without one.
+    frozen = (list(parts.model.trunk.parameters())
+              if epoch <= recipe_for(config).head_warmup_epochs else [])
     epoch_start = time.perf_counter()
     losses = []
     bar = tqdm(parts.loader, desc=f"epoch {epoch}/{config.epochs}", leave=False,
@@ -405,6 +451,8 @@ def train_one_epoch(
             opt.zero_grad(set_to_none=True)
         loss.backward()
         dist.average_grads(parts.loss_params)
+        for param in frozen:
+            param.grad = None
         for opt in parts.optimizers:
             opt.step()
         for sched in parts.schedulers:
@@ -430,13 +478,18 @@ def validate_and_checkpoint(
     epoch: int, train_loss: float | None, steps: int, data: Data, parts: Parts, run: Run,
     out: Path, started: float,
 ) -> None:
-    """Validate the bare network, record the epoch, keep the best checkpoint, save the resume
-    state; redraw the curves now and then."""
-    val = parts.evaluator.validate(parts.model, epoch=epoch)
+    """Validate the bare network, record the epoch and its embeddings' geometry, keep the best
+    checkpoint, record a collapse (which stops the run), save the resume state; redraw the
+    curves now and then."""
+    val, geometry = parts.evaluator.validate(parts.model, epoch=epoch)
     elapsed = run.prior_elapsed + time.perf_counter() - started
     lr = parts.schedulers[0].get_last_lr()[0]
-    _checkpoint(epoch_row(epoch, train_loss, lr, run.train_time, elapsed, steps, val),
-                data, parts, run.record, out)
+    row = epoch_row(epoch, train_loss, lr, run.train_time, elapsed, steps, val, geometry)
+    collapsed = collapse([*run.record["epochs"], row])
+    if collapsed is not None:
+        logger.error("%s", collapsed["message"])
+        run.record["collapse"] = collapsed
+    _checkpoint(row, data, parts, run.record, out)
     if time.perf_counter() - run.last_plot > PLOT_EVERY_S:
         # Redrawing costs about a second: worth it for long epochs, not for short ones.
         plot_run_curves(run.record, out / CURVES_FILE)
@@ -451,15 +504,21 @@ def final_evaluation(
     Writes the final record, ``model.pt`` with the test numbers, and the curves. Without
     ``test`` (a tuning trial) the record ends at validation and the test split stays unseen."""
     record = run.record
-    best = load_checkpoint(out)
+    record["learned"] = learned = record["best"]["epoch"] > 0
+    record.setdefault("collapse", None)
     record["test"] = record["baselines"] = record["verdict"] = None
+    # Where training ended: the last validated epoch, and whether patience ended it.
+    record["stopped_epoch"] = record["epochs"][-1]["epoch"]
+    record["early_stopped"] = out_of_patience(record, data.config.patience)
+    record["status"] = "finished"
+    if not learned:
+        _finish_unlearned(data, parts, record, out, dist, started, run, test=test)
+        return
+    best = load_checkpoint(out)
     if test:
         untrained = _untrained_model(data.config, data.spec, dist.device)
         scored = parts.evaluator.test(best.model.to(dist.device), per_query=True)
-        baselines = {
-            "raw_pixels": parts.evaluator.test_pixels(per_query=True),
-            "untrained": parts.evaluator.test(untrained, per_query=True),
-        }
+        baselines = _baselines(parts, untrained)
         record["verdict"] = {
             "baselines": baseline_verdicts(scored, baselines),
             "interval": f"paired percentile bootstrap 95%, {VERDICT_BOOTSTRAP} resamples of "
@@ -470,10 +529,6 @@ def final_evaluation(
         record["test"] = _without_per_query(scored)
         record["baselines"] = {k: _without_per_query(v) for k, v in baselines.items()}
     record["model_version"] = best.model_version
-    # Where training ended: the last validated epoch, and whether patience ended it.
-    record["stopped_epoch"] = record["epochs"][-1]["epoch"]
-    record["early_stopped"] = out_of_patience(record, data.config.patience)
-    record["status"] = "finished"
     record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
     # Re-save the best weights with the test numbers in `extra` (same weights, same version).
     save_checkpoint(out, best.model.cpu(), extra=checkpoint_extra(record))
@@ -490,6 +545,32 @@ def final_evaluation(
             logger.info("%s", line)
 
 
+def _finish_unlearned(
+    data: Data, parts: Parts, record: dict[str, Any], out: Path, dist: Distributed,
+    started: float, run: Run, *, test: bool,
+) -> None:
+    """The end of a run whose best epoch is the untrained network: no model, no test of one;
+    the baselines are still measured (a benchmark's baseline rows read them), and the
+    failure is logged as an error."""
+    # A model.pt here could only be the untrained network (from a run written before epoch 0
+    # stopped being saved): it must not pass for a trained model.
+    (out / CHECKPOINT_FILE).unlink(missing_ok=True)
+    if test:
+        untrained = _untrained_model(data.config, data.spec, dist.device)
+        record["baselines"] = {k: _without_per_query(v)
+                               for k, v in _baselines(parts, untrained).items()}
+    record["model_version"] = None
+    record["total_time_s"] = run.prior_elapsed + time.perf_counter() - started
+    write_record(out, record)
+    plot_run_curves(record, out / CURVES_FILE)
+    logger.error("%s: %s", out, not_learned_message(record["best"]["val"], record["collapse"]))
+
+
+def _baselines(parts: Parts, untrained: EmbeddingNet) -> dict[str, dict[str, Any]]:
+    return {"raw_pixels": parts.evaluator.test_pixels(per_query=True),
+            "untrained": parts.evaluator.test(untrained, per_query=True)}
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -501,9 +582,11 @@ def _new_record(data: Data, parts: Parts, dist: Distributed) -> dict[str, Any]:
         "split_rule": data.split.rule, "model": data.spec.to_dict(),
         "loss": {"name": bundle.name, "miner": bundle.miner_name, "options": bundle.options,
                  "param_lr_mult": bundle.param_lr_mult if bundle.has_params else None,
+                 "param_lr": loss_param_lr(data.config) if bundle.has_params else None,
                  "lr": data.config.network_lr,
                  "miner_options": resolve_miner_options(bundle.miner_name,
                                                         data.config.loss.miner_options)},
+        "recipe": dataclasses.asdict(recipe_for(data.config)),
         "steps_per_epoch": len(parts.loader), "world_size": dist.world_size,
         "epochs": [], "best": None,
     }

@@ -33,27 +33,43 @@ NO_MINER = "none"
 
 
 class SoftmaxClassifierLoss(nn.Module):
-    """A plain linear softmax classifier on the embedding, trained with cross-entropy.
+    """A softmax classifier on the embedding, trained with cross-entropy.
 
     The baseline every metric-learning loss should beat (Musgrave et al. 2020 found well-tuned
     classification losses hard to beat). Same call signature as PML losses.
+
+    With ``scale`` 0 it is a plain linear layer (weights and bias) on the embedding. The
+    embeddings are unit vectors, so its logits are bounded by the weights' norms, which start
+    small: the softmax starts near uniform and its loss near ln C. With ``scale`` > 0 it is
+    NormFace (Wang et al. 2017): the weight rows are normalised too, there is no bias, and the
+    logits are ``scale`` x the cosines, so how peaked the softmax can get is set by the scale
+    and not left to the weights' norm.
 
     Args:
         num_classes: number of training classes (labels are ``0..num_classes-1``).
         embedding_size: the embedding dimension ``d``.
         label_smoothing: cross-entropy label smoothing (0 = plain cross-entropy).
+        scale: 0 = the plain linear classifier; > 0 = NormFace's cosine classifier at this
+            scale.
     """
 
-    def __init__(self, num_classes: int, embedding_size: int, label_smoothing: float = 0.0):
+    def __init__(self, num_classes: int, embedding_size: int, label_smoothing: float = 0.0,
+                 scale: float = 0.0):
         super().__init__()
-        self.classifier = nn.Linear(embedding_size, num_classes)
+        self.scale = float(scale)
+        self.classifier = nn.Linear(embedding_size, num_classes, bias=self.scale == 0)
         self.label_smoothing = float(label_smoothing)
 
     def forward(
         self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: Any = None
     ) -> torch.Tensor:
         """Mean cross-entropy of ``(n, d)`` embeddings against ``(n,)`` int64 labels."""
-        logits = self.classifier(embeddings.float())
+        if self.scale > 0:
+            cosines = F.normalize(embeddings.float(), dim=1) @ F.normalize(
+                self.classifier.weight, dim=1).T
+            logits = self.scale * cosines
+        else:
+            logits = self.classifier(embeddings.float())
         return F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
 
 
@@ -87,6 +103,9 @@ class LossSpec:
     """How to build one loss.
 
     Attributes:
+        family: ``pair`` (losses over the batch's pairs / triplets), ``proxy`` (a learned
+            proxy per class) or ``classifier`` (a softmax over class weights): what the
+            family recipe (``imgret.training.recipe``) keys on.
         factory: ``factory(num_classes=..., embedding_size=..., **options) -> nn.Module``; the
             module is called as ``loss(embeddings (n, d), labels (n,), indices_tuple)``.
         needs_classes: the factory needs the number of training classes (proxies/classifier).
@@ -95,13 +114,17 @@ class LossSpec:
         accepts_miner: tuple-based losses take mined pairs/triplets; proxy and classifier
             losses do not (a miner there would be silently meaningless, so it is refused).
         defaults: the documented default hyper-parameters (the only options accepted).
-        param_lr_mult: learning rate of the loss's own parameters relative to the trunk's.
+        param_lr_mult: learning rate of the loss's own parameters relative to the trunk's
+            (the shared recipe).
+        param_lr: the absolute learning rate of the loss's own parameters (the family
+            recipe).
         source: where the defaults come from.
         reason: one line on why this loss is in the comparison.
         space: what tuning searches: ``{key: Param}`` (keys: see :data:`LR`); always the
             learning rate, the loss-parameter rate for losses that own parameters.
     """
 
+    family: str
     factory: Callable[..., nn.Module]
     needs_classes: bool
     has_params: bool
@@ -112,6 +135,7 @@ class LossSpec:
     source: str
     reason: str
     space: Mapping[str, Param]
+    param_lr: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,22 +168,29 @@ def _tuple_loss(
     """A PML loss over pairs / triplets of the batch: it takes a miner and owns no parameters.
     Tuning searches ``space`` and the learning rate."""
     return LossSpec(
-        factory=_pml(cls, with_classes=False), needs_classes=False, has_params=False,
+        family="pair", factory=_pml(cls, with_classes=False), needs_classes=False,
+        has_params=False,
         default_miner=default_miner, accepts_miner=True, defaults=defaults, param_lr_mult=1.0,
         source=source, reason=reason, space={LR: LR_RANGE, **space},
     )
 
 
+# The family recipe's absolute rate for proxies and class weights: Proxy Anchor's own code
+# trains its proxies at lr 1e-4 x lr_mult 100 = 1e-2 (AdamW), whatever the trunk does.
+CLASS_PARAM_LR = 1e-2
+
+
 def _class_loss(
-    factory: Callable[..., nn.Module], *, defaults: Mapping[str, Any], source: str, reason: str,
-    space: Mapping[str, Param], param_lr_mult: float = 1.0,
+    factory: Callable[..., nn.Module], *, family: str, defaults: Mapping[str, Any],
+    source: str, reason: str, space: Mapping[str, Param], param_lr_mult: float = 1.0,
 ) -> LossSpec:
     """A proxy or classifier loss: a trainable weight vector per class, nothing to mine.
     Tuning searches ``space``, the learning rate and the class weights' rate multiplier."""
     return LossSpec(
-        factory=factory, needs_classes=True, has_params=True, default_miner=NO_MINER,
-        accepts_miner=False, defaults=defaults, param_lr_mult=param_lr_mult, source=source,
-        reason=reason, space={LR: LR_RANGE, PARAM_LR_MULT: PARAM_LR_RANGE, **space},
+        family=family, factory=factory, needs_classes=True, has_params=True,
+        default_miner=NO_MINER, accepts_miner=False, defaults=defaults,
+        param_lr_mult=param_lr_mult, source=source, reason=reason,
+        space={LR: LR_RANGE, PARAM_LR_MULT: PARAM_LR_RANGE, **space}, param_lr=CLASS_PARAM_LR,
     )
 
 
@@ -187,39 +218,43 @@ LOSSES: dict[str, LossSpec] = {
                "base": Param(0.0, 1.0), MINER_PREFIX + "epsilon": Param(0.01, 0.5, log=True)},
     ),
     "proxy_anchor": _class_loss(
-        _pml(losses.ProxyAnchorLoss, with_classes=True), param_lr_mult=100.0,
+        _pml(losses.ProxyAnchorLoss, with_classes=True), family="proxy", param_lr_mult=100.0,
         defaults={"margin": 0.1, "alpha": 32.0},
         source="Kim et al. 2020: margin 0.1, alpha 32, proxies at 100x the trunk learning rate",
         reason="fast-converging proxy loss; one proxy per class instead of mined pairs",
         space={"margin": Param(0.0, 0.5), "alpha": Param(4.0, 64.0, log=True)},
     ),
     "proxy_nca": _class_loss(
-        _pml(losses.ProxyNCALoss, with_classes=True), param_lr_mult=100.0,
+        _pml(losses.ProxyNCALoss, with_classes=True), family="proxy", param_lr_mult=100.0,
         defaults={"softmax_scale": 9.0},
         source="ProxyNCA++ (Teh et al. 2020): temperature 1/9 (scale 9), fast-moving proxies",
         reason="the first proxy loss (Movshovitz-Attias et al. 2017)",
         space={"softmax_scale": Param(1.0, 64.0, log=True)},
     ),
     "normalized_softmax": _class_loss(
-        _pml(losses.NormalizedSoftmaxLoss, with_classes=True), defaults={"temperature": 0.05},
+        _pml(losses.NormalizedSoftmaxLoss, with_classes=True), family="classifier",
+        defaults={"temperature": 0.05},
         source="Zhai & Wu 2019: temperature 0.05 (= PML default)",
         reason="cosine softmax classifier; 'classification is a strong baseline' for retrieval",
         space={"temperature": Param(0.01, 0.5, log=True)},
     ),
     "cross_entropy": _class_loss(
-        _softmax, defaults={"label_smoothing": 0.0},
-        source="plain softmax cross-entropy on a linear classifier over the embedding",
+        _softmax, family="classifier", defaults={"label_smoothing": 0.0, "scale": 0.0},
+        source="softmax cross-entropy over the embedding: a linear classifier (scale 0, the "
+        "shared recipe) or NormFace's cosine classifier (Wang et al. 2017) at a scale set by "
+        "the number of classes (the family recipe)",
         reason="the baseline: what a classification network gives without metric learning",
         space={"label_smoothing": Param(0.0, 0.3)},
     ),
     "cosface": _class_loss(
-        _pml(losses.CosFaceLoss, with_classes=True), defaults={"margin": 0.35, "scale": 64.0},
+        _pml(losses.CosFaceLoss, with_classes=True), family="classifier",
+        defaults={"margin": 0.35, "scale": 64.0},
         source="Wang et al. 2018 (CosFace): additive cosine margin 0.35, scale 64",
         reason="large-margin cosine classifier from face recognition",
         space={"margin": Param(0.05, 0.5), "scale": Param(8.0, 64.0, log=True)},
     ),
     "arcface": _class_loss(
-        _pml(losses.ArcFaceLoss, with_classes=True),
+        _pml(losses.ArcFaceLoss, with_classes=True), family="classifier",
         defaults={"margin": math.degrees(0.5), "scale": 64.0},
         source="Deng et al. 2019 (ArcFace): additive angular margin 0.5 rad (28.6 deg), scale 64",
         reason="the standard face / re-ID classifier loss",

@@ -9,6 +9,11 @@ validation MAP@R) and the test split's difficulty (raw pixels' P@1 and MAP@R; a 
 pixels reach P@1 > 0.95 is flagged as saturated, loudly, in the log and the report).
 ``write_report(results, out)`` writes ``results.json``, ``results.md``, ``bars.png`` and
 ``curves.png``. The runner (:mod:`imgret.training.benchmark`) calls both after training.
+
+A row with a run that did not learn (its best epoch is the untrained network, so it has no
+model: ``imgret.training.run_dir.learned``) reports no numbers: its ``metrics`` are ``None``,
+``did_not_learn`` counts the runs, the tables say "did not learn", and it takes part in no
+verdict, bar or convergence figure (its curves are still drawn).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from imgret.training.config import base_config, config_diff
 from imgret.training.crossval import RUN_TEST_FILE
 from imgret.training.plots import plot_benchmark_bars, plot_benchmark_curves
 from imgret.training.registry import LOSSES
-from imgret.training.run_dir import METRICS_FILE
+from imgret.training.run_dir import METRICS_FILE, learned
 
 logger = logging.getLogger(__name__)
 
@@ -144,21 +149,27 @@ def aggregate(out: Path, cells: Sequence[RunCell]) -> dict[str, Any]:
         runs = list(by_seed.values())
         records = [r for run in runs for _, r in run]
         control = records[0]["config"].get("control")
+        unlearned = sum(not all(learned(r) for _, r in run) for run in runs)
         row: dict[str, Any] = {
             "name": name, "kind": "control" if control else "loss", "seeds": list(by_seed),
             "miner": records[0]["loss"]["miner"], "options": records[0]["loss"]["options"],
-            "metrics": _over_seeds([_run_test(run) for run in runs]),
+            # A run without a model has no test number; averaging the others would hide it.
+            "metrics": None if unlearned else _over_seeds([_run_test(run) for run in runs]),
             "best_epoch": [r["best"]["epoch"] for r in records],
             "train_time_s": mean_ci([sum(r["epochs"][-1]["train_time_s"] for _, r in run)
                                      for run in runs])[0],
         }
+        if unlearned:
+            row["did_not_learn"] = {"runs": unlearned, "of": len(runs)}
+            logger.warning("%s: %d of %d runs did not learn (best epoch = the untrained "
+                           "network); the row reports no numbers", name, unlearned, len(runs))
         if control:
             row["control"] = control
             row["loss"] = records[0]["config"]["loss"]["name"]
         if cv:
             row["folds"] = len(runs[0])
-            row["separate"] = _over_seeds([_mean_tests([r["test"] for _, r in run])
-                                           for run in runs])
+            row["separate"] = None if unlearned else _over_seeds(
+                [_mean_tests([r["test"] for _, r in run]) for run in runs])
             row["stopped_epoch"] = [r.get("stopped_epoch") for r in records]
         if control == "oracle":
             row["baselines_on_its_test"] = {
@@ -180,9 +191,11 @@ def aggregate(out: Path, cells: Sequence[RunCell]) -> dict[str, Any]:
     # Plotted: every fold run's curve; convergence: per run, the mean over its folds.
     curves = {name: [r["epochs"] for run in by_seed.values() for _, r in run]
               for name, by_seed in by_loss.items()}
+    scored = {row["name"] for row in rows if row["metrics"] is not None}
     fold_curves = {name: [[r["epochs"] for _, r in run] for run in by_seed.values()]
-                   for name, by_seed in by_loss.items()}
-    same_test = [row for row in rows if row.get("control") != "oracle"]
+                   for name, by_seed in by_loss.items() if name in scored}
+    same_test = [row for row in rows
+                 if row.get("control") != "oracle" and row["metrics"] is not None]
     results = {
         "base": base_config(first["config"]), "split": first["split"],
         "split_rule": first.get("split_rule", ""), "rows": rows,
@@ -195,7 +208,7 @@ def aggregate(out: Path, cells: Sequence[RunCell]) -> dict[str, Any]:
     }
     if cv:
         with_folds = [{**row, "metrics": row["separate"]} for row in same_test
-                      if "separate" in row]
+                      if row.get("separate") is not None]
         results["verdicts_separate"] = verdicts(with_folds, REPORTED)
         results["cross_validation"] = {
             "folds": first["config"]["cv_folds"], "runs": len(untrained),
@@ -254,7 +267,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     title = (f"test split: {split['protocol']} {split['digest']} of {split['source']} "
              f"({split['splits']['test']['num_images']} images, "
              f"{split['splits']['test']['num_classes']} classes)")
-    plot_benchmark_bars(results["rows"], out / BARS_PNG, metrics=REPORTED, title=title)
+    plot_benchmark_bars([row for row in results["rows"] if row["metrics"] is not None],
+                        out / BARS_PNG, metrics=REPORTED, title=title)
     plot_benchmark_curves(results["curves"], out / CURVES_PNG,
                           title=f"validation MAP@R, mean ± 95% CI over seeds; {title}",
                           convergence=results.get("convergence"))
@@ -340,7 +354,7 @@ def _single_split_table(
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if saturated else ""),
     ]
     for row in results["rows"]:
-        cells = [_fmt(row["metrics"][m]) for m in REPORTED]
+        cells = [_metric_cell(row, m) for m in REPORTED]
         speed = reach.get(row["name"], {}).get(first)
         lines.append(
             f"| {_display_name(row)} | {row.get('miner', '-')} | {len(row['seeds']) or '-'} | "
@@ -381,15 +395,15 @@ def _cv_table(results: dict[str, Any], tier_of: dict[str, int], saturated: bool)
         + ("---|" if saturated else ""),
     ]
     for row in results["rows"]:
-        alone = row.get("separate") or row["metrics"]
+        alone = {**row, "metrics": row.get("separate") or row["metrics"]}
         speed = reach.get(row["name"], {})
         stopped = [e for e in row.get("stopped_epoch", []) if e is not None]
         concatenated = row["kind"] == "baseline" or (
             "separate" in row and row.get("control") != "oracle")
         cells = [
             _display_name(row), str(len(row["seeds"]) or "-"),
-            *[_fmt(row["metrics"][m]) if concatenated else "-" for m in REPORTED],
-            *[_fmt(alone[m]) for m in REPORTED], str(tier_of.get(row["name"], "-")),
+            *[_metric_cell(row, m) if concatenated else "-" for m in REPORTED],
+            *[_metric_cell(alone, m) for m in REPORTED], str(tier_of.get(row["name"], "-")),
             *[f"{_fmt(speed[key]['epochs'], 1)} / {_fmt(speed[key]['seconds'], 0)}"
               if key in speed else "-" for key in keys],
             f"{sum(stopped) / len(stopped):.1f}" if stopped else "-",
@@ -397,6 +411,19 @@ def _cv_table(results: dict[str, Any], tier_of: dict[str, int], saturated: bool)
         ]
         lines.append("| " + " | ".join(cells) + " |" + (" ⚠ |" if saturated else ""))
     return lines
+
+
+def _metric_cell(row: dict[str, Any], metric: str) -> str:
+    """A row's metric as mean ± half-interval, or why it has none."""
+    if row["metrics"] is None:
+        return did_not_learn(row)
+    return _fmt(row["metrics"][metric])
+
+
+def did_not_learn(row: dict[str, Any]) -> str:
+    """``did not learn (2 of 5 runs)``: what a row without numbers says instead."""
+    missing = row.get("did_not_learn") or {}
+    return f"did not learn ({missing.get('runs', '?')} of {missing.get('of', '?')} runs)"
 
 
 def _display_name(row: dict[str, Any]) -> str:

@@ -3,10 +3,13 @@
 ::
 
     model.pt      best checkpoint by validation MAP@R (imgret.checkpoint; `extra` holds the
-                  config, split summary, per-epoch metrics, test metrics and baselines)
+                  config, split summary, per-epoch metrics, test metrics and baselines);
+                  never the untrained network: a run whose best epoch is epoch 0 did not
+                  learn, says so in metrics.json (``"learned": false``) and has no model.pt
     last.pt       resume state (weights, loss parameters, optimisers, schedulers, RNG, record)
     metrics.json  the record: config, split, per-epoch train loss / validation metrics / wall
-                  time, best epoch, test metrics, baselines, the verdict against them
+                  time / embedding geometry, best epoch, whether the run learned, a collapse
+                  that stopped it, test metrics, baselines, the verdict against them
     split.json    the exact split (members of train / val / test)
     curves.png    loss and validation MAP@R against epoch and wall time
 """
@@ -39,31 +42,60 @@ class RunResult:
 
     Attributes:
         out: the run directory.
-        best_epoch: the epoch whose checkpoint is ``model.pt`` (0 = untrained).
+        best_epoch: the epoch whose checkpoint is ``model.pt`` (0: the run did not learn).
         val: validation metrics of the best epoch.
-        test: test metrics of the best checkpoint (the test split is evaluated once).
+        test: test metrics of the best checkpoint (the test split is evaluated once);
+            ``None`` when the run did not learn (or did not test).
         baselines: ``{"raw_pixels": metrics, "untrained": metrics}`` on the same test split.
         split: the split summary (protocol, classes, counts, digest).
-        model_version: the version of ``model.pt``.
+        model_version: the version of ``model.pt``; ``None`` when the run did not learn.
         verdict: trained against each baseline on the same test queries (paired intervals,
             ``imgret.training.scoring.baseline_verdicts`` under ``"baselines"``) and the
             small-split warning; ``None`` without a test (or in a run written before it).
+        learned: some trained epoch beat the untrained network on validation MAP@R; when
+            not, nothing was saved as the trained model.
+        collapse: the embedding collapse that stopped the run
+            (:func:`imgret.training.geometry.collapse`), else ``None``.
     """
 
     out: Path
     best_epoch: int
     val: dict[str, Any]
-    test: dict[str, Any]
-    baselines: dict[str, dict[str, Any]]
+    test: dict[str, Any] | None
+    baselines: dict[str, dict[str, Any]] | None
     split: dict[str, Any]
-    model_version: str
+    model_version: str | None
     verdict: dict[str, Any] | None = None
+    learned: bool = True
+    collapse: dict[str, Any] | None = None
 
     @classmethod
     def from_metrics(cls, out: Path, data: dict[str, Any]) -> RunResult:
         best = data["best"]
-        return cls(out, best["epoch"], best["val"], data["test"], data["baselines"],
-                   data["split"], data["model_version"], data.get("verdict"))
+        return cls(out, best["epoch"], best["val"], data.get("test"), data.get("baselines"),
+                   data["split"], data.get("model_version"), data.get("verdict"),
+                   learned(data), data.get("collapse"))
+
+    def not_learned_message(self) -> str:
+        """Why the run gave no model (empty when it learned)."""
+        return "" if self.learned else not_learned_message(self.val, self.collapse)
+
+
+def learned(record: dict[str, Any]) -> bool:
+    """Whether a run's record shows learning: its best epoch is a trained one. Records
+    written before the flag existed say so by their best epoch (0 = the untrained
+    network)."""
+    if "learned" in record:
+        return bool(record["learned"])
+    return record["best"] is not None and record["best"]["epoch"] > 0
+
+
+def not_learned_message(val: dict[str, Any], collapse: dict[str, Any] | None = None) -> str:
+    """The one-line failure of a run whose best epoch is the untrained network."""
+    cause = f"; {collapse['message']}" if collapse else ""
+    return (f"the run did not learn: no trained epoch beat the untrained network's validation "
+            f"{SELECTION_METRIC} of {val[SELECTION_METRIC]:.4f}, so no model was saved "
+            f"(metrics.json: \"learned\": false){cause}")
 
 
 def finished_run(config: TrainConfig, out: Path, *, resume: bool) -> RunResult | None:
@@ -105,28 +137,35 @@ def check_same_config(saved: dict[str, Any], config: TrainConfig, out: Path) -> 
 
 def epoch_row(
     epoch: int, train_loss: float | None, lr: float | None, train_time: float, elapsed: float,
-    steps: int, val: dict[str, Any],
+    steps: int, val: dict[str, Any], geometry: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One epoch's entry of the record."""
-    return {"epoch": epoch, "train_loss": train_loss, "lr": lr, "steps": steps,
-            "train_time_s": train_time, "elapsed_s": elapsed, "val": val}
+    """One epoch's entry of the record (``geometry``: of the validation embeddings,
+    :func:`imgret.training.geometry.embedding_geometry`)."""
+    row = {"epoch": epoch, "train_loss": train_loss, "lr": lr, "steps": steps,
+           "train_time_s": train_time, "elapsed_s": elapsed, "val": val}
+    if geometry is not None:
+        row["geometry"] = geometry
+    return row
 
 
 def keep_if_best(
     record: dict[str, Any], model: EmbeddingNet, out: Path, epoch: int, val: dict[str, Any]
 ) -> None:
     """Model selection on validation MAP@R only (ties keep the earlier epoch): a better epoch
-    becomes ``record["best"]`` and ``model.pt``."""
+    becomes ``record["best"]`` and ``model.pt``. Epoch 0, the untrained network, is the bar
+    a trained epoch must clear; it is recorded as the best so far but never written as
+    ``model.pt``."""
     best = record["best"]
     if best is None or val[SELECTION_METRIC] > best["val"][SELECTION_METRIC]:
         record["best"] = {"epoch": epoch, "metric": SELECTION_METRIC, "val": val}
-        save_checkpoint(out, model, extra=checkpoint_extra(record))
+        if epoch > 0:
+            save_checkpoint(out, model, extra=checkpoint_extra(record))
 
 
 def checkpoint_extra(record: dict[str, Any]) -> dict[str, Any]:
     """What ``model.pt`` carries of the record in its ``extra``."""
     keys = ("config", "split", "split_rule", "loss", "best", "test", "baselines", "verdict",
-            "epochs")
+            "epochs", "collapse")
     return to_jsonable({k: record[k] for k in keys if k in record})
 
 

@@ -31,6 +31,7 @@ from imgret.stats import BETTER, WORSE, paired_comparison
 from imgret.training.config import TrainConfig
 from imgret.training.data import DataSplit, ImageSource, iter_images, stratified_subset
 from imgret.training.data.sources import grey_pixels
+from imgret.training.geometry import embedding_geometry
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +77,19 @@ class Evaluator:
                 train_idx = stratified_subset(train_idx, source.labels, cap, rng)
             self.gallery_indices = train_idx
 
-    def validate(self, model: EmbeddingNet, *, epoch: int) -> dict[str, Any]:
-        """Validation metrics of the network at an epoch."""
-        return self._score(
-            lambda idx: embed_split(model, self.source, idx, tag=f"epoch-{epoch}"), "val"
-        )
+    def validate(self, model: EmbeddingNet, *, epoch: int) -> tuple[dict[str, Any],
+                                                                     dict[str, float]]:
+        """Validation metrics of the network at an epoch, and the geometry of its validation
+        embeddings (:func:`imgret.training.geometry.embedding_geometry`: the collapse
+        detector's input)."""
+        embedded: list[EmbeddedSet] = []
+
+        def embed(idx: np.ndarray) -> EmbeddedSet:
+            embedded.append(embed_split(model, self.source, idx, tag=f"epoch-{epoch}"))
+            return embedded[-1]
+
+        metrics = self._score(embed, "val")
+        return metrics, embedding_geometry(embedded[0].embeddings)  # [0]: the queries
 
     def test(self, model: EmbeddingNet, *, per_query: bool = False) -> dict[str, Any]:
         """Test metrics of a network (with ``per_query``: the per-query values too, for

@@ -173,10 +173,12 @@ def apply_params(loss: LossConfig, space: Mapping[str, Param],
 
 
 def default_params(
-    loss: LossConfig, space: Mapping[str, Param], base_lr: float
+    loss: LossConfig, space: Mapping[str, Param], base_lr: float, recipe: str = "shared"
 ) -> dict[str, float]:
     """The documented defaults as a point of ``space`` (clipped into it): every study's
-    trial 0, so tuning can only find something at least as good on validation."""
+    trial 0, so tuning can only find something at least as good on validation. Under the
+    family recipe the loss parameters' default is its absolute rate, as a multiple of
+    ``base_lr`` (the tuned key is a multiple)."""
     spec = loss_spec(loss.name)
     miner = MINERS[resolve_miner(loss.name, loss.miner)]
     point = {}
@@ -184,7 +186,8 @@ def default_params(
         if key == LR:
             value = base_lr
         elif key == PARAM_LR_MULT:
-            value = spec.param_lr_mult
+            value = (spec.param_lr / base_lr if recipe == "family" and spec.param_lr
+                     else spec.param_lr_mult)
         elif key.startswith(MINER_PREFIX):
             value = miner.defaults[key[len(MINER_PREFIX):]]
         else:
@@ -294,7 +297,8 @@ def test_trials(
     only once every study is finished and every winner chosen.
 
     Returns:
-        One record per trial: ``loss``, ``trial``, ``val`` (its objective), ``test`` (the
+        One record per trial whose runs learned (a trial with an untrained fold has no model
+        to test): ``loss``, ``trial``, ``val`` (its objective), ``test`` (the
         concatenated models' test MAP@R; one model's without folds) and ``test_alone``
         (the fold models' mean).
     """
@@ -308,6 +312,8 @@ def test_trials(
             with (tracker or Progress({"trial test": 1})).piece("trial test", label,
                                                                fresh=fresh):
                 result = test_run(run, folds)
+            if not result.get("learned", True):
+                continue  # no model: nothing to correlate with its validation score
             records.append({
                 "loss": name, "trial": trial.number, "val": trial.value,
                 "test": result["concatenated"][SELECTION_METRIC],
@@ -384,7 +390,7 @@ def tune_loss(
     _check_identity(study, identity, runs)
     _requeue_interrupted(study)
     if not study.trials:
-        study.enqueue_trial(default_params(loss, space, base.lr))
+        study.enqueue_trial(default_params(loss, space, base.lr, base.recipe))
     folds = fold_ids(base)
     tracker = tracker or Progress({"trial": trials * len(folds)})
     tracker.skip("trial", len(folds) * min(trials, len(_finished(study))))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from imgret.cli.train import NOT_LEARNED_EXIT
 from tests.support.images import write_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,13 @@ def test_two_process_ddp_run_on_cpu(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-4000:]
-    assert (out / "model.pt").is_file() and (out / "metrics.json").is_file()
+    # The untrained network already ranks these colour classes well, so the run may not beat
+    # it (rank 0 exits 3, which torchrun reports as its failure; no model): this test is
+    # about the two processes, not about learning.
+    learned = result.returncode == 0
+    assert learned or f"exitcode: {NOT_LEARNED_EXIT}" in log, log[-4000:]
+    assert (out / "model.pt").is_file() == learned
+    assert (out / "metrics.json").is_file()
 
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "finished"

@@ -168,7 +168,7 @@ class MediaStore:
         stray edit) is replaced rather than trusted for its size.
 
         Gallery writers call this while holding the gallery write lock
-        (``imgret.gallery.storage.store.lock_gallery_writes``), so that a concurrent delete's
+        (``imgret.gallery.storage.item_store.lock_gallery_writes``), so that a concurrent delete's
         clean-up can never remove bytes a new row is about to point to.
 
         Args:
@@ -320,8 +320,8 @@ class MediaStore:
         """Delete the files of these keys (missing ones are skipped); returns how many went.
 
         Call only with keys that no row refers to, under the gallery write lock
-        (``imgret.gallery.storage.store.unreferenced_media``); ``session`` (that lock's transaction)
-        is not used by files.
+        (``imgret.gallery.storage.item_store.unreferenced_media``); ``session`` (that lock's
+        transaction) is not used by files.
         """
         removed, folders = 0, set()
         for key in sha256s:

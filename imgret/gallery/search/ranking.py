@@ -66,7 +66,9 @@ def to_hits(distances: np.ndarray, labels: np.ndarray, check: np.ndarray | None,
             want: int) -> list[list[Hit]]:
     """The first ``want`` results of each row whose id ``check`` allows (``None``: any found
     id), best first."""
-    ok = labels >= 0
+    # A non-finite score comes from a vector written before non-finite ones were refused:
+    # it ranks nowhere and JSON cannot carry it, so it is never a hit.
+    ok = (labels >= 0) & np.isfinite(distances)
     if check is not None:
         ok &= (labels < len(check)) & check[np.clip(labels, 0, len(check) - 1)]
     out = []

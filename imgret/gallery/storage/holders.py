@@ -35,7 +35,7 @@ from imgret.gallery.storage.notify import KEEPALIVE
 
 logger = logging.getLogger(__name__)
 
-# Any constant other than the gallery write lock's (imgret.gallery.storage.store): "serv".
+# Any constant other than the gallery write lock's (imgret.gallery.storage.item_store): "serv".
 SERVING_LOCK_KEY = 0x73657276
 LOCK_SUFFIX = ".serving-lock"
 

@@ -478,6 +478,10 @@ def _check_vectors(vectors: np.ndarray, n: int, model_version: ModelVersion) -> 
             f"expected ({n}, {model_version.dim}) vectors for model version "
             f"{model_version.version}, got {tuple(vectors.shape)}"
         )
+    if not np.isfinite(vectors).all():
+        # Ranked by nothing and served as JSON null: never stored.
+        raise GalleryError(f"model version {model_version.version} produced non-finite "
+                           "vectors (NaN or infinite values); they are not stored")
 
 
 def _insert_embeddings(tables: _Tables, ids, vectors, session, model_version) -> None:

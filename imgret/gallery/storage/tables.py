@@ -14,7 +14,7 @@ Design decisions:
 - ``model_versions.is_active`` is true for at most one row (a partial unique index); every
   switch is recorded in ``model_activations`` (rollback walks it back).
 - ``gallery_changes.seq`` increases with commit order: writers take a lock first
-  (:func:`imgret.gallery.storage.store.lock_gallery_writes`), so a replica polling ``seq >
+  (:func:`imgret.gallery.storage.item_store.lock_gallery_writes`), so a replica polling ``seq >
   last_seen`` can never skip a row that commits late.
 - Query-set items carry their own embeddings per model version, so two model versions can be
   compared on one query set without the serving model being either of them.

@@ -49,6 +49,13 @@ def decode_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
     flat = np.frombuffer(b"".join(blobs), dtype="<f4")
     if flat.size != len(blobs) * dim:
         raise GalleryError(f"stored vectors are not all {dim}-dimensional")
+    if not np.isfinite(flat).all():
+        # Written before non-finite vectors were refused (_check_vectors): nothing can rank
+        # them, so every reader (an index, an evaluation, a search by id) refuses them too.
+        raise GalleryError(
+            "stored vectors hold NaN or infinite values (written by an older release from a "
+            "model that produced them); delete that model version and register one whose "
+            "vectors are finite")
     return flat.reshape(len(blobs), dim).astype(np.float32, copy=False)
 
 

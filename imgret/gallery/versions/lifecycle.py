@@ -1,7 +1,7 @@
 """Model versions in production: describe and compare versions,
 switch the served one atomically (gated on a paired verdict), roll back, delete. One code
 path for ``/models`` and ``imgret models``. This module sequences the steps; the SQL is
-:mod:`imgret.gallery.storage.store`'s and :mod:`imgret.gallery.versions.version_store`'s, and the
+:mod:`imgret.gallery.storage`'s and :mod:`imgret.gallery.versions.version_store`'s, and the
 background re-embedding of
 the gallery for a version is :mod:`imgret.gallery.versions.reembed`.
 

@@ -1,7 +1,7 @@
 """The background re-embedding of the stored gallery for a model version: a claimed job with
 a heartbeat (:func:`claim_job`, :func:`run_embed_job`), the scan it runs
 (:func:`embed_missing`), and the :class:`Throttle` that keeps it from starving searches.
-The SQL is :mod:`imgret.gallery.versions.version_store`'s and :mod:`imgret.gallery.storage.store`'s.
+The SQL is :mod:`imgret.gallery.versions.version_store`'s and :mod:`imgret.gallery.storage`'s.
 
 - **It reads the media store**, never a source folder. It is stateless: each chunk takes the
   next live items (in id order) that lack an embedding of the version, so a crash loses at
@@ -32,7 +32,7 @@ import numpy as np
 from sqlalchemy.orm import Session, sessionmaker
 
 from imgret.embedder import Embedder
-from imgret.errors import GalleryError, ImageDecodeError
+from imgret.errors import GalleryError, ImageDecodeError, ImgretError
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.storage import item_store
 from imgret.gallery.storage.tables import ModelVersion
@@ -138,6 +138,17 @@ def _finish_job(version: str, session_factory: sessionmaker[Session], state: str
                                  covered_through=covered_through)
 
 
+def job_error(exc: BaseException) -> str:
+    """The error a failed job keeps (``GET /models/{v}`` shows it): imgret's own message for
+    an error it raises on purpose (a model that cannot run, non-finite vectors), never the
+    text of another exception, which may quote a stored file (ONNX Runtime's errors name the
+    graph's nodes); that text goes to the log."""
+    if isinstance(exc, ImgretError):
+        return str(exc)[:500]
+    return (f"the re-embedding stopped on an unexpected error ({type(exc).__name__}); the "
+            "server log has the details")
+
+
 def run_embed_job(
     version: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
     embedder: Embedder, throttle: Throttle | None = None, chunk_size: int = EMBED_CHUNK,
@@ -166,7 +177,7 @@ def run_embed_job(
                 progress=progress, stop=stop, heartbeat=True,
             )
     except BaseException as exc:
-        _finish_job(version, session_factory, STATE_FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        _finish_job(version, session_factory, STATE_FAILED, job_error(exc))
         raise
     error = (f"{len(report.failed)} stored images could not be decoded (ids "
              f"{report.failed[:10]})" if report.failed else None)

@@ -1,19 +1,11 @@
-"""Repository functions over a model version's own records: checkpoint bytes
-(``model_checkpoints``), its decision thresholds (``model_calibrations``), the activations
-history (``model_activations``), the re-embedding
-job's claim and heartbeat (columns of ``model_versions``), and which items still lack the
-version's vector.
+"""Repository functions over model versions, the one home of their SQL: the version rows (register,
+look up, list, activate, which one is active, :func:`check_active` for writers), checkpoint bytes
+(``model_checkpoints``), decision thresholds (``model_calibrations``), the activation history
+(``model_activations``), the re-embedding job's claim and heartbeat (columns of
+``model_versions``), and which items still lack the version's vector.
 
-A sibling of :mod:`imgret.gallery.storage.store`, which keeps the gallery's rows and the version
-they are served with (:func:`imgret.gallery.versions.version_store.active_model_version`, the one
-answer to "which version is active"). They are two modules because these records are read and
-written only by the model-version lifecycle (:mod:`imgret.gallery.versions.lifecycle`) and the
-re-embedding runner (:mod:`imgret.gallery.versions.reembed`), while every writer and searcher uses
-:mod:`imgret.gallery.storage.store`, which is
-large enough already.
-
-As in :mod:`imgret.gallery.storage.store`, every function takes ``session`` keyword-only and never
-commits.
+The gallery's own rows are :mod:`imgret.gallery.storage`'s. As there, every function takes
+``session`` keyword-only and never commits.
 """
 
 from __future__ import annotations

@@ -12,7 +12,12 @@ Bad data is reported, not crashed on: each module says how.
 """
 
 from imgret.training.data.datasets import TrainDataset, train_transform
-from imgret.training.data.sampler import MPerClassSampler, plan_batches
+from imgret.training.data.sampler import (
+    MPerClassSampler,
+    RandomBatchSampler,
+    plan_batches,
+    plan_random_batches,
+)
 from imgret.training.data.sources import ImageSource, iter_images, model_spec_for, open_source
 from imgret.training.data.splits import (
     DataSplit,
@@ -26,6 +31,7 @@ __all__ = [
     "DataSplit",
     "ImageSource",
     "MPerClassSampler",
+    "RandomBatchSampler",
     "TrainDataset",
     "class_folds",
     "describe_split",
@@ -34,6 +40,7 @@ __all__ = [
     "model_spec_for",
     "open_source",
     "plan_batches",
+    "plan_random_batches",
     "stratified_subset",
     "train_transform",
 ]

@@ -1,4 +1,5 @@
-"""The m-per-class batch sampler of metric learning, with its own seeded generator."""
+"""The batch samplers of training, each with its own seeded generator: m images per class
+(pair losses), or plain random batches (proxy and classifier losses)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,34 @@ from torch.utils.data import Sampler
 from imgret.training.config import TrainConfigError
 
 
-class MPerClassSampler(Sampler[int]):
+class _EpochSampler(Sampler[int]):
+    """What both samplers share: whole batches of a training split, drawn per ``(seed,
+    epoch)``.
+
+    Raises:
+        TrainConfigError: fewer than ``batch_size`` items.
+    """
+
+    def __init__(self, length: int, batch_size: int, seed: int):
+        if length < batch_size:
+            raise TrainConfigError(
+                f"{length} training images, fewer than the batch size {batch_size}; "
+                "lower --batch-size"
+            )
+        self.batch_size = batch_size
+        self.length = length - length % batch_size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose batches the next iteration yields."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class MPerClassSampler(_EpochSampler):
     """Indices in batches of ``batch_size // m`` distinct classes, ``m`` items each.
 
     What pytorch-metric-learning's ``MPerClassSampler`` promises (given a batch size):
@@ -41,26 +69,11 @@ class MPerClassSampler(Sampler[int]):
                 f"m-per-class {m} does not fit batch size {batch_size} with {len(classes)} "
                 "classes (it must divide the batch size, and m x classes >= batch size)"
             )
-        if length < batch_size:
-            raise TrainConfigError(
-                f"{length} training images, fewer than the batch size {batch_size}; "
-                "lower --batch-size"
-            )
+        super().__init__(length, batch_size, seed)
         # Item indices grouped by class (stable, so each group is in item order).
         order = np.argsort(inverse, kind="stable")
         self._members = np.split(order, np.cumsum(counts)[:-1])
         self.m = m
-        self.batch_size = batch_size
-        self.length = length - length % batch_size
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose batches the next iteration yields."""
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.length
 
     def __iter__(self) -> Iterator[int]:
         rng = np.random.default_rng([self.seed, self.epoch])
@@ -70,6 +83,51 @@ class MPerClassSampler(Sampler[int]):
                 members = self._members[c]
                 draws.append(rng.choice(members, size=self.m, replace=len(members) < self.m))
         return iter(np.concatenate(draws).tolist())
+
+
+class RandomBatchSampler(_EpochSampler):
+    """Indices in a random order, without repeats within an epoch: cut into consecutive
+    batches (by ``ShardedBatchSampler``) they are the shuffled batches of
+    ``DataLoader(shuffle=True, drop_last=True)``. Seeded by ``(seed, epoch)`` like
+    :class:`MPerClassSampler`, so a resumed run and every DDP rank draw the same batches.
+
+    Args:
+        length: items in the training split.
+        batch_size: items per batch (``len(self)`` is ``length`` rounded down to it).
+        seed: the run's seed.
+
+    Raises:
+        TrainConfigError: fewer than ``batch_size`` items.
+    """
+
+    def __init__(self, length: int, batch_size: int, seed: int):
+        super().__init__(length, batch_size, seed)
+        self.items = length
+
+    def __iter__(self) -> Iterator[int]:
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.items)
+        return iter(order[: self.length].tolist())
+
+
+def plan_random_batches(batch_size: int, total: int, *, world_size: int = 1) -> tuple[int,
+                                                                                      list[str]]:
+    """The batch size random batches can have: at most ``total // world_size`` (every process
+    needs a whole batch), at least 2 (a BatchNorm neck needs two items). Returns the size and
+    the changes made, each saying why.
+
+    Raises:
+        TrainConfigError: fewer than 2 images per process.
+    """
+    limit = total // world_size
+    if limit < 2:
+        raise TrainConfigError(
+            f"the training split has {total} images for {world_size} process(es); random "
+            "batches need at least 2 per process: add images"
+        )
+    if batch_size <= limit:
+        return batch_size, []
+    return limit, [f"batch {batch_size} -> {limit}: only {total} training images"
+                   + (f" for {world_size} processes" if world_size > 1 else "")]
 
 
 @dataclass(frozen=True)

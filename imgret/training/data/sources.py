@@ -168,14 +168,19 @@ def open_source(data: str) -> ImageSource:
 
 def model_spec_for(config: TrainConfig, source: ImageSource) -> ModelSpec:
     """The ModelSpec of a run: greyscale sources get their own normalisation statistics
-    (Fashion-MNIST's train file; the glyph set's own, over all its images)."""
+    (Fashion-MNIST's train file; the glyph set's own, over all its images); the embedding
+    head's neck is the loss recipe's (``imgret.training.recipe``)."""
+    from imgret.training.recipe import recipe_for
+
+    neck = recipe_for(config).neck
     if source.grayscale:
         mean, std = getattr(source, "stats", (FASHION_MEAN, FASHION_STD))
         return ModelSpec(
             backbone=config.backbone, dim=config.dim, image_size=config.image_size,
-            mean=(mean,) * 3, std=(std,) * 3, grayscale=True,
+            mean=(mean,) * 3, std=(std,) * 3, grayscale=True, neck=neck,
         )
-    return ModelSpec(backbone=config.backbone, dim=config.dim, image_size=config.image_size)
+    return ModelSpec(backbone=config.backbone, dim=config.dim, image_size=config.image_size,
+                     neck=neck)
 
 
 def iter_images(

@@ -28,3 +28,4 @@ def tiny_config(eight_classes: Path) -> TrainConfig:
         data=str(eight_classes), backbone="tiny_cnn", dim=8, image_size=16, epochs=2,
         batch_size=8, lr=1e-2, device=TEST_DEVICE, loss=LossConfig("triplet"),
     )
+

@@ -86,6 +86,7 @@ def test_benchmark_dir_with_another_base_config_is_refused(
     assert len(calls) == 1  # refused before training anything
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 def test_benchmark_end_to_end_and_resumable(
     tiny_config: TrainConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,14 +8,20 @@ import json
 import pytest
 
 from imgret.errors import ImgretError
-from imgret.training.config import LossConfig, TrainConfig, TrainConfigError, base_config
+from imgret.training.config import (
+    LossConfig,
+    TrainConfig,
+    TrainConfigError,
+    base_config,
+    config_diff,
+)
 
 # The keys of the config dict in metrics.json, model.pt and benchmark.json, in their order.
 SAVED_KEYS = [
     "data", "protocol", "split_seed", "val_fraction", "test_fraction", "backbone", "dim",
     "image_size", "backbone_weights", "epochs", "time_budget_s", "max_train_images",
     "max_eval_images", "batch_size", "m_per_class", "lr", "weight_decay", "warmup_epochs",
-    "augmentation", "seed", "device", "num_workers", "loss",
+    "augmentation", "seed", "device", "num_workers", "recipe", "loss",
 ]
 
 
@@ -70,6 +76,17 @@ def test_saved_dict_keeps_its_keys_and_rebuilds_the_config() -> None:
     assert saved["loss"] == {"name": "triplet", "miner": "hard", "options": {"margin": 0.1}}
     assert TrainConfig(**saved) == config  # the nested loss dict becomes a LossConfig again
     assert "loss" not in base_config(config) and "seed" not in base_config(config)
+
+
+def test_a_config_saved_before_the_recipes_is_the_shared_recipe() -> None:
+    """Runs made before the recipes saved no "recipe": the shared recipe is the one value
+    left unsaved, so such a run resumes only with --recipe shared, and a new default run
+    differs from it by name."""
+    shared = TrainConfig(data="d", recipe="shared").to_dict()
+    assert "recipe" not in shared
+    new = TrainConfig(data="d").to_dict()
+    assert new["recipe"] == "family"
+    assert config_diff(shared, new) == {"recipe": (None, "family")}
 
 
 def test_every_option_field_has_help_text_or_is_self_explaining() -> None:

@@ -21,6 +21,7 @@ from tests.conftest import TEST_DEVICE
 REPORTED = ("map_at_r", "r_precision", "precision_at_1")
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 def test_train_cli_writes_the_run_directory(eight_classes: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
@@ -79,6 +80,7 @@ class _Crash(Exception):
     """Stands for a killed process."""
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 def test_resume_continues_where_the_run_stopped(
     tiny_config: TrainConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,6 +126,7 @@ def test_resume_with_different_config_is_refused(
         train(other, tmp_path / "run", resume=True, progress=False)
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 @pytest.mark.parametrize("loss", ["proxy_anchor", "cross_entropy"])
 def test_losses_with_parameters_train_end_to_end(
     tiny_config: TrainConfig, tmp_path: Path, loss: str
@@ -135,6 +138,7 @@ def test_losses_with_parameters_train_end_to_end(
     assert 0 <= result.test["map_at_r"] <= 1
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 def test_closed_set_protocol_queries_against_the_training_images(
     tiny_config: TrainConfig, tmp_path: Path
 ) -> None:

@@ -281,6 +281,7 @@ def test_an_interrupted_trial_resumes_to_the_same_value(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("untrained_scores_zero")
 def test_cv_benchmark_with_controls_reports_both_evaluations(
     cv_config: TrainConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -108,6 +108,7 @@ def twenty_four_glyphs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                               size=16)
 
 
+@pytest.mark.usefixtures("untrained_scores_zero")
 @pytest.mark.parametrize("folder", ["eight_classes", "twenty_four_glyphs"])
 def test_train_prints_the_verdict_that_metrics_json_holds(
     folder: str, request: pytest.FixtureRequest, tmp_path: Path
