@@ -137,9 +137,9 @@ def _evaluate(settings: Any, run_dir: Path) -> None:
 
     from imgret.checkpoint import EmbeddingNet, load_checkpoint
     from imgret.cli.jobs.gallery import evaluate_named
+    from imgret.cli.reports import format_report
     from imgret.datasets import list_records
     from imgret.embedder import Embedder
-    from imgret.gallery.evaluation.retrieval import format_report
     from imgret.images import load_image_file
     from imgret.metrics import retrieval_metrics
     from imgret.training.scoring import pixel_embeddings

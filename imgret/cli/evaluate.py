@@ -72,7 +72,7 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
         from pydantic import ValidationError
 
         from imgret.cli.jobs.gallery import evaluate_named
-        from imgret.gallery.evaluation.retrieval import format_report
+        from imgret.cli.reports import format_report
         from imgret.service.request_rules import validation_message
         from imgret.service.schemas.common import RerankRequest
         from imgret.service.schemas.evaluation import EvaluateOptions

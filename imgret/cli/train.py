@@ -271,7 +271,7 @@ def echo_results(results: dict[str, Any], out: Path) -> None:
     if cv:
         typer.echo(f"(the {results['cross_validation']['folds']} fold models concatenated; "
                    "alone: the mean of the fold models tested by themselves)")
-    from imgret.training.report import did_not_learn
+    from imgret.training.report_output import did_not_learn
 
     for row in results["rows"]:
         if row["metrics"] is None:

@@ -13,7 +13,7 @@ from typing import Any
 from imgret.embedder import Embedder
 from imgret.errors import GalleryError
 from imgret.gallery.evaluation import calibration as calibrations
-from imgret.gallery.evaluation import retrieval as evaluation
+from imgret.gallery.evaluation import retrieval
 from imgret.gallery.evaluation.open_set import OpenSetRequest
 from imgret.gallery.search.rerank import Rerank
 from imgret.gallery.storage import query_set_store
@@ -36,7 +36,7 @@ def evaluate_version(
     resources: Resources, query_set: str, version: str, *, k: Sequence[int] | None = None,
     exclude_same_camera: bool = False, worst: int = 0, rerank: Rerank | None = None,
     open_set: OpenSetRequest | None = None, record: bool = True,
-) -> evaluation.Evaluation:
+) -> retrieval.Evaluation:
     """A named query set ranked through ``version``'s index (the served one, or another
     version's, opened once and kept up to date); recorded as the version's last evaluation,
     unless re-ranked (a search option, not the model: see
@@ -47,7 +47,7 @@ def evaluate_version(
         media=resources.media, max_pixels=resources.settings.max_image_pixels, k=k,
         exclude_same_camera=exclude_same_camera, worst=worst, open_set=open_set,
     )
-    run = lifecycle.evaluate_recorded if record else evaluation.evaluate_query_set
+    run = lifecycle.evaluate_recorded if record else retrieval.evaluate_query_set
     return run(resources.searcher_for(version), query_set, rerank=rerank, **options)
 
 
@@ -84,7 +84,7 @@ def evaluate_upload(
     cameras: Sequence[int] | None = None, version: str | None = None,
     k: Sequence[int] | None = None, exclude_same_camera: bool = False, worst: int = 0,
     rerank: Rerank | None = None, open_set: OpenSetRequest | None = None,
-) -> evaluation.Evaluation:
+) -> retrieval.Evaluation:
     """Uploaded queries embedded with ``version``'s model (default the served one) and ranked
     through its index; model and index are taken together."""
     if version is None:
@@ -92,11 +92,11 @@ def evaluate_upload(
         embedder, searcher = serving.embedder, serving.searcher
     else:
         embedder, searcher = resources.embedder_for(version), resources.searcher_for(version)
-    queries = evaluation.embed_queries(
+    queries = retrieval.embed_queries(
         images, labels, embedder=embedder, cameras=cameras,
         limits=DecodeLimits.from_settings(resources.settings),
     )
-    return evaluation.evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
+    return retrieval.evaluate(searcher, queries, k=k, exclude_same_camera=exclude_same_camera,
                                worst=worst, rerank=rerank, session_factory=resources.sessions,
                                open_set=open_set)
 

@@ -38,13 +38,8 @@ from imgret.training.crossval import fold_dir, fold_ids, is_finished, test_run
 from imgret.training.loop import train
 from imgret.training.progress import Progress
 from imgret.training.registry import LOSSES, loss_spec, resolve_miner
-from imgret.training.report import (
-    BenchmarkMismatch,
-    aggregate,
-    check_comparable,
-    describe_diff,
-    write_report,
-)
+from imgret.training.report import BenchmarkMismatch, aggregate, check_comparable, describe_diff
+from imgret.training.report_output import write_report
 
 logger = logging.getLogger(__name__)
 

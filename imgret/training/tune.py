@@ -17,7 +17,7 @@ configuration is retrained with several seeds and tested once per seed.
 2. the best loss blocks go to :func:`imgret.training.benchmark.run_benchmark` (cells
    ``out/runs/<loss>/seed<k>/``, resumable, one shared base config), whose results carry
    ``"tuning"``: the trial budget, the search spaces and each loss's best configuration
-   (:func:`imgret.training.report.tuning_markdown` renders it).
+   (:func:`imgret.training.report_output.tuning_markdown` renders it).
 
 Cross-validation (``base.cv_folds`` = k > 0, the Reality Check's protocol as
 powerful-benchmarker runs it): a trial trains k fold models (``trial<n>/fold<j>/``, each

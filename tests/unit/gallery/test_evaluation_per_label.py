@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from imgret.cli.reports import format_report
 from imgret.gallery.evaluation.retrieval import (
     BETTER,
     MIN_EFFECT,
@@ -17,7 +18,6 @@ from imgret.gallery.evaluation.retrieval import (
     QueryBatch,
     compare_versions,
     evaluate,
-    format_report,
     gate,
     verdict,
 )

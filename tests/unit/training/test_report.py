@@ -11,7 +11,8 @@ import pytest
 from imgret.stats import mean_ci, paired_mean_ci
 from imgret.training.analysis import convergence, paired_differences, tiers, time_to_fraction
 from imgret.training.config import LossConfig, TrainConfig
-from imgret.training.report import BenchmarkMismatch, aggregate, render_markdown, write_report
+from imgret.training.report import BenchmarkMismatch, aggregate
+from imgret.training.report_output import render_markdown, write_report
 
 # Three losses over seeds 0-2. A - B is +0.1 on every seed: a real difference even though
 # the unpaired intervals (0.6 ± 0.25 and 0.5 ± 0.25) overlap; C moves against both.

@@ -12,7 +12,7 @@ import torch
 
 from imgret.training.config import DEFAULT_LOSSES, LossConfig, TrainConfig
 from imgret.training.registry import LOSSES, LR, PARAM_LR_MULT, build_loss
-from imgret.training.report import tuning_markdown
+from imgret.training.report_output import tuning_markdown
 from imgret.training.tune import (
     BUDGETS,
     apply_params,
