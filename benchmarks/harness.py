@@ -1,22 +1,20 @@
-"""The harness that benchmarks and end-to-end tests share: a real ``imgret serve`` on loopback,
-generated class images, and ``wrk`` driving ``POST /search``.
+"""What the benchmarks share: generated and Fashion-MNIST images, ``wrk`` driving
+``POST /search``, the server's CPU time and batch histogram; and, from the tests' support code,
+a real ``imgret serve`` on loopback (:mod:`tests.support.live_server`).
 
 Benchmarks run as ``python benchmarks/NAME.py`` and find this module beside them
-(``from harness import ...``); tests import it as ``benchmarks.harness``. It imports nothing
-from ``tests/`` (checked by ``tests/unit/test_layering.py``).
+(``from harness import ...``). The tests import nothing from ``benchmarks/`` (checked by
+``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,97 +22,20 @@ import httpx
 import numpy as np
 from PIL import Image
 
-_SERVE = "from imgret.cli.main import main; main()"
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout: the tests' support code
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.live_server import (  # noqa: E402
+    LiveServer,
+    free_port,
+    running_server,
+    running_servers,
+)
+
+__all__ = ["LiveServer", "free_port", "running_server", "running_servers"]
+
 BOUNDARY = "imgret-bench-boundary"
-
-
-# --------------------------------------------------------------------------- the server
-
-
-@dataclass(frozen=True)
-class LiveServer:
-    """A running ``imgret serve`` process, its base URL (``http://127.0.0.1:PORT``) and log."""
-
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nobody listens on now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_servers(specs: Sequence[tuple[dict[str, str], Path]], *, workers: int = 1,
-                    start_timeout_s: float = 180.0) -> Iterator[list[LiveServer]]:
-    """Start ``imgret serve`` once per ``(env, log_path)`` on free loopback ports, ``env``
-    added to this process's environment; yield the servers, in the order of ``specs``, once
-    every one answers /health (start-up is mostly imports: they overlap).
-
-    A server that exits or is not healthy within ``start_timeout_s`` raises, with its log's
-    tail. At the end each is stopped with SIGTERM (graceful shutdown), and killed if it hangs.
-    """
-    servers: list[LiveServer] = []
-    try:
-        for env, log_path in specs:
-            port = free_port()
-            with open(log_path, "wb") as log:
-                process = subprocess.Popen(
-                    [sys.executable, "-c", _SERVE, "serve", "--host", "127.0.0.1",
-                     "--port", str(port), "--workers", str(workers)],
-                    env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            servers.append(LiveServer(f"http://127.0.0.1:{port}", process, Path(log_path)))
-        for server in servers:
-            _wait_healthy(server, start_timeout_s)
-        yield servers
-    finally:
-        for server in servers:
-            if server.process.poll() is None:
-                server.process.terminate()
-        for server in servers:
-            try:
-                server.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def running_server(env: dict[str, str], *, log_path: Path, workers: int = 1,
-                   start_timeout_s: float = 180.0) -> Iterator[LiveServer]:
-    """One ``imgret serve`` (see :func:`running_servers`)."""
-    with running_servers([(env, log_path)], workers=workers,
-                         start_timeout_s=start_timeout_s) as (server,):
-        yield server
-
-
-def _wait_healthy(server: LiveServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"imgret serve exited with {server.process.returncode}:\n"
-                               f"{_tail(server.log_path)}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"imgret serve not healthy after {timeout_s:.0f} s:\n"
-                       f"{_tail(server.log_path)}")
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-# --------------------------------------------------------------------------- images
 
 
 def class_png(label: int, index: int, size: int = 64) -> bytes:

@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -22,13 +22,13 @@ import pytest
 import torch
 from sqlalchemy import func, select
 
-from benchmarks.harness import running_server
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.gallery.storage.db import make_engine, make_sessionmaker
 from imgret.gallery.storage.tables import ModelCheckpoint
 from imgret.gallery.versions.intake import PATH_REFUSED
 from tests.conftest import TEST_DEVICE
 from tests.integration.test_bad_input_corpus import Case, _check_bad, _detail, _raw, _run, _send
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness import running_server
 from imgret.service.limits import (
     REQUEST_HITS_MAX,
     REQUEST_RERANK_SEARCHES_MAX,
@@ -19,6 +18,7 @@ from imgret.service.limits import (
 )
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -24,11 +24,11 @@ import pytest
 from PIL import Image
 from sqlalchemy import text
 
-from benchmarks.harness import running_servers
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.storage.db import make_engine, upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
+from tests.support.live_server import running_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -35,7 +35,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness import running_servers
 from imgret.gallery.media.files import sha256_hex
 from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
@@ -48,6 +47,7 @@ from tests.support.gallery_state import (
     png,
     server_env,
 )
+from tests.support.live_server import running_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

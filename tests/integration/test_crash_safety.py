@@ -40,7 +40,6 @@ import httpx
 import pytest
 from sqlalchemy import text
 
-from benchmarks.harness import LiveServer, running_server
 from imgret.gallery.ingest import ingest_source
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
@@ -58,6 +57,7 @@ from tests.support.gallery_state import (
     temp_files,
 )
 from tests.support.images import write_image_folder
+from tests.support.live_server import LiveServer, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness import running_servers
 from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_servers
 
 pytestmark = pytest.mark.slow
 

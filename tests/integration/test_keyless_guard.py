@@ -17,11 +17,11 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
-from benchmarks.harness import running_server
 from imgret.service.routers.health import FOLLOWER_ERROR_HIDDEN
 from imgret.service.security_headers import API_POLICY, PAGE_POLICY
 from tests.conftest import TEST_DEVICE, require
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from benchmarks.harness import running_servers
 from imgret.gallery.storage.db import make_engine, upgrade_to_head
 from imgret.gallery.storage.tables import MediaBlob
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
+from tests.support.live_server import running_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

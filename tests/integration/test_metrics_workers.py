@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
+from tests.support.live_server import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness import running_server
 from imgret.gallery.ingest import NewItem, add_items
 from imgret.gallery.media.blobs import DatabaseMediaStore
 from imgret.gallery.media.files import MediaStore
@@ -21,6 +20,7 @@ from imgret.gallery.storage.holders import GalleryInUse, hold_for_maintenance, h
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import server_env
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -22,12 +22,12 @@ import pytest
 import torch
 from sqlalchemy import delete, select
 
-from benchmarks.harness import running_server
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from imgret.gallery.storage.tables import ModelCheckpoint, ModelVersion
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

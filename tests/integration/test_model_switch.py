@@ -44,7 +44,6 @@ import httpx
 import numpy as np
 import pytest
 
-from benchmarks.harness import running_server
 from imgret.embedder import Embedder
 from imgret.gallery.storage import vector_store
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
@@ -53,6 +52,7 @@ from imgret.images import DecodeLimits, embed_encoded
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, server_env
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 

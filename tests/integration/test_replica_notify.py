@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.harness import running_servers
 from imgret.gallery.storage.db import upgrade_to_head
 from tests.conftest import TEST_DEVICE
 from tests.support.gallery_state import KEY_HEADERS, png, server_env
+from tests.support.live_server import running_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

@@ -48,10 +48,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from benchmarks.harness import running_server
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from tests.conftest import TEST_DEVICE
 from tests.support.images import class_image, image_bytes
+from tests.support.live_server import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 

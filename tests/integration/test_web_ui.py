@@ -20,9 +20,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from benchmarks.harness import running_server
 from tests.conftest import TEST_DEVICE, require
 from tests.support.images import class_image
+from tests.support.live_server import running_server
 
 pytestmark = pytest.mark.slow
 
