@@ -90,6 +90,7 @@ def test_routers_only_translate_http(path: Path) -> None:
     sql_modules = ("imgret.gallery.storage.", "imgret.gallery.versions.version_store")
     sql = {name for name in names
            if name.split(".")[0] == "sqlalchemy"
-           or (name.startswith(sql_modules) and not name.startswith("imgret.gallery.storage.tables"))}
+           or (name.startswith(sql_modules)
+               and not name.startswith("imgret.gallery.storage.tables"))}
     assert not routers, f"{path.name} imports routers {sorted(routers)}"
     assert not sql, f"{path.name} imports {sorted(sql)}"
