@@ -8,7 +8,7 @@ GLYPH_FONTS := fonts-ipaexfont-gothic fonts-ipaexfont-mincho fonts-arphic-ukai \
 DEBS := dataset-fashion-mnist chromium chromium-driver $(GLYPH_FONTS)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps postgres demo test lint bench clean
+.PHONY: setup system-deps postgres demo test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ demo: setup system-deps
 test: setup system-deps postgres
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n auto --dist loadfile
+
+# The inner loop: unit and API tests on SQLite only (no PostgreSQL, no live servers, no
+# browser); `make test` runs everything, as CI does.
+test-fast: setup
+	$(BIN)/python -m pytest tests/unit tests/api -m "not postgres and not slow" -n auto --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check .
