@@ -22,8 +22,8 @@ from imgret.service.limits import (
     SEARCH_CANDIDATES_MAX,
 )
 from tests.api.conftest import add_gallery, png, search
-from tests.api.test_batch_isolation import _files, _in_thread
-from tests.api.test_batcher_settings import BlockingPipeline
+from tests.api.search.test_batch_isolation import _files, _in_thread
+from tests.api.search.test_batcher_settings import BlockingPipeline
 
 
 def _batches(client) -> float:

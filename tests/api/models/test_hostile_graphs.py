@@ -25,7 +25,7 @@ from imgret.embedder import Embedder
 from imgret.gallery.search.ranking import to_hits
 from imgret.gallery.storage.tables import Embedding, QueryEmbedding
 from imgret.gallery.storage.vector_store import encode_vector
-from imgret.gallery.versions import records as version_store
+from imgret.gallery.versions import version_store
 from tests.api.conftest import add_gallery, png, search
 from tests.support.images import write_image_folder
 

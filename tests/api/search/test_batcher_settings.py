@@ -14,7 +14,7 @@ import pytest
 from imgret.images import DecodeLimits
 from imgret.service.pipeline import SearchPipeline
 from tests.api.conftest import add_gallery, png, search
-from tests.api.test_batch_isolation import _files, _in_thread
+from tests.api.search.test_batch_isolation import _files, _in_thread
 from tests.support.hostile_images import ratio_bomb
 
 

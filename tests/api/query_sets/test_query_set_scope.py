@@ -20,7 +20,7 @@ from imgret.gallery.tenancy import collections
 from imgret.gallery.versions import version_store
 from imgret.images import DecodeLimits, embed_encoded
 from tests.api.conftest import png
-from tests.api.test_models import _checkpoint
+from tests.api.models.test_models import _checkpoint
 
 # (collection, query set, how many query images, their first image index)
 SETS = (("alpha", "faces", 6, 100), ("beta", "cams", 4, 200))

@@ -16,7 +16,7 @@ from imgret.service.access import markdown_table, route_table
 from tests.api.conftest import API_KEY, png
 
 ADMIN = {"X-API-Key": API_KEY}
-DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "api.md"
 TABLE_START, TABLE_END = "<!-- roles:start -->", "<!-- roles:end -->"
 
 
