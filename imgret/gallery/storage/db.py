@@ -68,7 +68,7 @@ def make_sessionmaker(
 def migrations_dir() -> Path:
     """The Alembic script folder (``imgret/migrations/``, with ``env.py`` and ``versions/``),
     part of the package: a wheel, an editable install and a plain checkout all carry it."""
-    folder = Path(__file__).resolve().parents[1] / "migrations"
+    folder = Path(__file__).resolve().parents[2] / "migrations"
     if not ((folder / "env.py").is_file() and (folder / "versions").is_dir()):
         raise DatabaseError(f"Alembic migrations not found in {folder}; reinstall imgret")
     return folder
