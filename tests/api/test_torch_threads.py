@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+import imgret.gallery.versions.intake
 import imgret.service.app
 import imgret.service.gallery
-import imgret.service.resources
 import imgret.service.version_evaluation
 from imgret.metrics import retrieval_metrics
 from imgret.process import in_own_thread
@@ -44,7 +44,7 @@ def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
     for module, name in [(imgret.service.app, "load_resources"),
                          (imgret.service.gallery, "add_items"),
                          (imgret.service.version_evaluation, "evaluate_uploaded"),
-                         (imgret.service.resources.versions, "load_embedder")]:
+                         (imgret.gallery.versions.intake, "load_embedder")]:
         monkeypatch.setattr(module, name, _parallel_torch_first(getattr(module, name)))
     with torch_threads(2):
         # The BLAS libraries start one pool of threads per process, the first time they are
