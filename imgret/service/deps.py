@@ -37,11 +37,11 @@ async def get_resources(request: Request) -> AsyncIterator[Resources]:
         collections.check_name(name)
     except ValueError as exc:
         raise InvalidRequest(f"collection: {exc}") from None
+    # From here on an error may come from a delete that races this request (even while the
+    # collection is being opened): the error handlers then answer 404 for the collection.
+    request.state.collection = name
     registry = request.app.state.collections
     resources = await registry.resources(name)
-    # It existed when the request began: an error from now on may come from a delete that
-    # raced it, and the error handlers then answer 404 for the collection.
-    request.state.collection = name
     with registry.holding(name):
         yield resources
 
