@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from imgret.errors import CheckpointError, UnknownName
+from imgret.pretrained import IMAGENET, load_packaged_weights
 
 
 def _two_convs() -> list[nn.Module]:
@@ -57,6 +58,16 @@ def _efficientnet_b0(image_size: int) -> tuple[nn.Module, int]:
     return model, features
 
 
+def _mobilenet_v2(image_size: int) -> tuple[nn.Module, int]:
+    import torchvision.models as tvm
+
+    # features, global average pooling, then the classifier (dropout + linear), dropped.
+    model = tvm.mobilenet_v2(weights=None)
+    features = model.classifier[1].in_features
+    model.classifier = nn.Identity()
+    return model, features
+
+
 def _convnext_tiny(image_size: int) -> tuple[nn.Module, int]:
     import torchvision.models as tvm
 
@@ -82,6 +93,7 @@ BACKBONES: dict[str, Callable[[int], tuple[nn.Module, int]]] = {
     "resnet18": _resnet("resnet18"),
     "resnet50": _resnet("resnet50"),
     "efficientnet_b0": _efficientnet_b0,
+    "mobilenet_v2": _mobilenet_v2,
     "convnext_tiny": _convnext_tiny,
     "vit_b_16": _vit_b_16,
 }
@@ -96,7 +108,9 @@ def build_backbone(
         name: a key of :data:`BACKBONES`.
         image_size: the square input size (ViT needs it at construction).
         weights: optional local file of torchvision weights (a state dict, e.g. the
-            ``resnet18-f37072fd.pth`` file torchvision would download). Nothing is downloaded.
+            ``resnet18-f37072fd.pth`` file torchvision would download), or ``"imagenet"``:
+            the ImageNet weights an installed package ships (:mod:`imgret.pretrained`).
+            Nothing is downloaded.
 
     Returns:
         ``(trunk, feature_dim)``.
@@ -104,7 +118,9 @@ def build_backbone(
     if name not in BACKBONES:
         raise UnknownName("backbone", name, list(BACKBONES))
     trunk, features = BACKBONES[name](image_size)
-    if weights is not None:
+    if weights == IMAGENET:
+        load_packaged_weights(trunk, name)
+    elif weights is not None:
         load_backbone_weights(trunk, Path(weights))
     return trunk, features
 

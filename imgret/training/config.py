@@ -196,14 +196,16 @@ class TrainConfig:
         "the classes (class-disjoint) or 0.25 of each class's images (closed-set)")
     backbone: str = Field(
         "resnet18",
-        description="tiny_cnn, resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16")
+        description="tiny_cnn, small_cnn, resnet18, resnet50, efficientnet_b0, mobilenet_v2, "
+        "convnext_tiny, vit_b_16")
     dim: int = Field(128, gt=0, le=MAX_DIM, description="embedding size")
     image_size: int = Field(
         224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE, description="input side in px"
     )
     backbone_weights: str | None = Field(
-        None, description="local torchvision state dict for the trunk (nothing is "
-        "downloaded); default: random init")
+        None, description="local torchvision state dict for the trunk, or imagenet: the "
+        "ImageNet weights an installed package ships (mobilenet_v2; the pretrained extra); "
+        "nothing is downloaded; default: random init")
     epochs: int = Field(10, ge=1)
     time_budget_s: float | None = Field(
         None, gt=0,

@@ -159,7 +159,7 @@ def test_backbone_weights_load_from_a_local_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("backbone", "size"),
     [("resnet18", 32), ("resnet50", 32), ("efficientnet_b0", 32), ("convnext_tiny", 32),
-     ("vit_b_16", 32)],
+     ("mobilenet_v2", 32), ("vit_b_16", 32)],
 )
 def test_every_backbone_embeds(backbone: str, size: int) -> None:
     spec = ModelSpec(backbone=backbone, dim=8, image_size=size)
