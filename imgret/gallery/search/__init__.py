@@ -22,9 +22,27 @@ holds the locks that make them safe together:
 - :mod:`imgret.gallery.search.lock`: the reader/writer lock.
 """
 
-from imgret.gallery.search.filters import SearchFilter
-from imgret.gallery.search.lock import ReadWriteLock
-from imgret.gallery.search.ranking import Hit
-from imgret.gallery.search.searcher import Searcher
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from imgret.gallery.search.filters import SearchFilter
+    from imgret.gallery.search.lock import ReadWriteLock
+    from imgret.gallery.search.ranking import Hit
+    from imgret.gallery.search.searcher import Searcher
 
 __all__ = ["Hit", "ReadWriteLock", "SearchFilter", "Searcher"]
+
+# Loaded on first use (PEP 562): a command that needs only the index's manifest or file
+# helpers (a collection delete, ``imgret media migrate``) must not import FAISS, whose loader
+# logs to the command's one-line error output and costs start-up time.
+_HOME = {"Hit": "ranking", "ReadWriteLock": "lock", "SearchFilter": "filters",
+         "Searcher": "searcher"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
