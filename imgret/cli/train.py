@@ -10,16 +10,36 @@ torch and the rest of the training package are imported inside the commands so t
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable
+from itertools import count
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_origin
 
 import typer
 
-from imgret.training.config import DEFAULT_LOSSES, LossConfig, TrainConfig, default_image_size
+from imgret.training.config import (
+    DEFAULT_LOSSES,
+    OPTIONAL_FIELDS,
+    LossConfig,
+    TrainConfig,
+    default_image_size,
+)
+from imgret.training.defaults import (
+    DEFAULT_BACKBONE,
+    DEFAULT_LOSS,
+    FALLBACK_BACKBONE,
+    IMAGE_SIZE_RANGE,
+    IMAGE_SIZE_RANGES,
+    SAMPLE_IMAGES,
+    SIDE_STEP,
+    TRAIN_DEFAULTS,
+    default_trunk,
+)
 
 _BASE = "Base config (shared by every loss in a benchmark)"
 # `imgret train`'s exit status for a run that finished without learning (2: bad options or
@@ -41,6 +61,42 @@ _OPTION_CHANGES: dict[str, dict[str, Any]] = {
     "backbone_weights": {"type": Path | None},
     "time_budget_s": {"flag": "--time-budget"},
 }
+
+
+def _small_ranges() -> str:
+    ranges: dict[tuple[int, int], list[str]] = {}
+    for backbone, bounds in sorted(IMAGE_SIZE_RANGES.items()):
+        ranges.setdefault(bounds, []).append(backbone)
+    return "; ".join(f"{low}-{high} for {' and '.join(names)}"
+                     for (low, high), names in ranges.items())
+
+
+# `imgret train`'s own defaults (imgret.training.defaults), over _OPTION_CHANGES: the data may
+# come as the DATA argument, the trunk and its weights are chosen together, the input side is
+# measured on the training images (by the training loop), and nothing changes an image's
+# identity unless asked.
+TRAIN_OPTION_CHANGES: dict[str, dict[str, Any]] = {
+    "data": {"type": str | None, "default": None,
+             "help": "the DATA argument, given as an option"},
+    "backbone": {"type": str | None, "default": None, "help": (
+        "tiny_cnn, small_cnn, resnet18, resnet50, efficientnet_b0, mobilenet_v2, "
+        f"convnext_tiny, vit_b_16; default: {DEFAULT_BACKBONE} from its ImageNet weights "
+        f"(the pretrained extra), or {FALLBACK_BACKBONE} from random init, with a warning, "
+        "where that is not installed")},
+    "backbone_weights": {"help": (
+        "local torchvision state dict for the trunk, or imagenet: the ImageNet weights an "
+        "installed package ships (mobilenet_v2; the pretrained extra); nothing is "
+        "downloaded; default: imagenet for the default trunk, random init for a --backbone")},
+    "image_size": {"help": (
+        f"input side in px; default: the median side (sqrt(width x height)) of "
+        f"{SAMPLE_IMAGES} training images, rounded to {SIDE_STEP} and kept within "
+        f"{IMAGE_SIZE_RANGE[0]}-{IMAGE_SIZE_RANGE[1]} px ({_small_ranges()})")},
+    "epochs": {"default": TRAIN_DEFAULTS["epochs"]},
+    "time_budget_s": {"default": TRAIN_DEFAULTS["time_budget_s"]},
+    "augmentation": {"default": TRAIN_DEFAULTS["augmentation"], "help": (
+        "none (the images as they come) or standard (random resized crop + horizontal flip "
+        "+ colour jitter: can change what a character or a glyph is)")},
+}
 # The default of a command parameter that is the option of the TrainConfig field of its name.
 FROM_CONFIG: Any = object()
 
@@ -53,10 +109,12 @@ ControlsOpt = Annotated[str, typer.Option(
     "shuffled_labels (labels permuted), oracle (trained on the test classes)")]
 
 
-def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
-    """The Typer option of TrainConfig field ``name``: flag, type, default and help."""
+def config_option(name: str, panel: str | None = None,
+                  command_changes: dict[str, dict[str, Any]] | None = None) -> inspect.Parameter:
+    """The Typer option of TrainConfig field ``name``: flag, type, default and help (a
+    command's own changes over :data:`_OPTION_CHANGES`)."""
     field = TrainConfig.__pydantic_fields__[name]
-    changes = _OPTION_CHANGES.get(name, {})
+    changes = {**_OPTION_CHANGES.get(name, {}), **(command_changes or {}).get(name, {})}
     kind = changes.get("type", field.annotation)
     if get_origin(kind) is Literal:  # shown and parsed as text; TrainConfig names the choices
         kind = str
@@ -70,16 +128,22 @@ def config_option(name: str, panel: str | None = None) -> inspect.Parameter:
     )
 
 
-def with_config_options(command: Callable[..., None]) -> Callable[..., None]:
+def with_config_options(
+    command: Callable[..., None] | None = None, *,
+    changes: dict[str, dict[str, Any]] | None = None,
+) -> Any:
     """Give a command its TrainConfig options: its ``**base`` becomes the :data:`BASE_OPTIONS`
     (in the base-config panel), and a parameter whose default is :data:`FROM_CONFIG` becomes
-    the option of the field of that name."""
+    the option of the field of that name. ``@with_config_options(changes=...)`` gives the
+    command its own defaults and help for some of them."""
+    if command is None:
+        return lambda function: with_config_options(function, changes=changes)
     parameters = []
     for parameter in inspect.signature(command, eval_str=True).parameters.values():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            parameters += [config_option(name, _BASE) for name in BASE_OPTIONS]
+            parameters += [config_option(name, _BASE, changes) for name in BASE_OPTIONS]
         elif parameter.default is FROM_CONFIG:
-            parameters.append(config_option(parameter.name))
+            parameters.append(config_option(parameter.name, None, changes))
         else:
             parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
     command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
@@ -93,12 +157,21 @@ def register(app: typer.Typer, *, db_app: typer.Typer, index_app: typer.Typer) -
     app.command("tune")(tune_command)
 
 
-@with_config_options
+@with_config_options(changes=TRAIN_OPTION_CHANGES)
 def train_command(
-    out: OutOpt,
+    ctx: typer.Context,
+    data_argument: Annotated[str | None, typer.Argument(
+        metavar="DATA", show_default=False,
+        help="an ImageFolder tree (DATA/<class>/<image>), a Market-1501 folder, a CSV "
+        "manifest (path,label[,camera]), fashion-mnist[:FOLDER] or glyphs[:classes=N,...]",
+    )] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="run directory; default: runs/<DATA's name>, or runs/<name>-2, -3, ... "
+        "when that holds a run (with --resume: the last of them)")] = None,
     loss: Annotated[str, typer.Option(
         "--loss", help="contrastive, triplet, multi_similarity, proxy_anchor, proxy_nca, "
-        "normalized_softmax, cross_entropy, cosface, arcface, ntxent, supcon, circle")],
+        "normalized_softmax, cross_entropy, cosface, arcface, ntxent, supcon, circle")
+    ] = DEFAULT_LOSS,
     miner: Annotated[str | None, typer.Option(
         "--miner", help="none, semihard, hard, all, multi_similarity, batch_hard; default: "
         "the loss's own (triplet: semihard, multi_similarity: multi_similarity)")] = None,
@@ -107,11 +180,16 @@ def train_command(
     seed: int = FROM_CONFIG,
     fold: int | None = FROM_CONFIG,
     resume: Annotated[bool, typer.Option(
-        "--resume", help="continue the run in --out from its last.pt (same options)")] = False,
+        "--resume", help="continue the run in --out from its last.pt; an option not given "
+        "takes the run's own value")] = False,
     progress: ProgressOpt = True,
     **base: Any,
 ) -> None:
     """Train an embedding with a metric-learning loss; validate every epoch, test once.
+
+    With no options, fits a folder as it comes on a CPU: a pretrained mobilenet_v2, the
+    input side measured on the training images, no augmentation, multi_similarity, 8 epochs
+    or 10 minutes of training, half of the classes held out for the test (docs/training.md).
 
     Writes OUT/model.pt (best by validation MAP@R), metrics.json, split.json, curves.png and
     last.pt (for --resume). Prints test MAP@R of the model, the untrained network and raw
@@ -120,8 +198,38 @@ def train_command(
     class-disjoint test split of few classes or images is flagged as too small to mean much.
     """
     # The options are checked before torch and the training stack are imported (seconds).
-    loss_block = LossConfig(name=loss, miner=miner, options=_parse_options(loss_option, loss))
-    config = _config(base, seed=seed, loss=loss_block, fold=fold)
+    given = {name for name in ctx.params if _given(ctx, name)}
+    if data_argument is not None and base["data"] is not None \
+            and data_argument != base["data"]:
+        raise typer.BadParameter("DATA and --data name different data; give one",
+                                 param_hint="DATA")
+    base["data"] = data_argument or base["data"]
+    if data_argument is not None:
+        given.add("data")
+    if out is None:
+        if base["data"] is None:
+            raise typer.BadParameter("name the data to train on", param_hint="DATA")
+        out = default_out(base["data"], resume=resume)
+        typer.echo(f"run directory: {out}")
+    options = {**base, "seed": seed, "fold": fold}
+    block: dict[str, Any] = {"name": loss, "miner": miner}
+    saved = saved_request(out) if resume else None
+    if saved is not None:  # the run's own values for what is not given
+        options.update({k: saved[k] for k in options if k not in given and k in saved})
+        block = {**saved["loss"], **{k: v for k, v in block.items()
+                                     if {"name": "loss"}.get(k, k) in given}}
+        if given & {"loss", "loss_option"}:
+            block["options"] = _parse_options(loss_option, block["name"])
+    else:
+        if options["data"] is None:
+            raise typer.BadParameter("name the data to train on", param_hint="DATA")
+        if "backbone" not in given and "backbone_weights" in given:
+            options["backbone"] = DEFAULT_BACKBONE  # the weights are for the default trunk
+        elif "backbone" not in given:
+            options["backbone"], options["backbone_weights"] = default_trunk()
+        block["options"] = _parse_options(loss_option, block["name"])
+    seed, fold = options.pop("seed"), options.pop("fold")
+    config = _config(options, seed=seed, loss=LossConfig(**block), fold=fold, measure=True)
 
     from imgret.training.loop import train
 
@@ -289,14 +397,56 @@ def _names(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _config(options: dict[str, Any], **per_run: Any) -> TrainConfig:
-    """The TrainConfig of the base-config options and the per-run fields (loss, seed)."""
+def _config(options: dict[str, Any], *, measure: bool = False, **per_run: Any) -> TrainConfig:
+    """The TrainConfig of the base-config options and the per-run fields (loss, seed).
+    ``measure``: an input side not given is left to the run to measure on its images
+    (``imgret train``); else it is the data set's (:func:`default_image_size`)."""
     weights = options["backbone_weights"]
+    size = options["image_size"]
     return TrainConfig(**{
         **options,
-        "image_size": options["image_size"] or default_image_size(options["data"]),
+        "image_size": size if size or measure else default_image_size(options["data"]),
         "backbone_weights": str(weights) if weights else None,
     }, **per_run)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether a parameter was given (command line or environment), not left at its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def default_out(data: str, *, resume: bool) -> Path:
+    """``runs/<name of data>``; when that holds a run, the first of ``runs/<name>-2``,
+    ``-3``, ... that does not (with ``resume``: the last that does)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(data.rstrip("/\\")).name or data)
+    name = name.strip("-.") or "run"
+    candidates = (Path("runs") / (name if n == 1 else f"{name}-{n}") for n in count(1))
+    previous = None
+    for candidate in candidates:
+        if not _holds_run(candidate):
+            return previous if resume and previous is not None else candidate
+        previous = candidate
+    raise AssertionError("unreachable")
+
+
+def _holds_run(out: Path) -> bool:
+    from imgret.training.run_dir import LAST_FILE, METRICS_FILE
+
+    return (out / LAST_FILE).exists() or (out / METRICS_FILE).exists()
+
+
+def saved_request(out: Path) -> dict[str, Any] | None:
+    """What the run in ``out`` was asked for (its ``metrics.json`` config, with the batch
+    composition as asked and the unsaved defaults filled in), or ``None`` without one."""
+    from imgret.training.run_dir import METRICS_FILE
+
+    try:
+        record = json.loads((out / METRICS_FILE).read_text())
+        config = record["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**OPTIONAL_FIELDS, **config, **record.get("requested_batch", {})}
 
 
 def _parse_options(items: list[str] | None, loss: str) -> dict[str, Any]:

@@ -160,14 +160,18 @@ class TrainConfig:
         val_fraction, test_fraction: shares of classes (class-disjoint) or of each class's
             images (closed-set); together less than 1; ``None`` = the protocol's default
             (:attr:`split_fractions`).
-        image_size: ``imgret train`` defaults it by data set (:func:`default_image_size`).
+        image_size: ``None`` = from a sample of the training images, resolved when the run
+            starts and saved resolved (:func:`imgret.training.defaults.auto_image_size`);
+            ``imgret train`` leaves it ``None`` unless ``--image-size`` is given, ``imgret
+            benchmark`` and ``imgret tune`` default it by data set (:func:`default_image_size`).
         epochs: one epoch = as many samples as the training split holds.
         time_budget_s: the run stops after the step that exceeds it, validates, and tests.
         batch_size, m_per_class: MPerClassSampler batches of ``batch_size / m_per_class``
             classes x ``m_per_class`` images (``m_per_class`` divides ``batch_size``).
         lr, weight_decay, warmup_epochs: AdamW, linear warm-up then cosine decay to 0.
         augmentation: ``standard`` = random resized crop + flip (+ colour jitter for colour
-            data).
+            data); ``none`` = the images as they are (``imgret train``'s default: a crop or
+            a flip can change what a character or a glyph is).
         device: ``cuda`` trains under bf16 autocast.
         cv_folds: ``k`` > 0 = the Reality Check's cross-validation: test = a seeded half of
             the classes, the other half cut into ``k`` class-disjoint folds; a run trains on
@@ -199,8 +203,9 @@ class TrainConfig:
         description="tiny_cnn, small_cnn, resnet18, resnet50, efficientnet_b0, mobilenet_v2, "
         "convnext_tiny, vit_b_16")
     dim: int = Field(128, gt=0, le=MAX_DIM, description="embedding size")
-    image_size: int = Field(
-        224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE, description="input side in px"
+    image_size: int | None = Field(
+        224, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE,
+        description="input side in px; none: from the training images"
     )
     backbone_weights: str | None = Field(
         None, description="local torchvision state dict for the trunk, or imagenet: the "

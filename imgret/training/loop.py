@@ -56,12 +56,19 @@ from imgret.training.data import (
     RandomBatchSampler,
     TrainDataset,
     describe_split,
+    image_sizes,
     make_split,
     model_spec_for,
     open_source,
     plan_batches,
     plan_random_batches,
     train_transform,
+)
+from imgret.training.defaults import (
+    SAMPLE_IMAGES,
+    SIDE_STEP,
+    auto_image_size,
+    image_size_range,
 )
 from imgret.training.distributed import Distributed, ShardedBatchSampler, connect
 from imgret.training.geometry import collapse
@@ -278,6 +285,9 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
     source = open_source(config.data)
     split = make_split(source, config)
     summary = split.summary(source)
+    if config.image_size is None:
+        config = dataclasses.replace(config, image_size=measure_image_size(
+            config, source, split.indices["train"], log=dist.is_main))
     spec = model_spec_for(config, source)
     train_set = TrainDataset(source, split.indices["train"],
                              train_transform(spec, config.augmentation))
@@ -298,6 +308,22 @@ def prepare_data(config: TrainConfig, out: Path, dist: Distributed) -> Data:
         logger.info("split: %s (%s)", describe_split(summary), split.rule)
     out.mkdir(parents=True, exist_ok=True)
     return Data(config, source, split, summary, spec, train_set, requested_batch)
+
+
+def measure_image_size(config: TrainConfig, source: ImageSource, train: np.ndarray, *,
+                       log: bool = True) -> int:
+    """The input side of a run that did not set one: from a seeded sample of its training
+    images (:func:`imgret.training.defaults.auto_image_size`)."""
+    rng = np.random.default_rng([config.split_seed, 11])
+    sample = np.sort(rng.permutation(np.asarray(train))[:SAMPLE_IMAGES])
+    sizes = image_sizes(source, sample)
+    side = auto_image_size(sizes, config.backbone)
+    if log:
+        low, high = image_size_range(config.backbone)
+        logger.info("image size %d px: the median side of %d training images, rounded to %d "
+                    "and kept within %d-%d px for %s (--image-size sets it)", side,
+                    len(sizes), SIDE_STEP, low, high, config.backbone)
+    return side
 
 
 def resolve_config(

@@ -120,15 +120,16 @@ def finished_run(config: TrainConfig, out: Path, *, resume: bool) -> RunResult |
 
 
 def check_same_config(saved: dict[str, Any], config: TrainConfig, out: Path) -> None:
-    """Refuse to resume a run with another config (``m_per_class`` resolved from the data at
-    the start counts as the same).
+    """Refuse to resume a run with another config (``m_per_class`` and ``image_size``
+    resolved from the data at the start count as the same as not given).
 
     Raises:
         TrainConfigError: naming every option that differs.
     """
     current = config.to_dict()
-    if saved.get("m_per_class") is not None and current.get("m_per_class") is None:
-        current["m_per_class"] = saved["m_per_class"]
+    for key in ("m_per_class", "image_size"):
+        if saved.get(key) is not None and current.get(key) is None:
+            current[key] = saved[key]
     diff = config_diff(saved, current)
     if diff:
         details = "; ".join(f"{k}: run has {a!r}, now {b!r}" for k, (a, b) in diff.items())

@@ -18,7 +18,13 @@ from imgret.training.data.sampler import (
     plan_batches,
     plan_random_batches,
 )
-from imgret.training.data.sources import ImageSource, iter_images, model_spec_for, open_source
+from imgret.training.data.sources import (
+    ImageSource,
+    image_sizes,
+    iter_images,
+    model_spec_for,
+    open_source,
+)
 from imgret.training.data.splits import (
     DataSplit,
     class_folds,
@@ -35,6 +41,7 @@ __all__ = [
     "TrainDataset",
     "class_folds",
     "describe_split",
+    "image_sizes",
     "iter_images",
     "make_split",
     "model_spec_for",

@@ -166,6 +166,25 @@ def open_source(data: str) -> ImageSource:
     return FileImageSource(data, list_records(data))
 
 
+def image_sizes(source: ImageSource, indices: np.ndarray) -> list[tuple[int, int]]:
+    """``(width, height)`` of these items: an in-memory set's array shape, a file's header
+    (PIL reads no pixels for it); an unreadable file is left out."""
+    if isinstance(source, ArrayImageSource):
+        height, width = source.pixels.shape[1:3]
+        return [(int(width), int(height))] * len(indices)
+    sizes = []
+    for index in indices:
+        try:
+            if isinstance(source, FileImageSource):
+                with Image.open(source.paths[int(index)]) as image:
+                    sizes.append(image.size)
+            else:
+                sizes.append(source.image(int(index)).size)
+        except (OSError, ValueError, ImageDecodeError, Image.DecompressionBombError):
+            continue
+    return sizes
+
+
 def model_spec_for(config: TrainConfig, source: ImageSource) -> ModelSpec:
     """The ModelSpec of a run: greyscale sources get their own normalisation statistics
     (Fashion-MNIST's train file; the glyph set's own, over all its images); the embedding
