@@ -6,18 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# The verdict rule and its words live with the intervals (imgret.stats); they are named here
-# too because the service and the model commands read them from this module.
-from imgret.stats import (  # noqa: F401
-    BETTER,
-    MIN_EFFECT,
-    NO_DIFFERENCE,
-    VERDICTS,
-    WORSE,
-    paired_comparison,
-    verdict,
-)
-
 # Labels shown by :func:`format_report`'s per-label table (the worst ones).
 FORMAT_LABELS = 10
 

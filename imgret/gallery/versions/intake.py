@@ -48,9 +48,9 @@ from imgret.gallery.versions.version_store import (
     VersionNotFound as VersionNotFound,  # raised here too
 )
 
-# Temporary upload files of older releases (see sweep_incoming).
 logger = logging.getLogger(__name__)
 
+# Temporary upload files of older releases (see sweep_incoming).
 INCOMING_DIR = ".incoming"
 
 
