@@ -174,7 +174,7 @@ def fill_gallery(db_url: str, version: str, vectors: np.ndarray, chunk: int = 50
         for start in range(0, len(vectors), chunk):
             part = vectors[start : start + chunk]
             rows = [item_store.NewRow(f"{start + i:064x}", f"synthetic/{start + i}", "image/png",
-                                 f"c{(start + i) % CLUSTERS}") for i in range(len(part))]
+                                      f"c{(start + i) % CLUSTERS}") for i in range(len(part))]
             with sessions.begin() as session:
                 model = version_store.get_model_version(session=session, version=version)
                 item_store.insert_items(rows, part, session=session, model_version=model)

@@ -61,7 +61,7 @@ def compare_named(
     options = dict(k=k, exclude_same_camera=exclude_same_camera, worst=worst, rerank=rerank,
                    open_set=open_set)
     return lifecycle.comparison_report(evaluate_version(resources, query_set, a, **options),
-                           evaluate_version(resources, query_set, b, **options))
+                                       evaluate_version(resources, query_set, b, **options))
 
 
 def compare_rerank(

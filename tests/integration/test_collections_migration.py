@@ -38,13 +38,13 @@ def _fill(sessions, media: MediaStore, n: int, label: str, seed: int,
     for i in range(n):
         blob = f"{label}-{i}".encode()
         rows.append(item_store.NewRow(sha256_hex(blob), media.put(blob), "image/png",
-                                 f"{label}{i % 5}"))
+                                      f"{label}{i % 5}"))
     with sessions.begin() as session:
         version = version_store.active_model_version(session=session)
         qs = query_set_store.get_or_create_query_set(query_set,
                                                      session=session) if query_set else None
         return item_store.insert_items(rows, vectors, session=session, model_version=version,
-                                  query_set=qs)
+                                       query_set=qs)
 
 
 def test_a_populated_gallery_goes_down_to_one_gallery_and_up_into_default(

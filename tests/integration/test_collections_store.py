@@ -40,7 +40,7 @@ def _add(sessions, media: MediaStore, blobs: list[bytes], labels: list[str],
         qs = query_set_store.get_or_create_query_set(query_set,
                                                      session=session) if query_set else None
         return item_store.insert_items(rows, _unit(len(rows), len(blobs)), session=session,
-                                  model_version=version, query_set=qs)
+                                       model_version=version, query_set=qs)
 
 
 @pytest.fixture

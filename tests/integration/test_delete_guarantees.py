@@ -134,15 +134,15 @@ def test_re_embedding_skips_items_deleted_meanwhile(sessions, media, embedder):
     _delete(sessions, [added.ids[0]])
     with sessions.begin() as session:
         other = version_store.register_model_version(session=session, version="other-v2",
-                                             dim=embedder.dim)
+                                                     dim=embedder.dim)
         done = item_store.add_embeddings(list(added.ids), added.vectors, session=session,
-                                    model_version=other)
+                                         model_version=other)
     assert done == [added.ids[1]]
     with sessions() as session:
         ops = [(c.item_id, c.op) for c in change_log.changes_after(0, session=session)]
         other = version_store.get_model_version(session=session, version="other-v2")
         assert vector_store.fetch_vectors(added.ids, session=session,
-                                   model_version=other).ids.tolist() == [added.ids[1]]
+                                          model_version=other).ids.tolist() == [added.ids[1]]
     assert (added.ids[0], "add") not in ops[3:]  # no add logged after the delete
 
 
@@ -156,9 +156,8 @@ def test_a_delete_removes_the_bytes_and_the_embeddings(sessions, media, embedder
     with sessions() as session:
         version = version_store.get_model_version(session=session, version=embedder.model_version)
         assert vector_store.count_vectors(session=session, model_version_id=version.id) == 0
-        assert len(vector_store.fetch_vectors([item_id], session=session,
-                   model_version=version).ids) \
-            == 0
+        page = vector_store.fetch_vectors([item_id], session=session, model_version=version)
+        assert len(page.ids) == 0
 
 
 def test_bytes_still_referenced_by_a_query_item_are_kept(sessions, media, embedder):

@@ -37,7 +37,7 @@ def seed(sessions, vectors: np.ndarray, labels: int = 5) -> list[int]:
     """Insert gallery items with the given vectors straight through the store."""
     with sessions.begin() as session:
         version = version_store.register_model_version(session=session, version=VERSION,
-                                               dim=vectors.shape[1])
+                                                       dim=vectors.shape[1])
         rows = []
         for _ in range(len(vectors)):
             n = next(_counter)
@@ -55,7 +55,7 @@ def db_vectors(sessions) -> tuple[np.ndarray, np.ndarray]:
     with sessions() as session:
         version = version_store.get_model_version(session=session, version=VERSION)
         pages = list(vector_store.iter_vector_pages(session=session, model_version=version,
-                                             page_size=7))  # several pages
+                                                    page_size=7))  # several pages
     return np.concatenate([p.ids for p in pages]), np.concatenate([p.vectors for p in pages])
 
 

@@ -64,7 +64,7 @@ def test_ingest_twice_adds_nothing_and_skips_corrupt_files(sessions, media, embe
         items = session.scalars(select(GalleryItem)).all()
         version = version_store.get_model_version(session=session)
         page = vector_store.fetch_vectors([i.id for i in items], session=session,
-                                   model_version=version)
+                                          model_version=version)
     by_id = {i.id: i for i in items}
     for item_id, vector in zip(page.ids, page.vectors, strict=True):
         item = by_id[int(item_id)]

@@ -67,10 +67,10 @@ def test_an_int8_version_is_calibrated_registered_compared_and_gated(
     settings = get_settings()
     with open_gallery(settings) as sessions:
         embedder = intake.load_embedder(int8, session_factory=sessions,
-                                          data_dir=settings.data_dir, device="cpu",
-                                          runtime="torch")
+                                        data_dir=settings.data_dir, device="cpu",
+                                        runtime="torch")
         again = intake.load_embedder(parent, session_factory=sessions,
-                                       data_dir=settings.data_dir, device="cpu")
+                                     data_dir=settings.data_dir, device="cpu")
     assert embedder.runtime == "onnxruntime" and embedder.scheme == "int8"
     assert again.runtime == "torch" and again.scheme is None
 

@@ -102,14 +102,14 @@ def test_migration_0005_up_and_down_keeps_the_versions(db_url: str, runs: list[P
 def test_a_version_loads_from_the_database_without_any_file(sessions, tmp_path: Path,
                                                             runs: list[Path]) -> None:
     first = intake.register_checkpoint(runs[0], session_factory=sessions,
-                                         data_dir=tmp_path / "one")
+                                       data_dir=tmp_path / "one")
     assert first["active"] and first["checkpoint_stored"]
     # The first version of a fresh database is active through a recorded switch.
     assert lifecycle.history(session_factory=sessions)[0]["version"] == first["version"]
     # Another data dir, no models folder: the bytes come from SQL.
     other = tmp_path / "two"
     embedder = intake.load_embedder(first["version"], session_factory=sessions,
-                                      data_dir=other, device=TEST_DEVICE)
+                                    data_dir=other, device=TEST_DEVICE)
     reference = Embedder.from_checkpoint(runs[0], device=TEST_DEVICE)
     image = class_image(1, 2)
     assert embedder.model_version == first["version"]
@@ -120,7 +120,7 @@ def test_same_weights_are_idempotent_other_weights_never_rebind(sessions, tmp_pa
                                                                 runs: list[Path]) -> None:
     data_dir = tmp_path / "data"
     version = intake.register_checkpoint(runs[0], session_factory=sessions,
-                                           data_dir=data_dir)["version"]
+                                         data_dir=data_dir)["version"]
     with sessions() as session:
         stored = session.scalar(select(ModelCheckpoint.data))
         digest = session.scalar(select(ModelVersion.content_digest))
@@ -130,7 +130,7 @@ def test_same_weights_are_idempotent_other_weights_never_rebind(sessions, tmp_pa
     resaved = save_checkpoint(tmp_path / "resaved", model, extra={"note": "other bytes"})
     assert resaved == version
     again = intake.register_checkpoint(tmp_path / "resaved", session_factory=sessions,
-                                         data_dir=data_dir)
+                                       data_dir=data_dir)
     assert again["version"] == version
     with sessions() as session:
         assert session.scalar(select(ModelCheckpoint.data)) == stored
@@ -158,11 +158,11 @@ def test_start_up_import_stores_older_releases_files(sessions, tmp_path: Path,
     shutil.copyfile(runs[1] / "model.pt", old)
     with pytest.raises(Exception, match="no stored checkpoint"):
         intake.load_embedder(embedder.model_version, session_factory=sessions,
-                               data_dir=tmp_path / "elsewhere")
+                             data_dir=tmp_path / "elsewhere")
     assert intake.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == [
         embedder.model_version]
     assert intake.load_embedder(embedder.model_version, session_factory=sessions,
-                                  data_dir=tmp_path / "elsewhere", device="cpu")
+                                data_dir=tmp_path / "elsewhere", device="cpu")
     assert intake.import_checkpoint_files(session_factory=sessions, data_dir=data_dir) == []
 
 
@@ -193,15 +193,15 @@ def test_delete_removes_everything_but_never_the_active_or_rollback_target(
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     names = [intake.register_checkpoint(r, session_factory=sessions,
-                                          data_dir=data_dir)["version"] for r in runs]
+                                        data_dir=data_dir)["version"] for r in runs]
     a, b, c = names
     embedders = {v: intake.load_embedder(v, session_factory=sessions, data_dir=data_dir,
-                                           device=TEST_DEVICE) for v in names}
+                                         device=TEST_DEVICE) for v in names}
     _gallery(sessions, media, embedders[a])
     for v in (b, c):
         reembed.run_embed_job(v, session_factory=sessions, media=media, embedder=embedders[v])
     lifecycle.activate(b, session_factory=sessions, data_dir=data_dir, media=media,
-                      embedder=embedders[b])
+                       embedder=embedders[b])
     with pytest.raises(lifecycle.VersionInUse, match="active"):
         lifecycle.delete_version(b, session_factory=sessions, data_dir=data_dir)
     with pytest.raises(lifecycle.VersionInUse, match="rollback target"):
@@ -231,7 +231,7 @@ def _race(sessions, data_dir: Path, media, version: str, embedder: Embedder) -> 
         start.wait()
         try:
             lifecycle.activate(version, session_factory=sessions, data_dir=data_dir,
-                              media=media, embedder=embedder)
+                               media=media, embedder=embedder)
             result["activate"] = "ok"
         except lifecycle.GalleryError as exc:
             result["activate"] = type(exc).__name__
@@ -257,15 +257,15 @@ def test_a_delete_racing_an_activation_never_leaves_the_active_version_without_i
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = intake.register_checkpoint(runs[0], session_factory=sessions,
-                                     data_dir=data_dir)["version"]
+                                   data_dir=data_dir)["version"]
     embedder_a = intake.load_embedder(a, session_factory=sessions, data_dir=data_dir,
-                                        device=TEST_DEVICE)
+                                      device=TEST_DEVICE)
     _gallery(sessions, media, embedder_a, n=4)
     for round_ in range(4):
         b = intake.register_checkpoint(runs[1 + round_ % 2], session_factory=sessions,
-                                         data_dir=data_dir)["version"]
+                                       data_dir=data_dir)["version"]
         embedder_b = intake.load_embedder(b, session_factory=sessions, data_dir=data_dir,
-                                            device=TEST_DEVICE)
+                                          device=TEST_DEVICE)
         reembed.run_embed_job(b, session_factory=sessions, media=media, embedder=embedder_b)
         result = _race(sessions, data_dir, media, b, embedder_b)
         # Exactly one of them won; the active version always has its checkpoint and vectors.
@@ -276,10 +276,10 @@ def test_a_delete_racing_an_activation_never_leaves_the_active_version_without_i
             assert _counts(sessions, row.id)["model_checkpoints"] == 1
             assert _counts(sessions, row.id)["embeddings"] == 4
         assert intake.load_embedder(active, session_factory=sessions, data_dir=data_dir,
-                                      device=TEST_DEVICE)
+                                    device=TEST_DEVICE)
         if active != a:  # back to A, and the other one deleted, for the next round
             lifecycle.activate(a, session_factory=sessions, data_dir=data_dir, media=media,
-                              embedder=embedder_a)
+                               embedder=embedder_a)
             with sessions.begin() as session:
                 session.execute(text("DELETE FROM model_activations"))
             lifecycle.delete_version(b, session_factory=sessions, data_dir=data_dir)
@@ -300,9 +300,9 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = intake.register_checkpoint(runs[0], session_factory=sessions,
-                                     data_dir=data_dir)["version"]
+                                   data_dir=data_dir)["version"]
     b = intake.register_checkpoint(runs[1], session_factory=sessions,
-                                     data_dir=data_dir)["version"]
+                                   data_dir=data_dir)["version"]
     load = dict(session_factory=sessions, data_dir=data_dir, device=TEST_DEVICE)
     _gallery(sessions, media, intake.load_embedder(a, **load), n=3)
     embedder_b = intake.load_embedder(b, **load)

@@ -26,7 +26,7 @@ def test_rows_are_stored_as_sqlalchemy_stores_them(sessions) -> None:
     now = utcnow()
     with sessions.begin() as session:
         ours = bulk.insert_rows(session, table, [_row(1, now), _row(3, now, None)],
-                                 return_ids=True)
+                                return_ids=True)
         theirs = [session.scalar(insert(table).returning(table.c.id), row)
                   for row in (_row(2, now), _row(4, now, None))]
         bulk.insert_rows(session, MediaBlob.__table__,
@@ -62,11 +62,11 @@ def test_ids_come_back_in_row_order_after_deletes(sessions) -> None:
     now = utcnow()
     with sessions.begin() as session:
         first = bulk.insert_rows(session, table, [_row(n, now) for n in range(10)],
-                                  return_ids=True)
+                                 return_ids=True)
         session.execute(delete(table).where(table.c.id >= first[7]))
     with sessions.begin() as session:
         second = bulk.insert_rows(session, table, [_row(n, now) for n in range(20, 25)],
-                                   return_ids=True)
+                                  return_ids=True)
         assert bulk.insert_rows(session, table, []) == []
         with pytest.raises(ValueError, match="sqlite_autoincrement"):
             bulk.insert_rows(session, MediaBlob.__table__, [], return_ids=True)
@@ -95,7 +95,7 @@ def test_concurrent_writers_each_get_their_own_ids(sessions) -> None:
                 keys = [worker * 10_000 + batch * 100 + i for i in range(1 + batch % 7)]
                 with sessions.begin() as session:
                     ids = bulk.insert_rows(session, table, [_row(k, utcnow()) for k in keys],
-                                            return_ids=True)
+                                           return_ids=True)
                 got.setdefault(worker, []).append((ids, [f"{k:064x}" for k in keys]))
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)

@@ -127,7 +127,7 @@ def manifest_problems(data_dir: Path, db_url: str, model_version: str) -> list[s
         with make_sessionmaker(engine)() as session:
             db_seq = change_log.max_change_seq(session=session)
             changes = change_log.changes_after(manifest.change_seq, session=session,
-                                          limit=10_000_000)
+                                               limit=10_000_000)
     finally:
         engine.dispose()
     if manifest.change_seq > db_seq:

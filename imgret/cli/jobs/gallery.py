@@ -117,7 +117,7 @@ def ingest(
         # Keep the checkpoint under the data dir: any server can then load this version
         # (compare it, switch to it) without the run directory.
         intake.register_checkpoint(checkpoint, session_factory=sessions,
-                                     data_dir=settings.data_dir)
+                                   data_dir=settings.data_dir)
         if ray is not None:
             from imgret.gallery.ingest.ray import ingest_with_ray
 

@@ -34,7 +34,7 @@ def register(settings: Settings, run: str | Path) -> dict[str, Any]:
     """`imgret models register RUN`: what ``POST /models {"path": RUN}`` does."""
     with open_gallery(settings) as sessions:
         return intake.register_checkpoint(run, session_factory=sessions,
-                                            data_dir=settings.data_dir)
+                                          data_dir=settings.data_dir)
 
 
 def embed(settings: Settings, version: str, *,
@@ -52,8 +52,8 @@ def embed(settings: Settings, version: str, *,
 
     with open_gallery(settings) as sessions:
         embedder = intake.load_embedder(version, session_factory=sessions,
-                                          data_dir=settings.data_dir, device=settings.device,
-                                          runtime=settings.runtime)
+                                        data_dir=settings.data_dir, device=settings.device,
+                                        runtime=settings.runtime)
         report = reembed.run_embed_job(
             version, session_factory=sessions, media=open_media_store(settings, sessions),
             embedder=embedder, throttle=reembed.Throttle(duty=duty),
@@ -72,7 +72,7 @@ def export(settings: Settings, version: str, out: str | Path, *,
         raise ValueError(f"unknown export format {fmt!r}; known: onnx")
     with open_gallery(settings) as sessions:
         loaded = intake.load_version_checkpoint(version, session_factory=sessions,
-                                                  data_dir=settings.data_dir)
+                                                data_dir=settings.data_dir)
     return export_onnx(loaded.model, loaded.spec, out, model_version=version,
                        graph=loaded.quantized.graph if loaded.quantized else None)
 
@@ -107,12 +107,12 @@ def calibrate(settings: Settings, version: str, query_set: str,
     calibrations.check_fpir(target_fpir)
     with open_gallery(settings) as sessions:
         lifecycle.describe_one(version, session_factory=sessions,
-                              data_dir=settings.data_dir)  # an unknown version raises here
+                               data_dir=settings.data_dir)  # an unknown version raises here
         try:
             embedder = intake.load_embedder(version, session_factory=sessions,
-                                              data_dir=settings.data_dir,
-                                              device=settings.device,
-                                              runtime=settings.runtime)
+                                            data_dir=settings.data_dir,
+                                            device=settings.device,
+                                            runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         return calibrations.calibrate(
@@ -133,9 +133,9 @@ def activate(settings: Settings, version: str, *, require: str | list[str] | Non
             version, session_factory=sessions, data_dir=settings.data_dir,
             media=open_media_store(settings, sessions),
             embedder=intake.load_embedder(version, session_factory=sessions,
-                                            data_dir=settings.data_dir,
-                                            device=settings.device,
-                                            runtime=settings.runtime),
+                                          data_dir=settings.data_dir,
+                                          device=settings.device,
+                                          runtime=settings.runtime),
             require=require, query_set=query_set,
             compare=lambda a, b, name: _compare(settings, sessions, a, b, name, None),
             compare_fnir=lambda a, b, name, calibration: _compare_fnir(
@@ -165,9 +165,9 @@ def _compare_fnir(settings: Settings, sessions, a: str, b: str, query_set: str,
     for version in (a, b):
         try:
             embedder = intake.load_embedder(version, session_factory=sessions,
-                                              data_dir=settings.data_dir,
-                                              device=settings.device,
-                                              runtime=settings.runtime)
+                                            data_dir=settings.data_dir,
+                                            device=settings.device,
+                                            runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         results.append(evaluate_query_set(
@@ -189,9 +189,9 @@ def _compare(settings: Settings, sessions, a: str, b: str, query_set: str,
     for version in (a, b):
         try:
             embedder = intake.load_embedder(version, session_factory=sessions,
-                                              data_dir=settings.data_dir,
-                                              device=settings.device,
-                                              runtime=settings.runtime)
+                                            data_dir=settings.data_dir,
+                                            device=settings.device,
+                                            runtime=settings.runtime)
         except GalleryError:
             embedder = None  # stored query vectors may still exist
         results.append(lifecycle.evaluate_recorded(

@@ -106,7 +106,7 @@ def restore_backup(settings: Settings, src: str | Path, *, on_phase: Phase | Non
             from imgret.gallery.versions import intake
 
             intake.load_embedder(active, session_factory=sessions, data_dir=data_dir,
-                                   device=settings.device)
+                                 device=settings.device)
         with sessions() as session:
             items = session.execute(text(
                 "SELECT COUNT(*) FROM gallery_items WHERE deleted_at IS NULL")).scalar_one()

@@ -63,7 +63,7 @@ def make_plan(
 ) -> Plan:
     """Plan ``cands`` against what the gallery (or ``query_set``) holds now."""
     known = item_store.known_items((c.sha256 for c in cands), session=session, query_set=query_set,
-                              model_version_id=model_version.id)
+                                   model_version_id=model_version.id)
     return _split(cands, known.ids, known.embedded)
 
 

@@ -145,7 +145,7 @@ class KnownFilter:
                                                                  session=session)
                          if self.plan.query_set else None)
             return item_store.known_items(shas, session=session, query_set=query_set,
-                                     model_version_id=version.id).embedded_shas
+                                          model_version_id=version.id).embedded_shas
 
 
 class EmbedActor:

@@ -217,10 +217,10 @@ def _write(
         for c, path in zip(plan.create, paths, strict=True)
     ]
     new_ids = item_store.insert_items(rows, vectors[:n_create], session=session,
-                                 model_version=model_version, query_set=query_set)
+                                      model_version=model_version, query_set=query_set)
     existing_ids = [c.existing_id for c in plan.embed_existing]
     item_store.add_embeddings(existing_ids, vectors[n_create:], session=session,
-                         model_version=model_version, query_set=query_set)
+                              model_version=model_version, query_set=query_set)
     ids = {c.sha256: i for c, i in zip(plan.create, new_ids, strict=True)}
     ids.update({c.sha256: c.existing_id for c in plan.embed_existing})
     return ids

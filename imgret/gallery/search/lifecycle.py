@@ -149,7 +149,7 @@ def _load_infos(session_factory: sessionmaker[Session],
     infos: dict[int, ItemInfo] = {}
     with session_factory() as session:
         for page in vector_store.iter_vector_pages(session=session, model_version=version,
-                                            page_size=50_000, with_vectors=False):
+                                                   page_size=50_000, with_vectors=False):
             infos.update(zip(page.ids.tolist(), page.infos, strict=True))
     return infos
 

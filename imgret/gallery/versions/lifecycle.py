@@ -405,7 +405,7 @@ def activate(
                     f"stored images of items {broken[:10]} cannot be decoded with {version}"
                 )
             caught_up += len(item_store.add_embeddings(ids, vectors, session=session,
-                                                  model_version=row))
+                                                       model_version=row))
         # The previous version served until now, so every item so far has its vector too
         # (writes check it): both are covered through the newest item.
         version_store.switch_active(row, session=session, reason=reason,

@@ -81,7 +81,7 @@ def quantize_version(
             read to calibrate on.
     """
     loaded = intake.load_version_checkpoint(version, session_factory=session_factory,
-                                              data_dir=data_dir)
+                                            data_dir=data_dir)
     if loaded.quantized is not None:
         raise GalleryError(f"{version} is already a {loaded.quantized.scheme} version; "
                            "quantise its parent")
@@ -99,7 +99,7 @@ def quantize_version(
     }}
     _, data = checkpoint_bytes(loaded.model, extra, quantized)
     registered = intake.register_bytes(data, session_factory=session_factory,
-                                         data_dir=data_dir, name=f"the int8 version of {version}")
+                                       data_dir=data_dir, name=f"the int8 version of {version}")
     int8 = Embedder(loaded.model, loaded.spec, device="cpu",
                     model_version=registered["version"], quantized=quantized)
     cosine = np.sum(parent.embed_tensors(inputs) * int8.embed_tensors(inputs), axis=1)

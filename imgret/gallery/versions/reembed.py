@@ -232,7 +232,7 @@ def embed_missing(
                     report.queries_embedded += written
                 else:
                     written = len(item_store.add_embeddings(ids, vectors, session=session,
-                                                       model_version=row))
+                                                            model_version=row))
                     report.gallery_embedded += written
                     report.skipped_deleted += len(ids) - written
                 if heartbeat:
@@ -289,9 +289,9 @@ def _add_query_embeddings(session: Session, row: ModelVersion, ids: list[int],
         return 0
     # An ingest of the same query set may have stored some meanwhile: skip those.
     have = item_store.ids_with_embedding(ids, session=session, model_version_id=row.id,
-                                    query_set=item_store.ANY_QUERY_SET)
+                                         query_set=item_store.ANY_QUERY_SET)
     keep = [j for j, item_id in enumerate(ids) if item_id not in have]
     if keep:
         item_store.add_embeddings([ids[j] for j in keep], vectors[keep], session=session,
-                             model_version=row, query_set=item_store.ANY_QUERY_SET)
+                                  model_version=row, query_set=item_store.ANY_QUERY_SET)
     return len(keep)

@@ -39,7 +39,7 @@ def _register_configured(settings: Settings, sessions: sessionmaker[Session]) ->
     """
     assert settings.model is not None
     intake.import_checkpoint_files(session_factory=sessions, data_dir=settings.data_dir,
-                                     max_bytes=settings.max_checkpoint_bytes)
+                                   max_bytes=settings.max_checkpoint_bytes)
     intake.sweep_incoming(settings.data_dir)
     return intake.register_checkpoint(
         settings.model, session_factory=sessions, data_dir=settings.data_dir,
@@ -105,8 +105,8 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     active = lifecycle.active_version(session_factory=sessions) or configured
     try:
         embedder = intake.load_embedder(active, session_factory=sessions,
-                                          data_dir=settings.data_dir, device=settings.device,
-                                          runtime=settings.runtime)
+                                        data_dir=settings.data_dir, device=settings.device,
+                                        runtime=settings.runtime)
     except (GalleryError, CheckpointError) as exc:
         message = _cannot_serve(active, exc)
         logger.error("%s", message)

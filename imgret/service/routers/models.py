@@ -49,8 +49,8 @@ _SWITCH = threading.Lock()
 
 def _describe(resources: Resources, version: str) -> dict[str, Any]:
     return lifecycle.describe_one(version, session_factory=resources.sessions,
-                                 data_dir=resources.settings.data_dir,
-                                 index_sizes=resources.index_sizes())
+                                  data_dir=resources.settings.data_dir,
+                                  index_sizes=resources.index_sizes())
 
 
 @router.get("")
@@ -60,8 +60,8 @@ def list_models(resources: ResourcesDep) -> ModelList:
     return ModelList(
         active=lifecycle.active_version(session_factory=resources.sessions),
         models=lifecycle.describe(session_factory=resources.sessions,
-                                 data_dir=resources.settings.data_dir,
-                                 index_sizes=resources.index_sizes()),
+                                  data_dir=resources.settings.data_dir,
+                                  index_sizes=resources.index_sizes()),
         history=lifecycle.history(session_factory=resources.sessions),
     )
 
@@ -112,7 +112,7 @@ async def register_model(request: Request, resources: ResourcesDep) -> ModelInfo
 
     def by_path(path: str) -> dict[str, Any]:
         return intake.register_path(_checked_path(path), roots=settings.model_roots,
-                                      **kwargs)
+                                    **kwargs)
 
     try:
         if content_type == "application/json":
@@ -165,7 +165,7 @@ async def delete_model(version: VersionPath, resources: ResourcesDep) -> Respons
     def drop() -> None:
         with _SWITCH:  # not while this process switches
             lifecycle.delete_version(version, session_factory=resources.sessions,
-                                    data_dir=resources.settings.data_dir)
+                                     data_dir=resources.settings.data_dir)
         resources.forget(version)
     await anyio.to_thread.run_sync(drop)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

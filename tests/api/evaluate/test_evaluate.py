@@ -152,9 +152,9 @@ def test_exclude_same_camera_applies_the_reid_rule(client, tmp_path: Path,
 
         version = version_store.get_model_version(session=session)
         items, query_emb = query_set_store.load_query_set("market-query", session=session,
-                                                model_version=version)
+                                                          model_version=version)
         page = vector_store.fetch_vectors(resources.searcher.ids(), session=session,
-                                   model_version=version)
+                                          model_version=version)
     expected = retrieval_metrics(
         query_emb, np.array([q.label for q in items]), page.vectors,
         np.array([info.label for info in page.infos]), k=(1, 5),

@@ -132,11 +132,11 @@ def test_the_sweep_clears_only_deleted_rows(sessions) -> None:
         session.add(version)
         session.flush()
         rows = [item_store.NewRow(sha256=f"{i:064x}", media_path=f"p{i}", content_type="image/png",
-                             label=f"l{i}", camera=i, metadata={"k": i}) for i in range(2)]
+                                  label=f"l{i}", camera=i, metadata={"k": i}) for i in range(2)]
         import numpy as np
 
         ids = item_store.insert_items(rows, np.eye(2, 4, dtype=np.float32), session=session,
-                                 model_version=version)
+                                      model_version=version)
         item_store.delete_items(ids[:1], session=session)
     with sessions.begin() as session:
         assert item_store.clear_deleted_items(connection=session) == 0

@@ -51,7 +51,7 @@ def _add_query_set(client: TestClient, collection: str, name: str, size: int, fi
         version = version_store.active_model_version(session=session)
         query_set = query_set_store.get_or_create_query_set(name, session=session)
         return item_store.insert_items(rows, vectors, session=session, model_version=version,
-                                  query_set=query_set)
+                                       query_set=query_set)
 
 
 def _wait_done(client: TestClient, prefix: str, version: str) -> dict:
