@@ -44,7 +44,7 @@ from imgret.gallery.ingest import ingest_source
 from imgret.gallery.media.files import MediaStore, sha256_hex
 from imgret.gallery.storage.db import make_engine, make_sessionmaker, upgrade_to_head
 from tests.conftest import TEST_DEVICE
-from tests.integration.test_ingest_kill import SCRIPT as SLOW_CLI
+from tests.integration.test_ingest_kill import SCRIPT as HELD_CLI
 from tests.integration.test_ingest_kill import _counts
 from tests.support.gallery_state import (
     KEY_HEADERS,
@@ -384,7 +384,7 @@ def test_killed_ingest_and_index_builds_then_serve(
     sessions = make_sessionmaker(engine)
     try:
         # 1. ingest, killed once its first chunk is committed.
-        _run_until([SLOW_CLI, "0.3", "ingest", str(folder), "--batch-size", "4",
+        _run_until([HELD_CLI, "1", "ingest", str(folder), "--batch-size", "4",
                     "--chunk-size", str(CHUNK), "--no-progress"], cli_env,
                    tmp_path / "ingest.log", lambda: _counts(sessions)[0] >= CHUNK, "ingest")
         items, embeddings, changes, _ = _counts(sessions)

@@ -21,17 +21,21 @@ from tests.support.images import write_image_folder
 CHUNK = 8
 TOTAL = 40
 
-# The real CLI, with each forward pass slowed down so that the kill lands mid-run (the
-# ingest embeds decoded slices with Embedder.embed_tensors).
+# The real CLI, its chunk writer held after the first N chunks commit (argv[1]): the test
+# kills the process while the next chunk is embedded or waits to be written, an event it
+# can wait for rather than a moment a loaded machine could miss.
 SCRIPT = """
-import sys, time
-from imgret.embedder import Embedder
-delay = float(sys.argv[1])
-original = Embedder.embed_tensors
-def slow_embed(self, batch):
-    time.sleep(delay)
-    return original(self, batch)
-Embedder.embed_tensors = slow_embed
+import sys, threading
+from imgret.gallery.ingest.writer import ChunkWriter
+chunks = int(sys.argv[1])
+original = ChunkWriter.write
+written = []
+def write_then_hold(self, *args, **kwargs):
+    written.append(None)
+    if len(written) > chunks:
+        threading.Event().wait()  # held until the test kills this process
+    return original(self, *args, **kwargs)
+ChunkWriter.write = write_then_hold
 sys.argv = ["imgret", *sys.argv[2:]]
 from imgret.cli.main import main
 main()
@@ -60,7 +64,7 @@ def test_killed_ingest_leaves_whole_chunks_and_resumes(db_url, tmp_path, tiny_ch
                IMGRET_DEVICE=TEST_DEVICE)
     log = (tmp_path / "ingest.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, "0.4", "ingest", str(folder), "--model",
+        [sys.executable, "-c", SCRIPT, "1", "ingest", str(folder), "--model",
          str(tiny_checkpoint), "--batch-size", "4", "--chunk-size", str(CHUNK),
          "--no-progress"],
         env=env, stdout=log, stderr=subprocess.STDOUT,

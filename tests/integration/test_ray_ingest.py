@@ -115,21 +115,26 @@ def test_ray_ingest_stores_what_plain_ingest_stores_and_runs_again_as_a_no_op(
     assert len([p for p in media.root.rglob("*") if p.is_file()]) == 20
 
 
-# The real CLI in its own process, joining the module's Ray instance at ADDRESS; each chunk's
-# write is slowed down so that the kill lands between committed chunks.
+# The real CLI in its own process, joining the module's Ray instance at ADDRESS; its chunk
+# writes are held after the first N (argv[1]), so the kill lands between committed chunks by
+# an event the test waits for, not by a moment a loaded machine could miss.
 SCRIPT = """
-import sys, time
+import sys, threading
 import imgret.gallery.ingest.ray
-delay = float(sys.argv[1])
+chunks = int(sys.argv[1])
 original = imgret.gallery.ingest.ray.write_embedded
-def slow_write(*args, **kwargs):
-    time.sleep(delay)
+written = []
+def write_then_hold(*args, **kwargs):
+    written.append(None)
+    if len(written) > chunks:
+        threading.Event().wait()  # held until the test kills this process
     return original(*args, **kwargs)
-imgret.gallery.ingest.ray.write_embedded = slow_write
+imgret.gallery.ingest.ray.write_embedded = write_then_hold
 sys.argv = ["imgret", *sys.argv[2:]]
 from imgret.cli.main import main
 main()
 """
+
 
 
 def test_cli_ray_ingest_killed_mid_run_resumes_to_the_plain_result(
@@ -139,8 +144,8 @@ def test_cli_ray_ingest_killed_mid_run_resumes_to_the_plain_result(
     env = {**os.environ, "IMGRET_DATABASE_URL": url, "IMGRET_DATA_DIR": str(tmp_path / "data"),
            "IMGRET_DEVICE": TEST_DEVICE, "PYTHONPATH": os.pathsep.join(sys.path)}
 
-    def command(delay: float) -> list[str]:
-        return [sys.executable, "-c", SCRIPT, str(delay), "ingest", str(folder),
+    def command(chunks: int) -> list[str]:
+        return [sys.executable, "-c", SCRIPT, str(chunks), "ingest", str(folder),
                 "--model", str(tiny_checkpoint), "--chunk-size", "4", "--batch-size", "4",
                 "--no-progress", "--ray", ray_local]
 
@@ -148,7 +153,7 @@ def test_cli_ray_ingest_killed_mid_run_resumes_to_the_plain_result(
     engine = make_engine(url)
     sessions = make_sessionmaker(engine)
     try:
-        process = subprocess.Popen(command(2.0), env=env, stdout=subprocess.PIPE,
+        process = subprocess.Popen(command(1), env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         committed = 0
@@ -161,9 +166,9 @@ def test_cli_ray_ingest_killed_mid_run_resumes_to_the_plain_result(
         process.wait()
         with sessions() as session:
             committed = session.scalar(select(func.count()).select_from(GalleryItem))
-        assert 4 <= committed < 20  # whole chunks only, and not all of them
+        assert committed == 4  # the one chunk written before the hold, whole
 
-        done = subprocess.run(command(0.0), env=env, capture_output=True, text=True,
+        done = subprocess.run(command(10**6), env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         assert "22 images" in done.stdout, done.stdout
