@@ -38,7 +38,7 @@ An explicit ``param_lr_mult`` in the loss block (set by tuning, or by hand) mean
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,16 +116,21 @@ def normface_scale(num_classes: int, probability: float = NORMFACE_PROBABILITY) 
     return (c - 1) / c * math.log((c - 1) * probability / (1 - probability))
 
 
+# The loss options the family recipe derives from the number of training classes, and how.
+CLASS_COUNT_OPTIONS: dict[str, dict[str, Callable[[int], float]]] = {
+    "arcface": {"scale": adacos_scale},
+    "cosface": {"scale": adacos_scale},
+    "cross_entropy": {"scale": normface_scale},
+}
+
+
 def class_count_options(config: TrainConfig, num_classes: int) -> dict[str, Any]:
     """Loss options the family recipe sets from the number of training classes (the loss
     block's own options win): ``scale`` of ArcFace / CosFace (AdaCos) and of
     ``cross_entropy`` (NormFace). Empty under the shared recipe."""
     if config.recipe != "family":
         return {}
-    name, chosen = config.loss.name, dict(config.loss.options)
-    derived: Mapping[str, float] = {}
-    if name in ("arcface", "cosface"):
-        derived = {"scale": adacos_scale(num_classes)}
-    elif name == "cross_entropy":
-        derived = {"scale": normface_scale(num_classes)}
-    return {**derived, **chosen}
+    derived: Mapping[str, Callable[[int], float]] = CLASS_COUNT_OPTIONS.get(
+        config.loss.name, {})
+    return {**{key: rule(num_classes) for key, rule in derived.items()},
+            **config.loss.options}

@@ -50,6 +50,7 @@ from imgret.training.config import LossConfig, TrainConfig, base_config, config_
 from imgret.training.crossval import DIVERGED, fold_dir, fold_ids, is_finished, test_run
 from imgret.training.loop import LossDiverged, train
 from imgret.training.progress import Progress
+from imgret.training.recipe import CLASS_COUNT_OPTIONS
 from imgret.training.registry import (
     LR,
     MINER_PREFIX,
@@ -146,11 +147,18 @@ def search_space(loss: LossConfig) -> dict[str, Param]:
             for key, param in loss_spec(loss.name).space.items() if usable(key)}
 
 
-def tuned_space(loss: LossConfig, *, tune_lr: bool) -> dict[str, Param]:
+def tuned_space(loss: LossConfig, *, tune_lr: bool, recipe: str = "shared"
+                ) -> dict[str, Param]:
     """What tuning searches for ``loss``: :func:`search_space`, less the network's learning
-    rate unless ``tune_lr`` (the protocol shares one rate between all losses)."""
-    space = search_space(loss)
-    return space if tune_lr else {k: p for k, p in space.items() if k != LR}
+    rate unless ``tune_lr`` (the protocol shares one rate between all losses), and under the
+    ``family`` recipe less the options that recipe derives from the number of classes
+    (ArcFace's and CosFace's scale: AdaCos's point is that a scale set from C needs no
+    search, and a searched one would start trial 0 at the registry's 64, the value the recipe
+    replaces)."""
+    derived = (set(CLASS_COUNT_OPTIONS.get(loss.name, {})) - set(loss.options)
+               if recipe == "family" else set())
+    return {k: p for k, p in search_space(loss).items()
+            if (tune_lr or k != LR) and k not in derived}
 
 
 def apply_params(loss: LossConfig, space: Mapping[str, Param],
@@ -255,7 +263,7 @@ def run_tuned_benchmark(
     })
     tuned, best, spaces, diverged, studies = [], {}, {}, {}, {}
     for loss in losses:
-        space = tuned_space(loss, tune_lr=tune_lr)
+        space = tuned_space(loss, tune_lr=tune_lr, recipe=base.recipe)
         name = cell_name(loss)
         spaces[name] = describe_space(space)
         study_trials = tune_loss(base, loss, space, trials, storage, tune_dir / name,

@@ -19,6 +19,7 @@ from imgret.training.tune import (
     default_params,
     describe_space,
     search_space,
+    tuned_space,
 )
 
 CLASSES, DIM = 4, 8
@@ -70,6 +71,20 @@ def test_the_documented_defaults_lie_inside_the_space(name: str) -> None:
     tuned = {k: v for k, v in LOSSES[name].defaults.items() if k in space}
     assert block.options == tuned
     assert set(LOSSES[name].defaults) - set(tuned) <= {"scale"}
+
+
+@pytest.mark.parametrize("name", ["arcface", "cosface"])
+def test_the_family_recipe_tunes_no_scale_it_sets_from_the_class_count(name: str) -> None:
+    loss = LossConfig(name)
+    assert "scale" in tuned_space(loss, tune_lr=False, recipe="shared")
+    family = tuned_space(loss, tune_lr=False, recipe="family")
+    assert "scale" not in family and "margin" in family
+    # Trial 0 under the family recipe leaves the scale to AdaCos, not the registry's 64.
+    block = apply_params(loss, family, default_params(loss, family, 1e-3, "family"))
+    assert "scale" not in block.options
+    # A scale the loss block sets by hand is the user's: tuning searches it as before.
+    assert "scale" in tuned_space(LossConfig(name, options={"scale": 30.0}), tune_lr=False,
+                                  recipe="family")
 
 
 def test_the_semihard_miner_margin_follows_the_triplet_margin() -> None:
