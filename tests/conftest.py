@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -100,26 +103,96 @@ def postgres_admin_url() -> str:
     return PG_ADMIN_URL
 
 
-@pytest.fixture
-def postgres_url(postgres_admin_url: str) -> Iterator[str]:
-    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+# Dropping a PostgreSQL database waits on the server's disk (about a second here): a test's
+# databases are dropped on this thread while the next tests run, and every drop has finished
+# when the session ends (pytest_sessionfinish).
+_DROPS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-dropdb")
+
+
+def _drop_database(admin_url: str, name: str) -> None:
     import psycopg
 
-    name = f"imgret_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(_libpq(postgres_admin_url), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base = postgres_admin_url.rsplit("/", 1)[0]
-    yield f"{base}/{name}"
-    with psycopg.connect(_libpq(postgres_admin_url), autocommit=True) as conn:
+    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _DROPS.shutdown(wait=True)
+
+
+def _new_database(admin_url: str, template: str | None = None) -> str:
+    import psycopg
+
+    name = f"imgret_test_{uuid.uuid4().hex[:12]}"
+    clone = f' TEMPLATE "{template}"' if template else ""
+    with psycopg.connect(_libpq(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"{clone}')
+    return name
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    name = _new_database(postgres_admin_url)
+    yield f"{postgres_admin_url.rsplit('/', 1)[0]}/{name}"
+    _DROPS.submit(_drop_database, postgres_admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def _postgres_template(postgres_admin_url: str) -> Iterator[str]:
+    """A PostgreSQL database migrated to head once per test process: the template that
+    :func:`migrated_db_url` clones (a clone is a file copy; migrating takes longer)."""
+    from imgret.gallery.storage.db import upgrade_to_head
+
+    name = _new_database(postgres_admin_url)
+    upgrade_to_head(f"{postgres_admin_url.rsplit('/', 1)[0]}/{name}")
+    yield name
+    _drop_database(postgres_admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once per test process, in one self-contained file
+    (rollback journal: the WAL mode the gallery sets comes back when a copy is opened)."""
+    import sqlite3
+
+    from imgret.gallery.storage.db import upgrade_to_head
+
+    path = tmp_path_factory.mktemp("template") / "imgret.db"
+    upgrade_to_head(f"sqlite:///{path}")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    return path
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each database backend in turn: SQLite, then PostgreSQL."""
+    return request.param
+
+
+@pytest.fixture
+def db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh empty database on each backend: a SQLite file, then a real PostgreSQL one."""
-    if request.param == "sqlite":
+    if backend == "sqlite":
         return f"sqlite:///{tmp_path / 'imgret.db'}"
     return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def migrated_db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path
+                    ) -> Iterator[str]:
+    """A fresh database at the schema's head on each backend, cloned from a migrated
+    template (what a service's first start would have made)."""
+    if backend == "sqlite":
+        path = tmp_path / "imgret.db"
+        shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        yield f"sqlite:///{path}"
+        return
+    admin = request.getfixturevalue("postgres_admin_url")
+    name = _new_database(admin, template=request.getfixturevalue("_postgres_template"))
+    yield f"{admin.rsplit('/', 1)[0]}/{name}"
+    _DROPS.submit(_drop_database, admin, name)
 
 
 @pytest.fixture

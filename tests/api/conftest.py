@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,14 @@ def _client_factory(data_dir: Path, db_url: str, checkpoint: Path) -> ClientFact
 
 
 @pytest.fixture
+def db_url(migrated_db_url: str) -> str:
+    """API tests start from a database at the schema's head, cloned from a template (the
+    app's own start-up migration is then a check); a test that asks for ``db_url`` gets
+    the same database as its app."""
+    return migrated_db_url
+
+
+@pytest.fixture
 def make_client(tmp_path: Path, db_url: str, tiny_checkpoint: Path) -> ClientFactory:
     """Build ``with make_client(**settings) as client``: the app with the test's data dir and
     database (SQLite, then PostgreSQL), the tiny model, and any setting overridden."""
@@ -49,8 +58,10 @@ def client(make_client: ClientFactory) -> Iterator[TestClient]:
 
 
 @pytest.fixture
-def make_local_client(tmp_path: Path, tiny_checkpoint: Path) -> ClientFactory:
+def make_local_client(tmp_path: Path, tiny_checkpoint: Path,
+                      _sqlite_template: Path) -> ClientFactory:
     """Like ``make_client`` on SQLite only: for request validation, which no query reaches."""
+    shutil.copyfile(_sqlite_template, tmp_path / "local.db")
     return _client_factory(tmp_path / "data", f"sqlite:///{tmp_path / 'local.db'}",
                            tiny_checkpoint)
 

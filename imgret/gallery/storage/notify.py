@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
@@ -58,6 +59,9 @@ class ChangeListener:
         self.listening = threading.Event()  # set while a LISTEN connection is open
         self._connection = None  # the open LISTEN connection (for socket_options)
         self._stop = threading.Event()
+        # A channel of this listener's own: stop() notifies it, so a server shuts down as
+        # soon as it is asked, not when the next wait for notifications times out.
+        self._wake_channel = f"imgret_stop_{uuid.uuid4().hex}"
         self._thread = threading.Thread(target=self._run, name="imgret-listen", daemon=True)
 
     def start(self) -> ChangeListener:
@@ -66,7 +70,21 @@ class ChangeListener:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        if self.listening.is_set():
+            self._wake()
         self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        """Notify this listener's own channel, ending its wait (best effort: without it the
+        wait still ends at its timeout)."""
+        import psycopg
+
+        try:
+            with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=2,
+                                 application_name="imgret-listen-stop") as connection:
+                connection.execute(f"NOTIFY {self._wake_channel}")
+        except Exception:  # noqa: BLE001 - the timeout below still ends the wait
+            logger.debug("could not wake the LISTEN thread; it stops at its next timeout")
 
     def _run(self) -> None:
         import psycopg  # the PostgreSQL driver: only a PostgreSQL gallery gets here
@@ -78,6 +96,7 @@ class ChangeListener:
                                      application_name="imgret-listen",
                                      **KEEPALIVE) as connection:
                     connection.execute(f"LISTEN {CHANNEL}")
+                    connection.execute(f"LISTEN {self._wake_channel}")
                     self._connection = connection
                     self.listening.set()
                     if failures:
@@ -85,8 +104,10 @@ class ChangeListener:
                     failures = 0
                     self.on_change("reconnected")  # whatever was missed while away
                     while not self._stop.is_set():
-                        # A timeout so that stop() is seen; a notification returns at once.
+                        # A timeout in case stop()'s wake-up is lost; a notification returns at once.
                         for notify in connection.notifies(timeout=0.5):
+                            if notify.channel == self._wake_channel:
+                                break
                             self.on_change(notify.payload)
             except Exception as exc:  # noqa: BLE001 - reconnect; the poll covers the gap
                 self._connection = None
