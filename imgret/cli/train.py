@@ -49,8 +49,8 @@ NOT_LEARNED_EXIT = 3
 BASE_OPTIONS = (
     "data", "backbone", "dim", "epochs", "image_size", "batch_size", "m_per_class", "lr",
     "weight_decay", "warmup_epochs", "protocol", "split_seed", "val_fraction", "test_fraction",
-    "backbone_weights", "max_train_images", "max_eval_images", "time_budget_s", "augmentation",
-    "device", "num_workers", "cv_folds", "patience", "recipe",
+    "backbone_weights", "max_train_images", "train_cap", "max_eval_images", "time_budget_s",
+    "augmentation", "device", "num_workers", "cv_folds", "patience", "recipe",
 )
 # Where an option differs from its field: a run must name its data, the input side defaults by
 # data set (resolved in _config), the trunk weights are a path, and the budget flag is shorter.

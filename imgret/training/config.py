@@ -32,7 +32,7 @@ PER_RUN_FIELDS = ("loss", "seed", "fold", "control")
 # Fields saved only when they differ from these defaults, so a run made before they existed
 # saves (and resumes with) the keys it always did.
 OPTIONAL_FIELDS: dict[str, Any] = {"cv_folds": 0, "fold": None, "patience": None,
-                                   "control": None, "recipe": "shared"}
+                                   "control": None, "recipe": "shared", "train_cap": "images"}
 # How each loss is trained (imgret.training.recipe): "family" = its family's recipe from the
 # loss's own paper and code (batches, embedding head, loss-parameter rate, scale, warm-up);
 # "shared" = one recipe for every loss (m-per-class batches, a bare linear head, loss
@@ -216,7 +216,11 @@ class TrainConfig:
         None, gt=0,
         description="training wall-clock budget in seconds (validation excluded)")
     max_train_images: int | None = Field(
-        None, ge=2, description="seeded stratified subset of the training split")
+        None, ge=2, description="cap on the training split's images (see train_cap)")
+    train_cap: Literal["images", "classes"] = Field(
+        "images", description="how max_train_images caps the training split: images = a "
+        "seeded stratified subset of every class's images; classes = seeded whole classes "
+        "with all their images (for losses with per-class parameters)")
     max_eval_images: int | None = Field(
         None, ge=4, description="seeded stratified subset of validation and test (each)")
     batch_size: int = Field(64, ge=2)

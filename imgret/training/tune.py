@@ -108,11 +108,11 @@ BUDGETS: dict[str, Budget] = {
     "reality-check": Budget(
         options={"backbone": "small_cnn", "image_size": 32, "dim": 128, "epochs": 4,
                  "patience": 2, "batch_size": 32, "m_per_class": 4, "cv_folds": 4,
-                 "max_train_images": 1600, "max_eval_images": 2000, "augmentation": "none",
-                 "warmup_epochs": 0.0, "num_workers": 0},
+                 "max_train_images": 1600, "train_cap": "classes", "max_eval_images": 2000,
+                 "augmentation": "none", "warmup_epochs": 0.0, "num_workers": 0},
         trials=20, seeds=10,
         note="2 CPU cores, about 2.5 hours for ten losses: 4-fold cross-validation, small_cnn "
-        "at 32 px, 128-d, batches of 8 classes x 4, epochs of 1,600 training images (50 "
+        "at 32 px, 128-d, batches of 32, epochs of 1,600 training images of whole classes (50 "
         "batches), early stopping (patience 2, at most 4 epochs), 20 trials per loss, 10 runs",
     ),
     "reality-check-full": Budget(

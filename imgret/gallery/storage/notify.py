@@ -104,7 +104,8 @@ class ChangeListener:
                     failures = 0
                     self.on_change("reconnected")  # whatever was missed while away
                     while not self._stop.is_set():
-                        # A timeout in case stop()'s wake-up is lost; a notification returns at once.
+                        # A timeout in case stop()'s wake-up is lost; a notification
+                        # returns at once.
                         for notify in connection.notifies(timeout=0.5):
                             if notify.channel == self._wake_channel:
                                 break

@@ -105,6 +105,27 @@ def test_caps_are_stratified_and_seeded() -> None:
     np.testing.assert_array_equal(split.indices["train"], again.indices["train"])
 
 
+def test_a_class_cap_keeps_whole_classes_seeded_and_validation_untouched() -> None:
+    """``train_cap="classes"``: the cap picks whole training classes (every image of each),
+    seeded, and leaves the validation and test splits as the image cap would."""
+    source = _Labels({f"c{i:02d}": 24 for i in range(40)})
+    options = {"data": "x", "max_train_images": 100, "val_fraction": 0.25,
+               "test_fraction": 0.25}
+    config = TrainConfig(**options, train_cap="classes")
+    split = make_split(source, config)
+    classes, counts = np.unique(source.labels[split.indices["train"]], return_counts=True)
+    assert len(classes) == 4 and set(counts.tolist()) == {24}  # 4 x 24 = 96 <= 100 < 120
+    assert "whole classes" in split.rule
+    again = make_split(source, config)
+    np.testing.assert_array_equal(split.indices["train"], again.indices["train"])
+    other = make_split(source, TrainConfig(**options, train_cap="classes", split_seed=1))
+    assert set(source.labels[other.indices["train"]]) != set(classes)
+    by_images = make_split(source, TrainConfig(**options))
+    for name in ("val", "test"):
+        np.testing.assert_array_equal(split.indices[name], by_images.indices[name])
+    assert len(set(source.labels[by_images.indices["train"]])) > 4
+
+
 def _fake_fashion(per_class: int = 3) -> ArrayImageSource:
     labels = np.repeat(np.arange(10), per_class * 2)
     official_test = np.tile(np.r_[np.zeros(per_class, bool), np.ones(per_class, bool)], 10)
