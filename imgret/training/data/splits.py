@@ -152,6 +152,10 @@ def describe_split(summary: dict[str, Any]) -> str:
     )
 
 
+# Seeds the class cap's generator beside the split seed (any fixed number; see make_split).
+CLASS_CAP_STREAM = 1
+
+
 def make_split(source: ImageSource, config: TrainConfig) -> DataSplit:
     """Split a source into train / val / test by ``config.protocol`` (seeded, deterministic).
 
@@ -192,12 +196,16 @@ def make_split(source: ImageSource, config: TrainConfig) -> DataSplit:
     for name, cap in (("train", config.max_train_images), ("val", config.max_eval_images),
                       ("test", config.max_eval_images)):
         if cap is not None and len(split.indices[name]) > cap:
+            # Drawn under either cap, so that the validation and test caps after it draw the
+            # same images: both training caps are then compared on one test set.
+            stratified = stratified_subset(split.indices[name], source.labels, cap, rng)
             if name == "train" and config.train_cap == "classes":
-                split.indices[name] = class_subset(split.indices[name], source.labels, cap, rng)
+                own = np.random.default_rng((config.split_seed, CLASS_CAP_STREAM))
+                split.indices[name] = class_subset(split.indices[name], source.labels, cap, own)
                 split.rule += f"; train capped at {cap} images (whole classes, seeded)"
-                continue
-            split.indices[name] = stratified_subset(split.indices[name], source.labels, cap, rng)
-            split.rule += f"; {name} capped at {cap} images (stratified, seeded)"
+            else:
+                split.indices[name] = stratified
+                split.rule += f"; {name} capped at {cap} images (stratified, seeded)"
     for name in SPLITS:
         n_classes = len(split.classes(name, source))
         if n_classes < 2:

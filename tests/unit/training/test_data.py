@@ -109,8 +109,8 @@ def test_a_class_cap_keeps_whole_classes_seeded_and_validation_untouched() -> No
     """``train_cap="classes"``: the cap picks whole training classes (every image of each),
     seeded, and leaves the validation and test splits as the image cap would."""
     source = _Labels({f"c{i:02d}": 24 for i in range(40)})
-    options = {"data": "x", "max_train_images": 100, "val_fraction": 0.25,
-               "test_fraction": 0.25}
+    options = {"data": "x", "max_train_images": 100, "max_eval_images": 50,
+               "val_fraction": 0.25, "test_fraction": 0.25}
     config = TrainConfig(**options, train_cap="classes")
     split = make_split(source, config)
     classes, counts = np.unique(source.labels[split.indices["train"]], return_counts=True)
