@@ -291,12 +291,12 @@ def test_a_delete_racing_an_activation_never_leaves_the_active_version_without_i
 def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: Path,
                                                             runs: list[Path],
                                                             monkeypatch) -> None:
-    """Each chunk plus its throttle pause lasts several times the staleness limit: the
-    heartbeat must beat in between, or a second claimer takes the job over."""
-    # 6 s: beats every 2 s, so a loaded CI machine may delay two in a row and still pass (at
-    # 3 s, one run of the suite on 2 busy cores saw a gap past the limit); a heartbeat tied
-    # to chunks (the failure this guards against) misses by 18 s.
-    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 6.0)
+    """A chunk's throttle pause lasts until the job's heartbeat has beaten in it (the pause
+    waits on that beat, not on a clock): the heartbeat beats between chunks, and a
+    second claimer, trying all along, never takes a live job over. A heartbeat tied to
+    chunks (the failure this guards against) never beats in a pause: the test then fails
+    on its bound instead of hanging."""
+    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 6.0)  # beats every 2 s
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = intake.register_checkpoint(runs[0], session_factory=sessions,
@@ -307,9 +307,22 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     _gallery(sessions, media, intake.load_embedder(a, **load), n=3)
     embedder_b = intake.load_embedder(b, **load)
 
+    def heartbeat() -> object:
+        with sessions() as session:
+            return session.scalar(select(ModelVersion.embed_heartbeat_at)
+                                  .where(ModelVersion.version == b))
+
+    beats_in_pauses: list[int] = []
+
     class Slow(reembed.Throttle):
         def pause(self, worked_s: float) -> None:
-            time.sleep(18.0)  # 3x the staleness limit after every chunk
+            seen, beats = heartbeat(), 0
+            give_up = time.monotonic() + 20 * version_store.HEARTBEAT_STALE_S
+            while not beats and time.monotonic() < give_up:
+                time.sleep(0.05)
+                now = heartbeat()
+                beats, seen = beats + (now != seen), now
+            beats_in_pauses.append(beats)
 
     assert reembed.claim_job(b, session_factory=sessions)
     report: list = []
@@ -323,6 +336,7 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
             stolen.append(time.monotonic())
         time.sleep(0.05)
     job.join()
+    assert beats_in_pauses and all(beats_in_pauses), beats_in_pauses
     assert not stolen, f"the live job was claimed {len(stolen)} times by a second claimer"
     assert report and report[0].gallery_embedded == 3
     with sessions() as session:
