@@ -3,7 +3,10 @@
 One run on the glyph set (``imgret.training.data.glyphs``: each identity a CJK character,
 each image one font face with one distortion), identities split four ways and never shared:
 
-- **train**: 200 identities the model learns from (small_cnn, multi_similarity, a short run);
+- **train**: 200 identities the model learns from: ``imgret train FOLDER`` with its defaults
+  (what a user gets: the packaged ImageNet ``mobilenet_v2``, multi_similarity, the image size
+  from the images), or ``--trainer small_cnn`` (small_cnn from scratch, multi_similarity,
+  ``--train-seconds`` of training);
 - **enrolled**: 150 identities in the gallery (8 images each: every face, distortion 0);
 - **calibration unknowns**: 500 identities never enrolled (``--unknowns``); with 4 images of
   each enrolled identity (other distortions) they form the calibration set "cal" (600 mated,
@@ -16,7 +19,7 @@ target FPIR on "cal", then every "fresh" image goes through ``POST /identify``: 
 out-of-sample false-accept rate (fresh unknowns called known) and rank-1 identification
 (fresh enrolled images named correctly), each with a 95% bootstrap interval that resamples
 identities, beside the calibration's in-sample figures. The same for the untrained network
-(same architecture) as the baseline.
+(same architecture and starting weights: ImageNet's for the default trunk) as the baseline.
 
 ``--layout market`` writes the gallery and both query sets in the Market-1501 layout instead
 (``0042_c3s1_000123_00.png``: identity and camera from the name, the face as the camera) and
@@ -25,15 +28,17 @@ holds: people no query shows, who still count as false accepts when a stranger m
 ``--unknowns N`` sets the identities of each unknown group (more of them narrow the interval
 of a small FPIR: at 0.01, 500 identities x 4 images give about 20 false accepts).
 
-Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.01] [--train-seconds 120]
-[--unknowns 500] [--layout imagefolder|market]`` (``--work`` keeps the rendered folders and
-the trained model between runs).
+Run: ``python benchmarks/openset_bench.py [--work DIR] [--fpir 0.01] [--trainer default|
+small_cnn] [--train-seconds S] [--unknowns 500] [--layout imagefolder|market]`` (``--work``
+keeps the rendered folders and the trained model between runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +48,7 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from imgret.checkpoint import EmbeddingNet, ModelSpec, load_checkpoint, save_checkpoint
 from imgret.datasets import list_records
 from imgret.gallery.ingest import ingest_source
 from imgret.service.app import create_app
@@ -55,6 +60,8 @@ PER_CLASS = 16  # 8 faces x 2 distortions
 FACES = 8
 RESAMPLES = 1000
 LAYOUTS = ("imagefolder", "market")
+TRAINERS = ("default", "small_cnn")
+SMALL_CNN_SECONDS = 120.0
 
 
 def split_sizes(unknowns: int, layout: str) -> dict[str, int]:
@@ -118,6 +125,32 @@ def build_folders(work: Path, *, unknowns: int = 500,
     writer.write(folders["fresh"], groups["enrolled"], [9, 11, 13, 15])
     writer.write(folders["fresh"], groups["fresh_unknown"], [9, 11, 13, 15])
     return folders
+
+
+def train_default(train_folder: Path, out: Path, seconds: float | None) -> Path:
+    """``imgret train FOLDER`` as a user runs it: every default, a time budget only if asked."""
+    if (out / "model.pt").exists():
+        return out
+    command = [str(Path(sys.executable).with_name("imgret")), "train", str(train_folder),
+               "--out", str(out), "--no-progress"]
+    if seconds is not None:
+        command += ["--time-budget", str(seconds)]
+    done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"imgret train exited {done.returncode} (3: the run did not learn); "
+                         "no trained model to measure")
+    return out
+
+
+def untrained_like(trained: Path, out: Path) -> Path:
+    """The trained model's architecture at its starting weights (seed 0; the ImageNet trunk
+    when the run started from it): what training added is the difference."""
+    if not (out / "model.pt").exists():
+        spec = load_checkpoint(trained / "model.pt").spec
+        config = json.loads((trained / "metrics.json").read_text())["config"]
+        torch.manual_seed(0)
+        save_checkpoint(out, EmbeddingNet(spec, backbone_weights=config.get("backbone_weights")))
+    return out
 
 
 def train_model(train_folder: Path, out: Path, seconds: float) -> Path:
@@ -200,7 +233,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--fpir", type=float, default=0.01)
-    parser.add_argument("--train-seconds", type=float, default=120.0)
+    parser.add_argument("--trainer", choices=TRAINERS, default="default",
+                        help="default: imgret train's defaults; small_cnn: from scratch")
+    parser.add_argument("--train-seconds", type=float, default=None,
+                        help="training budget (default: the trainer's own; small_cnn 120 s)")
     parser.add_argument("--unknowns", type=int, default=500,
                         help="identities in each group of unknowns (calibration, fresh)")
     parser.add_argument("--layout", choices=LAYOUTS, default="imagefolder",
@@ -210,8 +246,13 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="openset_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     folders = build_folders(work, unknowns=args.unknowns, layout=args.layout)
-    trained = train_model(folders["train"], work / "trained", args.train_seconds)
-    untrained = untrained_model(work / "untrained")
+    if args.trainer == "default":
+        trained = train_default(folders["train"], work / "trained-default", args.train_seconds)
+        untrained = untrained_like(trained, work / "untrained-default")
+    else:
+        trained = train_model(folders["train"], work / "trained",
+                              args.train_seconds or SMALL_CNN_SECONDS)
+        untrained = untrained_model(work / "untrained")
     # Distractors (Market's identity 0000) are in the gallery, but they are nobody.
     enrolled = {r.label for r in list_records(folders["gallery"])} - {MARKET_DISTRACTOR}
     data = work / f"service-{time.time_ns()}"
@@ -232,7 +273,7 @@ def main() -> None:
         resources.jobs.wait(baseline, timeout=600)
         assert client.post(f"/models/{baseline}/activate").status_code == 200
         results["untrained"] = measure(client, baseline, folders, args.fpir, enrolled)
-    results["setup"] = {"layout": args.layout, "target_fpir": args.fpir,
+    results["setup"] = {"layout": args.layout, "target_fpir": args.fpir, "trainer": args.trainer,
                         "unknown_identities_per_group": args.unknowns}
     print(json.dumps(results, indent=2))
     if args.json is not None:
