@@ -10,7 +10,8 @@ it comes on a 2-core CPU:
   init, with a warning (:func:`default_trunk`). An explicit ``--backbone`` keeps random init
   unless ``--backbone-weights`` says otherwise.
 - **Image size**: from the training images, not from the data set's name
-  (:func:`auto_image_size`, applied by the training loop to ``TrainConfig.image_size=None``).
+  (:func:`auto_image_size`, applied by the training loop to ``TrainConfig.image_size=None``);
+  at least :data:`PRETRAINED_MIN_SIDE` for a trunk that starts from ImageNet weights.
 - **Augmentation**: none. The standard one (random resized crop + horizontal flip) changes
   what a character, a glyph or a logo is; ``--augmentation standard`` still asks for it.
 - **Loss**: ``multi_similarity``; **budget**: :data:`DEFAULT_EPOCHS` epochs or
@@ -54,18 +55,29 @@ SIDE_STEP = 16
 IMAGE_SIZE_RANGE = (32, 128)
 # small_cnn flattens a (S/4)^2 feature map: its head grows with the square of the side.
 IMAGE_SIZE_RANGES = {"tiny_cnn": (32, 64), "small_cnn": (32, 64)}
+# A trunk that starts from ImageNet weights gets small images upsampled to at least this
+# side: its filters were learned on objects tens of pixels wide, and at 32 px mobilenet_v2's
+# last feature map is 1 x 1. Measured on 200 glyph identities (32 px images; `imgret train`
+# defaults, 8 epochs; test MAP@R on 100 unseen identities): 0.134 at 32 px, 0.404 at 64,
+# 0.452 at 96 (the side benchmarks/pretrained_bench.py uses).
+PRETRAINED_MIN_SIDE = 96
 
 
-def image_size_range(backbone: str) -> tuple[int, int]:
-    """``(smallest, largest)`` automatic input side for a backbone."""
-    return IMAGE_SIZE_RANGES.get(backbone, IMAGE_SIZE_RANGE)
+def image_size_range(backbone: str, pretrained: bool = False) -> tuple[int, int]:
+    """``(smallest, largest)`` automatic input side for a backbone (``pretrained``: it
+    starts from ImageNet weights, so small images are upsampled)."""
+    low, high = IMAGE_SIZE_RANGES.get(backbone, IMAGE_SIZE_RANGE)
+    if pretrained:
+        low = min(max(low, PRETRAINED_MIN_SIDE), high)
+    return low, high
 
 
-def auto_image_size(sizes: Iterable[tuple[int, int]], backbone: str) -> int:
+def auto_image_size(sizes: Iterable[tuple[int, int]], backbone: str,
+                    pretrained: bool = False) -> int:
     """The input side for images of these ``(width, height)``: the median of
     ``sqrt(width x height)``, rounded to a multiple of :data:`SIDE_STEP`, clamped to
     :func:`image_size_range`. Nothing to measure gives the range's lower end."""
-    low, high = image_size_range(backbone)
+    low, high = image_size_range(backbone, pretrained)
     sides = sorted(math.sqrt(w * h) for w, h in sizes)
     if not sides:
         return low

@@ -317,12 +317,14 @@ def measure_image_size(config: TrainConfig, source: ImageSource, train: np.ndarr
     rng = np.random.default_rng([config.split_seed, 11])
     sample = np.sort(rng.permutation(np.asarray(train))[:SAMPLE_IMAGES])
     sizes = image_sizes(source, sample)
-    side = auto_image_size(sizes, config.backbone)
+    pretrained = config.backbone_weights is not None
+    side = auto_image_size(sizes, config.backbone, pretrained)
     if log:
-        low, high = image_size_range(config.backbone)
+        low, high = image_size_range(config.backbone, pretrained)
         logger.info("image size %d px: the median side of %d training images, rounded to %d "
-                    "and kept within %d-%d px for %s (--image-size sets it)", side,
-                    len(sizes), SIDE_STEP, low, high, config.backbone)
+                    "and kept within %d-%d px for %s%s (--image-size sets it)", side,
+                    len(sizes), SIDE_STEP, low, high, config.backbone,
+                    " from pretrained weights" if pretrained else "")
     return side
 
 

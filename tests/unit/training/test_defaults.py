@@ -92,6 +92,10 @@ def test_the_side_is_the_median_rounded_and_clamped() -> None:
     assert auto_image_size([(640, 480)] * 3, "small_cnn") == 64  # its head grows with S^2
     assert auto_image_size([(10, 10), (100, 100), (1000, 1000)], DEFAULT_BACKBONE) == 96
     assert auto_image_size([], DEFAULT_BACKBONE) == 32
+    # From ImageNet weights, small images are upsampled; large ones keep the CPU cap.
+    assert auto_image_size([(28, 28)] * 5, DEFAULT_BACKBONE, pretrained=True) == 96
+    assert auto_image_size([(640, 480)] * 3, DEFAULT_BACKBONE, pretrained=True) == 128
+    assert auto_image_size([(28, 28)] * 5, "small_cnn", pretrained=True) == 64
 
 
 @pytest.mark.parametrize(("size", "side"), [((20, 24), 32), ((300, 200), 128), ((90, 100), 96)])
