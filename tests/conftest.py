@@ -120,15 +120,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _DROPS.shutdown(wait=True)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding a test marked ``slow`` run first, each file's tests still together and in
-    their order: xdist hands files out in this order, so the longest ones start at once and
-    the short ones fill in behind them, instead of one worker finishing a long file alone
-    at the end (longest-first scheduling)."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 def _new_database(admin_url: str, template: str | None = None) -> str:
     import psycopg
 
