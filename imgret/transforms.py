@@ -1,11 +1,18 @@
-"""The only inference preprocessing: PIL RGB image -> normalised (3, S, S) float tensor."""
+"""The only inference preprocessing: PIL RGB image -> normalised (3, S, S) float tensor.
+
+Written on torch alone, step for step as torchvision's v2 kernels do it: importing torchvision
+costs a server or CLI process about 1.3 s at start (it imports its detection ops, which import
+torch's compiler), and a model without a torchvision trunk has no other use for it.
+"""
 
 from __future__ import annotations
+
+import platform
 
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms.v2 import functional as F
+from torch.nn.functional import interpolate
 
 from imgret.checkpoint import ModelSpec
 
@@ -17,10 +24,10 @@ class EvalTransform:
     product photos and re-ID crops whose aspect ratio carries little information.
 
     The steps of ``v2.Compose([ToImage(), (Grayscale(3)), Resize((S, S), antialias=True),
-    ToDtype(float32, scale=True), Normalize(mean, std)])``, calling the same torchvision
-    kernels directly: equal output (``tests/unit/test_transforms.py``) without the per-call
-    dispatch of five transform objects, most of the cost of preparing a small query (the
-    search pipeline decodes every query in Python).
+    ToDtype(float32, scale=True), Normalize(mean, std)])``, as the torch calls those
+    torchvision kernels make: equal output (``tests/unit/test_transforms.py``) without the
+    per-call dispatch of five transform objects, most of the cost of preparing a small query
+    (the search pipeline decodes every query in Python).
     The result is a plain tensor (not a ``tv_tensors.Image``).
     """
 
@@ -32,13 +39,15 @@ class EvalTransform:
         self._grey_table: np.ndarray | None = None
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
-        x = F.pil_to_tensor(image)
+        x = _pil_to_tensor(image)
         if self.grayscale:
-            x = F.rgb_to_grayscale(x, num_output_channels=3)
+            x = _rgb_to_grey3(x)
         if tuple(x.shape[-2:]) != self.size:  # Resize returns an equal-size image unchanged
-            x = F.resize(x, list(self.size), antialias=True)
-        x = F.to_dtype(x, torch.float32, scale=True)
-        return F.normalize(x, mean=self.mean, std=self.std)
+            x = _resize_bilinear_aa(x, self.size)
+        x = x.to(torch.float32).mul_(1.0 / 255)
+        mean = torch.as_tensor(self.mean, dtype=torch.float32).view(-1, 1, 1)
+        std = torch.as_tensor(self.std, dtype=torch.float32).view(-1, 1, 1)
+        return x.sub(mean).div_(std)
 
     def grey_table(self, height: int, width: int) -> np.ndarray | None:
         """``(3, 256)`` float32 array: what :meth:`__call__` makes of each grey level of an RGB
@@ -70,6 +79,43 @@ class EvalTransform:
             return None
         channels_first = np.moveaxis(np.take(table, pixels, axis=1), 0, -3)
         return torch.from_numpy(np.ascontiguousarray(channels_first))
+
+
+def _pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """uint8 ``(C, H, W)``, a channels-last view of a copy of the pixels (as torchvision's)."""
+    x = torch.as_tensor(np.array(image, copy=True))
+    return x.view(image.size[1], image.size[0], len(image.getbands())).permute((2, 0, 1))
+
+
+def _rgb_to_grey3(x: torch.Tensor) -> torch.Tensor:
+    """ITU-R 601 luma, cast back to uint8 and repeated over 3 channels (torchvision's)."""
+    r, g, b = x.unbind(dim=-3)
+    grey = r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114)
+    return grey.unsqueeze(dim=-3).to(x.dtype).expand(x.shape)
+
+
+def _native_uint8_resize() -> bool:
+    # torch resizes uint8 itself where it has a vectorised kernel; elsewhere through float32.
+    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            or platform.machine() in ("aarch64", "arm64"))
+
+
+def _resize_bilinear_aa(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Antialiased bilinear resize of a uint8 ``(C, H, W)`` image, as torchvision's."""
+    channels, height, width = x.shape
+    numel = x.numel()
+    x = x.reshape(-1, channels, height, width)
+    strides = x.stride()
+    if x.is_contiguous(memory_format=torch.channels_last) and numel != strides[0]:
+        # Keeps the output channels-last, as torchvision does (pytorch/pytorch#68430).
+        x = x.as_strided((1, channels, height, width), [numel, *strides[1:]])
+    cast = not _native_uint8_resize()
+    if cast:
+        x = x.to(torch.float32)
+    x = interpolate(x, size=list(size), mode="bilinear", align_corners=False, antialias=True)
+    if cast:
+        x = x.round_().to(torch.uint8)
+    return x.reshape(channels, *size)
 
 
 def eval_transform(spec: ModelSpec) -> EvalTransform:
