@@ -16,7 +16,7 @@ Each set is evaluated four times through the Searcher (exact ``Flat`` index,
 ``imgret.gallery.evaluation.retrieval.evaluate``): plain, k-reciprocal re-ranking (paper defaults k1
 = 20, k2 = 6, lambda = 0.3 with N = 100 candidates, and with N = 400, above the demo's R = 300)
 and average query expansion (top 5). Deltas are paired over the same queries
-(``imgret.gallery.evaluation.retrieval.compare_versions``: bootstrap 95% interval).
+(``imgret.gallery.evaluation.comparison.compare_versions``: bootstrap 95% interval).
 Cost: single-query searches (k = 10, as /search serves them), median and p90 ms, beside the
 plain search of the same queries in the same run, and the peak Python/NumPy memory of one
 re-ranked query (tracemalloc) beside the (Q + G)^2 float32 matrix a full-matrix
@@ -47,7 +47,8 @@ import numpy as np
 from PIL import Image
 
 from imgret.embedder import Embedder
-from imgret.gallery.evaluation.retrieval import QueryBatch, compare_versions, evaluate
+from imgret.gallery.evaluation.comparison import compare_versions
+from imgret.gallery.evaluation.retrieval import QueryBatch, evaluate
 from imgret.gallery.search import Searcher
 from imgret.gallery.search.faiss_index import check_factory, create_index
 from imgret.gallery.search.rerank import KReciprocal, QueryExpansion

@@ -10,7 +10,7 @@
   ``ci95``.
 * :func:`paired_bootstrap_ci`: percentile bootstrap interval of the mean difference between two
   sets of per-query values on the same queries; the model comparison of ``/evaluate``
-  (``imgret.gallery.evaluation.retrieval.compare_versions``) reports it.
+  (``imgret.gallery.evaluation.comparison.compare_versions``) reports it.
 * :func:`paired_comparison` and :func:`verdict`: B − A per metric on the same queries, its
   paired interval and the verdict read from it (better / worse / no detectable difference).
   The model comparison of ``/evaluate`` and a training run's verdict against its baselines

@@ -19,11 +19,12 @@ Decisions:
   lock). More missing items than that: 409, run embed first.
 - **Gate**: ``require=better`` needs the paired verdict on MAP@R to be "better" and no
   metric "worse"; ``not_worse`` needs no metric "worse"
-  (``imgret.gallery.evaluation.retrieval.gate``). ``require=fnir_not_worse`` (alone or beside one of
-  them) needs the candidate's calibration and its FNIR, at its own threshold for the calibrated
-  target FPIR, not worse than the active version's at the active version's own threshold for that
-  FPIR, on the same queries (a paired bootstrap that re-derives both thresholds per resample:
-  ``imgret.gallery.evaluation.open_set.fnir_gate``); a comparison that cannot be resolved refuses.
+  (``imgret.gallery.evaluation.comparison.gate``). ``require=fnir_not_worse`` (alone or beside
+  one of them) needs the candidate's calibration and its FNIR, at its own threshold for the
+  calibrated target FPIR, not worse than the active version's at the active version's own
+  threshold for that FPIR, on the same queries (a paired bootstrap that re-derives both
+  thresholds per resample: ``imgret.gallery.evaluation.open_set.fnir_gate``); a comparison
+  that cannot be resolved refuses.
 - **Rollback** activates the version that the current one replaced (the last
   ``model_activations`` row), with the same coverage rule: items added meanwhile are embedded
   for it first. A second rollback goes forward again.
@@ -46,15 +47,18 @@ from imgret.embedder import Embedder
 from imgret.errors import GalleryError, IndexStale
 from imgret.gallery.evaluation import calibration as calibrations
 from imgret.gallery.evaluation import open_set as open_set_evaluation
+from imgret.gallery.evaluation.comparison import (
+    MIN_EFFECT,
+    compare_versions,
+    gate,
+)
+from imgret.gallery.evaluation.comparison import REQUIREMENTS as RETRIEVAL_REQUIREMENTS
 from imgret.gallery.evaluation.retrieval import (
     BOOTSTRAP,
-    MIN_EFFECT,
     SEED,
     Evaluation,
     EvaluationError,
-    compare_versions,
     evaluate_query_set,
-    gate,
 )
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search.manifest import Manifest, collection_root, index_dir
@@ -76,10 +80,8 @@ logger = logging.getLogger(__name__)
 STRAGGLER_LIMIT = 1000
 
 
-# What ``require`` may ask: one retrieval verdict, and the open-set FNIR.
-RETRIEVAL_REQUIREMENTS = ("better", "not_worse")
-
-
+# What ``require`` may ask: one retrieval verdict (RETRIEVAL_REQUIREMENTS), and the open-set
+# FNIR.
 FNIR_NOT_WORSE = "fnir_not_worse"
 
 
@@ -258,7 +260,7 @@ def comparison_report(a: Evaluation, b: Evaluation) -> dict[str, Any]:
     ``/evaluate`` reports a comparison:
     ``{"a", "b", "difference", "verdict", "b_better", "a_better"}``, per metric B − A
     with its paired 95% interval and verdict
-    (``imgret.gallery.evaluation.retrieval.compare_versions``)."""
+    (``imgret.gallery.evaluation.comparison.compare_versions``)."""
     comparison = compare_versions(a, b)
     return {
         "a": a.report,
@@ -331,7 +333,7 @@ def activate(
         compare_fnir: ``compare_fnir(active, candidate, query_set, calibration)`` ->
             :func:`fnir_comparison` at the calibration's target FPIR.
         compare: ``compare(active, candidate, query_set)`` -> the paired comparison
-            (``imgret.gallery.evaluation.retrieval.compare_versions`` of both evaluations,
+            (``imgret.gallery.evaluation.comparison.compare_versions`` of both evaluations,
             with verdicts).
         prepare_index: opens (loads or builds) the version's index before the switch.
         reason: ``"activate"`` or ``"rollback"`` (recorded).

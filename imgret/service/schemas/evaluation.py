@@ -14,8 +14,8 @@ from pydantic import (
     model_validator,
 )
 
+from imgret.gallery.evaluation.comparison import MIN_EFFECT
 from imgret.gallery.evaluation.open_set import OpenSetRequest
-from imgret.gallery.evaluation.retrieval import MIN_EFFECT
 from imgret.service.request_rules import (
     MODEL_VERSION_MAX,
     NAME_MAX,

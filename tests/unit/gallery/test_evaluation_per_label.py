@@ -8,19 +8,17 @@ import numpy as np
 import pytest
 
 from imgret.cli.reports import format_report
-from imgret.gallery.evaluation.retrieval import (
+from imgret.gallery.evaluation.comparison import (
     BETTER,
     MIN_EFFECT,
     NO_DIFFERENCE,
     VERDICTS,
     WORSE,
-    Evaluation,
-    QueryBatch,
     compare_versions,
-    evaluate,
     gate,
     verdict,
 )
+from imgret.gallery.evaluation.retrieval import Evaluation, QueryBatch, evaluate
 from imgret.gallery.search import Searcher
 from imgret.gallery.search.faiss_index import check_factory, create_index
 from imgret.gallery.storage.vector_store import ItemInfo
