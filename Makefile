@@ -35,9 +35,9 @@ demo: setup system-deps
 	$(BIN)/imgret demo
 
 # pytest exits 5 when it collects no test; make treats that as a failure, as CI must.
-# One pytest worker per core (xdist), each test file on one worker (its module fixtures,
-# servers among them, are built once): the integration tests mostly wait on servers and
-# subprocesses, so on the 2-core machine the suite took 10:20 instead of 18:08 serially.
+# Pytest workers (xdist): one per core plus one (tests/conftest.py says why), each test file
+# on one worker (its module fixtures, servers among them, are built once). The integration
+# tests mostly wait on servers and subprocesses: serially the suite takes about 18 minutes.
 # Plain `pytest PATH` stays serial, for debugging.
 test: setup system-deps postgres
 	$(BIN)/ruff check .

@@ -17,8 +17,9 @@ images and noise; a ``{version}`` in the path is a registered version half of th
 ``GET /models/{version}`` run on real versions, not only on 404s. The test checks that every
 ``/models`` and ``/admin`` operation ran.
 
-Bounded: ``IMGRET_FUZZ_EXAMPLES`` examples per operation and mode (default 50; ``/admin``
-operations at most 10: each backup copies the database and the media), no shrinking,
+Bounded: ``IMGRET_FUZZ_EXAMPLES`` examples per operation and mode (default 30, about a
+minute of the suite's time on 2 cores; ``IMGRET_FUZZ_EXAMPLES=300`` for a deeper search;
+``/admin`` operations at most 10: each backup copies the database and the media), no shrinking,
 no example database; every failure is collected and reported together. ``pytest -s`` prints
 the number of cases run per operation.
 """
@@ -55,7 +56,7 @@ from tests.support.live_server import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-EXAMPLES = int(os.environ.get("IMGRET_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("IMGRET_FUZZ_EXAMPLES", "30"))
 ADMIN_EXAMPLES = min(EXAMPLES, 10)
 # The surface the fuzzing must reach (asserted): model versions and administration.
 MODEL_AND_ADMIN = ("/models", "/admin")
