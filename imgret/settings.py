@@ -61,6 +61,16 @@ class Settings(BaseSettings):
         None, ge=1, description="IVF lists visited per query (default nlist/16, at least 8)"
     )
     index_ef_search: int | None = Field(None, ge=1, description="HNSW beam width (default 64)")
+    # Where the gallery's vectors are searched (imgret.gallery.search.milvus_index): "faiss", an
+    # index in each server's memory, or "milvus", a Milvus collection per (collection, model
+    # version) shared by every server; SQL stays the record either way.
+    index_backend: Literal["faiss", "milvus"] = Field(
+        "faiss", description="vector search engine: faiss (in process) or milvus"
+    )
+    milvus_uri: str | None = Field(
+        None, description="Milvus: a milvus-lite file (one process) or http://host:19530"
+    )
+    milvus_token: SecretStr | None = Field(None, description="Milvus: user:password or a token")
     # Where image bytes live (imgret.gallery.media.blobs.open_media_store): "files" under
     # data_dir/media (replicas on several machines share the data dir as a volume), or "database":
     # the media_blobs table, readable by every process that reaches the database (small images).

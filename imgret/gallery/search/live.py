@@ -83,6 +83,16 @@ class LiveIndex:
         self._can_remove: bool | None = None
         self.seq = int(change_seq)
 
+    @property
+    def d(self) -> int:
+        """The vectors' dimension."""
+        return int(self.index.d)
+
+    @property
+    def stored(self) -> int:
+        """Vectors the index stores, tombstones included."""
+        return int(self.index.ntotal)
+
     def swap(self, built: BuiltIndex) -> None:
         """Make a rebuilt index current, without the ids removed while it read SQL."""
         revived = [i for i in built.infos if self._is_dead(i)]

@@ -39,6 +39,7 @@ from imgret.gallery.search.lifecycle import (
 from imgret.gallery.search.live import LiveIndex
 from imgret.gallery.search.lock import ReadWriteLock
 from imgret.gallery.search.manifest import collection_root, index_dir, normalise_factory
+from imgret.gallery.search.milvus_index import MilvusIndex, milvus_uri, open_milvus
 from imgret.gallery.search.ranking import Hit
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_search
 from imgret.gallery.storage.scope import collection_of_factory
@@ -73,23 +74,31 @@ class Searcher:
     """
 
     def __init__(
-        self, index: faiss.Index, *, model_version: str, factory: str,
+        self, index: faiss.Index | None = None, *, model_version: str, factory: str = "",
         infos: Mapping[int, ItemInfo] | None = None, change_seq: int = 0,
         tombstones: Sequence[int] = (), session_factory: sessionmaker[Session] | None = None,
         data_dir: str | Path | None = None, use_gpu: bool | None = None,
         rebuild_threshold: float = 0.1, requested_factory: str | None = None,
         nprobe: int | None = None, ef_search: int | None = None,
+        live: MilvusIndex | None = None,
     ):
         self.model_version = model_version
-        self.requested_factory = normalise_factory(requested_factory or factory)
-        self.dim = int(index.d)
         self.rebuild_threshold = rebuild_threshold
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._lock = ReadWriteLock()
         self._save_lock = threading.Lock()
-        self._live = LiveIndex(index, factory=factory, infos=dict(infos or {}),
-                               change_seq=change_seq, tombstones=tombstones, use_gpu=use_gpu,
-                               nprobe=nprobe, ef_search=ef_search)
+        self._live: LiveIndex | MilvusIndex
+        if live is not None:  # another engine holds the vectors (nothing saved beside SQL)
+            self._live = live
+            self.requested_factory = live.factory
+        else:
+            if index is None:
+                raise ValueError("a Searcher needs a FAISS index or a live index")
+            self.requested_factory = normalise_factory(requested_factory or factory)
+            self._live = LiveIndex(index, factory=factory, infos=dict(infos or {}),
+                                   change_seq=change_seq, tombstones=tombstones,
+                                   use_gpu=use_gpu, nprobe=nprobe, ef_search=ef_search)
+        self.dim = int(self._live.d)
         self._changes = (ChangeLog(session_factory, model_version, self._live.seq)
                          if session_factory is not None else None)
         self._rebuilds = BackgroundRebuild(self.rebuild, model_version)
@@ -103,7 +112,10 @@ class Searcher:
         ``IMGRET_INDEX_FACTORY``, ``IMGRET_INDEX_NPROBE``, ``IMGRET_INDEX_EF_SEARCH``), so the
         service, ``/evaluate`` and the CLI search the same way. The index files are the
         sessions' collection's (:func:`imgret.gallery.search.manifest.collection_root`)."""
-        root = collection_root(settings.data_dir, collection_of_factory(session_factory))
+        collection = collection_of_factory(session_factory)
+        if settings.index_backend == "milvus":
+            return cls.open_milvus(session_factory, settings, model_version, **kwargs)
+        root = collection_root(settings.data_dir, collection)
         return cls.open(
             session_factory, root, settings.index_factory, model_version,
             nprobe=settings.index_nprobe, ef_search=settings.index_ef_search, **kwargs,
@@ -155,6 +167,27 @@ class Searcher:
             rebuild_threshold=rebuild_threshold, nprobe=nprobe, ef_search=ef_search,
         )
 
+    @classmethod
+    def open_milvus(
+        cls, session_factory: sessionmaker[Session], settings: Settings,
+        model_version: str | None = None, *, dim: int | None = None,
+        config: Mapping[str, Any] | None = None, rebuild: bool = False,
+        rebuild_threshold: float = 0.1, **_: Any,
+    ) -> Searcher:
+        """The Searcher of a model version on Milvus (``IMGRET_INDEX_BACKEND=milvus``):
+        its collection reconciled with SQL, then caught up with the change log
+        (:func:`imgret.gallery.search.milvus_index.open_milvus`). FAISS's options (GPU,
+        saving, progress) do not apply."""
+        token = settings.milvus_token.get_secret_value() if settings.milvus_token else None
+        live, version = open_milvus(
+            session_factory, uri=milvus_uri(settings), token=token,
+            collection=collection_of_factory(session_factory), model_version=model_version,
+            dim=dim, config=dict(config) if config is not None else None, rebuild=rebuild)
+        searcher = cls(model_version=version, session_factory=session_factory, live=live,
+                       change_seq=live.seq, rebuild_threshold=rebuild_threshold)
+        searcher.refresh_from_changes()
+        return searcher
+
     # ------------------------------------------------------------------ properties
 
     @property
@@ -192,7 +225,7 @@ class Searcher:
         live = self._live
         return {
             "model_version": self.model_version, "factory": live.factory, "size": self.size,
-            "stored": int(live.index.ntotal), "tombstones": len(live.tombstones),
+            "stored": live.stored, "tombstones": len(live.tombstones),
             "change_seq": live.seq, "device": live.device,
         }
 
@@ -377,6 +410,8 @@ class Searcher:
         with self._save_lock:
             with self._lock.read():
                 snapshot = self._live.snapshot()
+            if snapshot is None:
+                return folder  # the vectors live in another engine
             write_snapshot(snapshot, folder, model_version=self.model_version, dim=self.dim)
         logger.info("saved the %s index (%d vectors) to %s", self.model_version,
                     len(snapshot.live_ids), folder)
@@ -386,6 +421,8 @@ class Searcher:
         """Rebuild from SQL while searches go on, swap it in, then replay newer changes."""
         if self._changes is None:
             raise GalleryError("this Searcher has no database to rebuild from")
+        if isinstance(self._live, MilvusIndex):
+            raise GalleryError("a Milvus index is rebuilt with `imgret index build --rebuild`")
         built = build_or_fallback(self._changes.session_factory, self.requested_factory,
                                   self.model_version, False)
         # No refresh may run between the swap and the catch-up: it would move the sequence
