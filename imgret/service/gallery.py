@@ -99,7 +99,12 @@ def add(resources: Resources, items: list[NewItem]) -> AddedItems:
         serving.searcher.add(added.vector_ids, added.vectors, added.infos)
     except Exception:  # noqa: BLE001 - the write is durable; make it searchable another way
         logger.exception("index update after a committed add failed; replaying from SQL")
-        serving.searcher.refresh_from_changes()
+        try:
+            serving.searcher.refresh_from_changes()
+        except Exception:  # noqa: BLE001 - e.g. the vector engine is down
+            # Acknowledged all the same: SQL holds it, and the change-log follower makes it
+            # searchable once the index answers (GET /health shows the lag meanwhile).
+            logger.exception("replaying from SQL failed too; the follower retries")
     resources.metrics.gallery_writes.labels("add").inc(sum(added.created))
     return added
 

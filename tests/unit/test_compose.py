@@ -10,6 +10,7 @@ import yaml
 from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parents[2]
+API_SERVICES = ("api", "api-gpu", "api-milvus")
 
 
 def _compose() -> dict:
@@ -26,7 +27,7 @@ def test_database_has_volume_and_health_check() -> None:
 def test_api_waits_for_healthy_db_and_points_at_it() -> None:
     compose = _compose()
     db_env = compose["services"]["db"]["environment"]
-    for name in ("api", "api-gpu"):
+    for name in API_SERVICES:
         api = compose["services"][name]
         assert api["depends_on"]["db"]["condition"] == "service_healthy"
         url = make_url(api["environment"]["IMGRET_DATABASE_URL"])
@@ -88,7 +89,6 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", substitute, value)
 
 
-API_SERVICES = ("api", "api-gpu")
 
 
 def test_api_key_is_required_by_compose() -> None:
@@ -110,3 +110,31 @@ def test_port_is_published_on_loopback_only_by_default() -> None:
             assert container_port == "8000"
             # Serving other machines is an explicit choice.
             assert _interpolate(str(port), {"IMGRET_BIND": "0.0.0.0"}).startswith("0.0.0.0:")
+
+
+def test_milvus_profile_runs_standalone_milvus_and_points_the_api_at_it() -> None:
+    """The `milvus` profile: Milvus standalone on etcd and MinIO, each healthy before the one
+    that needs it; the API on it, with PostgreSQL still the record."""
+    services = _compose()["services"]
+    for name in ("etcd", "minio", "milvus", "api-milvus"):
+        assert services[name]["profiles"] == ["milvus"], name
+        assert "healthcheck" in services[name] or name == "api-milvus", name
+    milvus = services["milvus"]
+    assert milvus["image"].startswith("milvusdb/milvus:v2.")
+    assert milvus["command"] == ["milvus", "run", "standalone"]
+    assert milvus["environment"] == {"ETCD_ENDPOINTS": "etcd:2379", "MINIO_ADDRESS": "minio:9000"}
+    assert {d: c["condition"] for d, c in milvus["depends_on"].items()} == {
+        "etcd": "service_healthy", "minio": "service_healthy"}
+    api = services["api-milvus"]
+    env = api["environment"]
+    assert env["IMGRET_INDEX_BACKEND"] == "milvus"
+    assert env["IMGRET_MILVUS_URI"] == "http://milvus:19530"
+    assert api["depends_on"]["milvus"]["condition"] == "service_healthy"
+    assert "milvus" in api["build"]["args"]["EXTRAS"].split(",")
+    from imgret.settings import Settings
+
+    # The settings the service reads from that environment.
+    settings = Settings(index_backend=env["IMGRET_INDEX_BACKEND"],
+                        milvus_uri=env["IMGRET_MILVUS_URI"])
+    assert (settings.index_backend, settings.milvus_uri) == ("milvus", "http://milvus:19530")
+    assert "profiles" not in services["api"] and "profiles" not in services["db"]

@@ -156,11 +156,19 @@ def build(
     """`imgret index build`: the FAISS index from the stored embeddings, saved with its manifest.
 
     Unlike a starting service, an explicit build refuses a factory the gallery is too small to
-    train, instead of falling back to exact search.
+    train, instead of falling back to exact search. On the Milvus backend
+    (``IMGRET_INDEX_BACKEND=milvus``) the version's Milvus collection is dropped and refilled
+    from SQL instead.
     """
     from imgret.gallery.search import Searcher
     from imgret.gallery.search.build import build_from_sql
 
+    if settings.index_backend == "milvus":
+        with open_gallery(settings) as sessions:
+            start = time.perf_counter()
+            searcher = Searcher.open_milvus(sessions, settings, model_version, rebuild=True)
+            return BuildReport(searcher.factory, searcher.model_version, searcher.size,
+                               time.perf_counter() - start, settings.data_dir)
     with open_gallery(settings) as sessions:
         start = time.perf_counter()
         built = build_from_sql(sessions, factory or settings.index_factory,

@@ -14,8 +14,9 @@ sharding, replicas and compaction.
 Consistency, in the words of the FAISS backend's rules:
 
 * The SQL change log is the outbox. An add or delete is applied to Milvus after its SQL
-  commit; if Milvus is unreachable the item stays out of this server's catalog and the
-  follower applies it again from the change log (``upsert``: applying twice is harmless).
+  commit; if Milvus is unreachable the item stays out of this server's catalog, the
+  follower stops at that change (``/health`` shows its lag and error) and applies it again
+  when Milvus answers (``upsert``: applying twice is harmless).
 * A delete is remembered by every process that has seen it; each hit Milvus returns is
   checked against the catalog, so a vector that another process's late add put back is never
   returned, and it is deleted again.
@@ -148,8 +149,12 @@ class MilvusIndex:
     # ------------------------------------------------------------------ updates
 
     def add(self, ids: np.ndarray, vectors: np.ndarray, infos: Sequence[ItemInfo]) -> int:
-        """Upsert the items that are new and were never removed; returns how many. Milvus
-        down: nothing is marked live, and the follower applies them again."""
+        """Upsert the items that are new and were never removed; returns how many.
+
+        Raises:
+            MilvusUnavailable: the upsert failed; nothing was marked live, and the change-log
+                follower applies the adds again (its position does not move past them).
+        """
         keep, seen = [], set()
         for row, item_id in enumerate(ids.tolist()):
             if item_id in self.catalog or item_id in seen or self._is_dead(item_id):
@@ -165,9 +170,9 @@ class MilvusIndex:
             for start in range(0, len(rows), _BATCH):
                 self.client.upsert(self.name, rows[start:start + _BATCH])
         except Exception as exc:
-            logger.warning("Milvus upsert into %s failed (%s); the change log applies it "
-                           "again", self.name, type(exc).__name__)
-            return 0
+            # Not in the catalog: the follower reads these adds from the change log again.
+            raise MilvusUnavailable(f"Milvus upsert into {self.name} failed: "
+                                    f"{type(exc).__name__}") from None
         self.catalog.add(ids[keep], [infos[r] for r in keep])
         return len(keep)
 

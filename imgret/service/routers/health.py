@@ -35,6 +35,7 @@ def read_health(request: Request, resources: ResourcesDep) -> HealthStatus:
         status="degraded" if follower.stale() else "ok",
         model_version=serving.version,
         index_size=serving.searcher.size,
+        index_backend=request.app.state.settings.index_backend,
         device=serving.embedder.device,
         change_seq=serving.searcher.change_seq,
         follower_lag_s=round(follower.lag_seconds(), 3),

@@ -18,6 +18,9 @@ class HealthStatus(BaseModel):
     )
     model_version: str
     index_size: int = Field(description="vectors in the served index")
+    index_backend: str = Field(
+        "faiss", description="where the vectors are searched: faiss (this process) or milvus",
+        examples=["faiss", "milvus"])
     device: str = Field(examples=["cpu", "cuda"])
     change_seq: int = Field(description="the last gallery change applied to this index")
     follower_lag_s: float = Field(description="seconds since the index last caught up")
