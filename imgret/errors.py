@@ -35,6 +35,10 @@ class IndexStale(ImgretError):
     """A FAISS index whose manifest does not match the database."""
 
 
+class IndexUnavailable(ImgretError):
+    """The vector engine that holds the index (Milvus) cannot be reached or failed a call."""
+
+
 class DatabaseError(ImgretError):
     """The database cannot be reached, or its schema cannot be brought up to date."""
 

@@ -48,6 +48,7 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (errors.ImageDecodeError, 422),
     (errors.UnknownName, 404),
     (errors.IndexStale, 503),
+    (errors.IndexUnavailable, 503),
     (errors.DatabaseError, 503),
     (errors.GalleryError, 409),
     (errors.ModelRunError, 409),
@@ -102,6 +103,8 @@ async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
     # Some refusals carry what they were decided on (a refused activation: the comparison).
     extra = getattr(exc, "details", None) or {}
     headers = {"Retry-After": str(exc.retry_after_s)} if overloaded else None
+    if isinstance(exc, errors.IndexUnavailable):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     return JSONResponse(jsonable_encoder({"detail": str(exc), **extra}), status_code=status,
                         headers=headers)
 

@@ -160,3 +160,28 @@ def test_vectors_and_neighbours_match_the_stored_embeddings(sessions, engine):
     scores, neighbour_ids = searcher._live.neighbours(vectors[:4], 5)
     assert neighbour_ids[:, 0].tolist() == ids[:4].tolist()
     np.testing.assert_allclose(scores[:, 0], 1.0, atol=1e-5)
+
+
+def test_reranked_search_is_the_same_on_both_engines(sessions, tmp_path):
+    """k-reciprocal re-ranking reads vectors and neighbour lists from the live index: the
+    Milvus one must feed it what FAISS does."""
+    require(_milvus_available(), "pymilvus and milvus-lite (the `milvus` extra)")
+    from imgret.gallery.search.milvus_index import close_clients
+
+    seed(sessions, clustered_vectors(150))
+    faiss_searcher = Searcher.open(sessions, tmp_path / "data", model_version=VERSION,
+                                   use_gpu=False, save=False)
+    settings = Settings(data_dir=tmp_path / "data", index_backend="milvus",
+                        milvus_uri=str(tmp_path / "milvus.db"))
+    try:
+        milvus_searcher = Searcher.open_milvus(sessions, settings, VERSION)
+        queries = clustered_vectors(10, seed=8)
+        for rerank in ("k_reciprocal", "query_expansion"):
+            want = faiss_searcher.search(queries, 10, rerank=rerank)
+            got = milvus_searcher.search(queries, 10, rerank=rerank)
+            for a, b in zip(want, got, strict=True):
+                assert [h.id for h in a] == [h.id for h in b], rerank
+                np.testing.assert_allclose([h.score for h in a], [h.score for h in b],
+                                           atol=1e-4)
+    finally:
+        close_clients()

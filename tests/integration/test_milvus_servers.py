@@ -5,6 +5,7 @@ never returned by the other's next search (the stale-delete check, on both datab
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -25,18 +26,17 @@ pytestmark = pytest.mark.slow
 DELETES = 12
 
 
-@pytest.fixture(scope="module")
-def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A ``milvus-lite server`` on a free loopback port for the module; its URI."""
-    require(_milvus_available(), "pymilvus and milvus-lite (the `milvus` extra)")
+@contextlib.contextmanager
+def milvus_lite_server(folder: Path, port: int) -> Iterator[str]:
+    """``milvus-lite server`` on ``127.0.0.1:port`` with its data in ``folder``; its URI once
+    a client connects. Stopped (SIGTERM) on exit."""
     from pymilvus import MilvusClient
 
-    port = free_port()
-    folder = tmp_path_factory.mktemp("milvus")
-    log = open(folder / "server.log", "wb")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(folder / "data"),
-         "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "server.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(folder / "data"),
+             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -56,7 +56,15 @@ def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-        log.close()
+            process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A ``milvus-lite server`` on a free loopback port for the module; its URI."""
+    require(_milvus_available(), "pymilvus and milvus-lite (the `milvus` extra)")
+    with milvus_lite_server(tmp_path_factory.mktemp("milvus"), free_port()) as uri:
+        yield uri
 
 
 def _png(label: int, index: int) -> bytes:
@@ -115,3 +123,59 @@ def test_two_servers_on_milvus_share_adds_and_never_return_a_delete(
             assert httpx.get(f"{base}/health").json()["index_size"] == len(ids) - DELETES
             returned = set(_search_ids(base, _png(0, 0), k=len(ids)))
             assert returned == set(ids[DELETES:])
+
+
+def test_an_add_while_milvus_is_down_is_acknowledged_and_searchable_once_it_is_back(
+    tmp_path: Path, tiny_checkpoint: Path,
+) -> None:
+    """SQL is the record and its change log the outbox: with Milvus stopped, an upload is
+    still acknowledged and searches answer 503 (never a partial index); once Milvus is back
+    the follower applies the add, and nothing acknowledged is lost."""
+    require(_milvus_available(), "pymilvus and milvus-lite (the `milvus` extra)")
+    port = free_port()
+    db_url = f"sqlite:///{tmp_path / 'imgret.db'}"
+    upgrade_to_head(db_url)
+    milvus = milvus_lite_server(tmp_path / "milvus", port)
+    uri = milvus.__enter__()
+    env = {
+        "IMGRET_DATA_DIR": str(tmp_path / "data"),
+        "IMGRET_DATABASE_URL": db_url,
+        "IMGRET_MODEL": str(tiny_checkpoint),
+        "IMGRET_DEVICE": TEST_DEVICE,
+        "IMGRET_INDEX_BACKEND": "milvus",
+        "IMGRET_MILVUS_URI": uri,
+        "IMGRET_FOLLOW_INTERVAL_S": "0.2",
+    }
+    try:
+        with running_servers([(env, tmp_path / "a.log")]) as (server,):
+            base = server.url
+            files = [("images", (f"{i}.png", _png(i % 3, i), "image/png")) for i in range(6)]
+            first = httpx.post(f"{base}/gallery", files=files,
+                               data={"labels": [str(i % 3) for i in range(6)]}, timeout=60)
+            assert first.status_code == 201, first.text
+            milvus.__exit__(None, None, None)  # Milvus stops
+
+            late = httpx.post(f"{base}/gallery", timeout=60, data={"labels": ["late"]},
+                              files=[("images", ("late.png", _png(7, 7), "image/png"))])
+            assert late.status_code == 201, late.text  # acknowledged: SQL holds it
+            late_id = late.json()["ids"][0]
+            down = httpx.post(f"{base}/search", data={"k": "3"}, timeout=60,
+                              files={"image": ("q.png", _png(7, 7), "image/png")})
+            assert down.status_code == 503, down.text
+            assert "Retry-After" in down.headers and "127.0.0.1" not in down.text, down.text
+
+            milvus = milvus_lite_server(tmp_path / "milvus", port)  # back, same data
+            milvus.__enter__()
+            deadline = time.monotonic() + 90
+            while True:
+                answer = httpx.post(f"{base}/search", data={"k": "1"}, timeout=60,
+                                    files={"image": ("q.png", _png(7, 7), "image/png")})
+                if answer.status_code == 200 and [
+                        h["id"] for h in answer.json()["results"]] == [late_id]:
+                    break
+                assert time.monotonic() < deadline, answer.text
+                time.sleep(0.3)
+            health = httpx.get(f"{base}/health").json()
+            assert health["index_size"] == 7 and health["index_backend"] == "milvus"
+    finally:
+        milvus.__exit__(None, None, None)

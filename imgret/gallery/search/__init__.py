@@ -1,4 +1,5 @@
-"""Search a gallery: one model version's FAISS index, with filters and live updates.
+"""Search a gallery: one model version's index (FAISS in process, or Milvus), with filters and
+live updates.
 
 :class:`Searcher` (in :mod:`imgret.gallery.search.searcher`) composes parts with one job each and
 holds the locks that make them safe together:
@@ -10,6 +11,8 @@ holds the locks that make them safe together:
   exact re-rank);
 - :mod:`imgret.gallery.search.live`: the index being served (CPU master, GPU mirror), tombstones,
   and the memory of deleted ids, changed by adds, removes and rebuild swaps;
+- :mod:`imgret.gallery.search.milvus_index`: the same contract with the vectors on Milvus
+  (``IMGRET_INDEX_BACKEND=milvus``), reconciled with SQL on open;
 - :mod:`imgret.gallery.search.changes`: what other processes committed (the deletes to catch up on
   before each search, the change log to replay);
 - :mod:`imgret.gallery.search.rerank`: k-reciprocal re-ranking and average query expansion, from one

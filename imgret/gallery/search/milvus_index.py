@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from imgret.errors import GalleryError
+from imgret.errors import GalleryError, IndexUnavailable
 from imgret.gallery.search.filters import Catalog, SearchFilter, grown
 from imgret.gallery.search.ranking import Hit
 from imgret.gallery.storage.vector_store import ItemInfo
@@ -54,14 +54,22 @@ logger = logging.getLogger(__name__)
 MAX_TOPK = 16_384
 # Ids per insert / delete call: bounded request sizes.
 _BATCH = 2_000
+# Milvus's code for "collection not loaded" (a restarted Milvus releases every collection).
+_NOT_LOADED = 101
 # A filter the expression language cannot state exactly is sent as its allowed ids.
 _ID_LIST_LIMIT = 65_536
 NO_CAMERA = -1
 FACTORY = "milvus:FLAT"
 
 
-class MilvusUnavailable(GalleryError):
-    """Milvus could not be reached or refused a request (the message names the URI)."""
+class MilvusUnavailable(IndexUnavailable):
+    """Milvus could not be reached or refused a request: 503 with Retry-After. The message is
+    ours; what failed, and the engine's own text, go to the log."""
+
+
+def _unavailable(what: str, exc: Exception) -> MilvusUnavailable:
+    logger.warning("Milvus %s failed: %s: %s", what, type(exc).__name__, exc)
+    return MilvusUnavailable("the vector index (Milvus) is unavailable; retry")
 
 
 _CLIENTS: dict[tuple[str, str | None], Any] = {}
@@ -83,8 +91,7 @@ def client_for(uri: str, token: str | None = None) -> Any:
             try:
                 _CLIENTS[key] = MilvusClient(uri, token=token or "")
             except Exception as exc:
-                raise MilvusUnavailable(f"cannot open Milvus at {uri}: "
-                                        f"{type(exc).__name__}") from None
+                raise _unavailable(f"connection to {uri}", exc) from None
         return _CLIENTS[key]
 
 
@@ -146,6 +153,19 @@ class MilvusIndex:
     def stored(self) -> int:
         return len(self.catalog)
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``client.<method>(self.name, ...)``, loading the collection and trying once more
+        when Milvus answers that it is not loaded (after a Milvus restart)."""
+        call = getattr(self.client, method)
+        try:
+            return call(self.name, *args, **kwargs)
+        except Exception as exc:
+            if getattr(exc, "code", None) != _NOT_LOADED:
+                raise
+            logger.info("Milvus collection %s was released; loading it again", self.name)
+            self.client.load_collection(self.name)
+            return call(self.name, *args, **kwargs)
+
     # ------------------------------------------------------------------ updates
 
     def add(self, ids: np.ndarray, vectors: np.ndarray, infos: Sequence[ItemInfo]) -> int:
@@ -168,11 +188,10 @@ class MilvusIndex:
         rows = [_row(int(ids[r]), vectors[r], infos[r]) for r in keep]
         try:
             for start in range(0, len(rows), _BATCH):
-                self.client.upsert(self.name, rows[start:start + _BATCH])
+                self._call("upsert", rows[start:start + _BATCH])
         except Exception as exc:
             # Not in the catalog: the follower reads these adds from the change log again.
-            raise MilvusUnavailable(f"Milvus upsert into {self.name} failed: "
-                                    f"{type(exc).__name__}") from None
+            raise _unavailable(f"upsert into {self.name}", exc) from None
         self.catalog.add(ids[keep], [infos[r] for r in keep])
         return len(keep)
 
@@ -196,7 +215,7 @@ class MilvusIndex:
     def _delete(self, ids: Sequence[int]) -> None:
         try:
             for start in range(0, len(ids), _BATCH):
-                self.client.delete(self.name, ids=list(ids[start:start + _BATCH]))
+                self._call("delete", ids=list(ids[start:start + _BATCH]))
         except Exception as exc:
             # The hits check keeps them out of every answer; the next open deletes them.
             logger.warning("Milvus delete from %s failed (%s)", self.name, type(exc).__name__)
@@ -242,12 +261,11 @@ class MilvusIndex:
 
     def _search(self, queries: np.ndarray, limit: int, expression: str) -> list[list[Hit]]:
         try:
-            answer = self.client.search(
-                self.name, data=[q.tolist() for q in queries], limit=limit,
+            answer = self._call(
+                "search", data=[q.tolist() for q in queries], limit=limit,
                 filter=expression, output_fields=[], search_params={"metric_type": "IP"})
         except Exception as exc:
-            raise MilvusUnavailable(f"Milvus search of {self.name} failed: "
-                                    f"{type(exc).__name__}") from None
+            raise _unavailable(f"search of {self.name}", exc) from None
         out = []
         for row in answer:
             hits = []
@@ -306,12 +324,11 @@ class MilvusIndex:
         unique = sorted(set(ids.tolist()))
         try:
             for start in range(0, len(unique), _BATCH):
-                for row in self.client.get(self.name, ids=unique[start:start + _BATCH],
-                                           output_fields=["vec"]):
+                for row in self._call("get", ids=unique[start:start + _BATCH],
+                                      output_fields=["vec"]):
                     found[int(row["id"])] = row["vec"]
         except Exception as exc:
-            raise MilvusUnavailable(f"Milvus get from {self.name} failed: "
-                                    f"{type(exc).__name__}") from None
+            raise _unavailable(f"get from {self.name}", exc) from None
         missing = [i for i in unique if i not in found]
         if missing:
             raise GalleryError(f"{len(missing)} ids have no vector in Milvus")
@@ -368,7 +385,7 @@ def ensure_collection(client: Any, name: str, dim: int) -> bool:
     except MilvusUnavailable:
         raise
     except Exception as exc:
-        raise MilvusUnavailable(f"Milvus collection {name}: {type(exc).__name__}") from None
+        raise _unavailable(f"collection {name}", exc) from None
 
 
 def drop_collection(client: Any, name: str) -> None:
