@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from imgret.errors import CheckpointError
+from imgret.errors import CheckpointError, ImgretError
 from imgret.service.auth import check_write_exposure, normalized_origins
 from imgret.service.telemetry import MULTIPROC_DIR_ENV
 from imgret.settings import Settings
@@ -49,7 +49,8 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     environment, so ``settings`` must be the environment's own then (as `imgret serve` does).
 
     Raises:
-        ImgretError: no model configured, an unusable checkpoint, or a non-loopback ``host``
+        ImgretError: no model configured, an unusable checkpoint, several workers on a
+            milvus-lite file, or a non-loopback ``host``
             without ``IMGRET_API_KEY`` (and without ``IMGRET_ALLOW_ANONYMOUS_WRITES=true``).
     """
     # Before anything slow (importing torch and the app takes seconds): an open write API on
@@ -57,6 +58,7 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
     # named here rather than in every worker.
     check_write_exposure(settings, host)
     normalized_origins(settings.allowed_origins)
+    check_milvus_workers(settings, workers)
     if settings.model is None:
         raise CheckpointError(
             "no model: set IMGRET_MODEL (or pass --model) to a run directory or its model.pt"
@@ -90,6 +92,18 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000,
             # Shut down promptly even with keep-alive clients attached.
             timeout_graceful_shutdown=10,
         )
+
+
+def check_milvus_workers(settings: Settings, workers: int) -> None:
+    """Several workers cannot share a milvus-lite file (one process opens it): refused in one
+    line before any worker starts, rather than every worker but one failing its start-up."""
+    from imgret.gallery.search.milvus_index import is_lite_file, milvus_uri
+
+    if workers > 1 and settings.index_backend == "milvus" and is_lite_file(milvus_uri(settings)):
+        raise ImgretError(
+            f"IMGRET_MILVUS_URI is a milvus-lite file, which one process opens, and --workers "
+            f"is {workers}: run a Milvus server (`python -m milvus_lite server --data-dir DIR` "
+            f"or Milvus itself) and set IMGRET_MILVUS_URI to its http://host:port")
 
 
 @contextlib.contextmanager

@@ -179,3 +179,20 @@ def test_an_add_while_milvus_is_down_is_acknowledged_and_searchable_once_it_is_b
             assert health["index_size"] == 7 and health["index_backend"] == "milvus"
     finally:
         milvus.__exit__(None, None, None)
+
+
+def test_several_workers_on_a_milvus_lite_file_are_refused_in_one_line(tmp_path: Path) -> None:
+    """One process opens a milvus-lite file: `imgret serve --workers 2` on one is refused
+    before anything starts, naming the fix; a server URI is accepted."""
+    from imgret.errors import ImgretError
+    from imgret.service.run import check_milvus_workers, serve
+    from imgret.settings import Settings
+
+    lite = Settings(data_dir=tmp_path, index_backend="milvus")
+    with pytest.raises(ImgretError, match="milvus-lite file.*--workers is 2.*http://host:port"):
+        serve(lite, workers=2)
+    assert not any(tmp_path.iterdir())  # refused before touching the data dir
+    check_milvus_workers(lite, 1)
+    check_milvus_workers(Settings(data_dir=tmp_path, index_backend="milvus",
+                                  milvus_uri="http://127.0.0.1:19530"), 4)
+    check_milvus_workers(Settings(data_dir=tmp_path), 4)  # the FAISS backend: no such rule

@@ -111,6 +111,11 @@ def milvus_uri(settings: Any) -> str:
     return settings.milvus_uri or str(settings.data_dir / "milvus.db")
 
 
+def is_lite_file(uri: str) -> bool:
+    """Whether ``uri`` names a milvus-lite file (embedded) rather than a Milvus server."""
+    return "://" not in uri and not uri.startswith("unix:")
+
+
 def collection_name(collection: str, model_version: str) -> str:
     """The Milvus collection of an imgret collection's model version: readable, within
     Milvus's alphabet, and unique (a hash of the exact pair)."""
