@@ -217,11 +217,13 @@ def delete_command(
     """Delete VERSION: its checkpoint, embeddings, query embeddings, saved index and row
     (``DELETE /models/{version}``)."""
     from imgret.cli.jobs.gallery import open_gallery
+    from imgret.gallery.search.milvus_index import vector_dropper
     from imgret.gallery.versions import lifecycle
 
     settings = _settings()
     with open_gallery(settings) as sessions:
-        lifecycle.delete_version(version, session_factory=sessions, data_dir=settings.data_dir)
+        lifecycle.delete_version(version, session_factory=sessions, data_dir=settings.data_dir,
+                                 drop_vectors=vector_dropper(settings))
     typer.echo(f"deleted {version}")
 
 

@@ -274,11 +274,13 @@ def delete_collection(settings: Settings, name: str) -> int:
     """`imgret collections delete NAME`: the twin of ``DELETE /collections/{name}``; returns
     how many live items it held."""
     from imgret.gallery.media.blobs import open_media_store
+    from imgret.gallery.search.milvus_index import vector_dropper
 
     with _default_gallery(settings) as sessions:
         return collections.delete(name, session_factory=sessions,
                                   media=open_media_store(settings, sessions),
-                                  data_dir=settings.data_dir)
+                                  data_dir=settings.data_dir,
+                                  drop_vectors=vector_dropper(settings))
 
 
 def create_key(settings: Settings, name: str, *, roles: dict[str, str],

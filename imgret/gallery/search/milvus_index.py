@@ -38,7 +38,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,26 @@ def close_clients() -> None:
 def milvus_uri(settings: Any) -> str:
     """``IMGRET_MILVUS_URI``, by default a milvus-lite file in the data dir."""
     return settings.milvus_uri or str(settings.data_dir / "milvus.db")
+
+
+def vector_dropper(settings: Any) -> Callable[[int, str | None], None] | None:
+    """What a collection or version delete calls to drop its Milvus collections (``None`` on
+    the FAISS backend, whose index files the delete removes itself)."""
+    if settings.index_backend != "milvus":
+        return None
+
+    def drop(collection_id: int, version: str | None) -> None:
+        token = settings.milvus_token.get_secret_value() if settings.milvus_token else None
+        client = client_for(milvus_uri(settings), token)
+        if version is not None:
+            drop_collection(client, collection_name(str(collection_id), version))
+            return
+        prefix = f"imgret_{int(collection_id)}__"  # collection_name's, for any version
+        for name in client.list_collections():
+            if name.startswith(prefix):
+                client.drop_collection(name)
+
+    return drop
 
 
 def is_lite_file(uri: str) -> bool:

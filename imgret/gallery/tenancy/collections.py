@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -222,8 +223,12 @@ def _bind_version(session: Session, source: ModelVersion, collection_id: int) ->
 
 
 def delete(name: str, *, session_factory: sessionmaker[Session], media: MediaBackend,
-           data_dir: str | Path) -> int:
+           data_dir: str | Path,
+           drop_vectors: Callable[[int, str | None], None] | None = None) -> int:
     """Delete a collection and everything it owns (see the module's decisions).
+
+    ``drop_vectors(collection_id, None)`` is called after the commit when the vectors also
+    live in an engine outside SQL (the Milvus backend: its collections are dropped).
 
     Returns:
         How many live items it had.
@@ -253,5 +258,7 @@ def delete(name: str, *, session_factory: sessionmaker[Session], media: MediaBac
     live = sum(1 for _, deleted_at in items if deleted_at is None)
     removed = purge_media(shas, session_factory=session_factory, media=media)
     shutil.rmtree(collection_root(data_dir, collection_id), ignore_errors=True)
+    if drop_vectors is not None:
+        drop_vectors(collection_id, None)
     logger.info("deleted collection %s: %d items, %d stored images", name, live, removed)
     return live

@@ -434,7 +434,8 @@ def previous_version(*, session_factory: sessionmaker[Session]) -> str:
 
 
 def delete_version(version: str, *, session_factory: sessionmaker[Session],
-                   data_dir: str | Path) -> None:
+                   data_dir: str | Path,
+                   drop_vectors: Callable[[int, str | None], None] | None = None) -> None:
     """Delete a version that is neither active nor the rollback target: its row, checkpoint
     bytes, gallery and query embeddings and the activations that switched to it (one
     transaction under the gallery write lock, which activations take too: a delete and an
@@ -473,6 +474,8 @@ def delete_version(version: str, *, session_factory: sessionmaker[Session],
         folders.append(checkpoint_file(data_dir, version).parent)
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+    if drop_vectors is not None:  # the version's vectors in an outside engine (Milvus)
+        drop_vectors(collection_id, version)
     logger.info("deleted model version %s", version)
 
 

@@ -13,6 +13,7 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Request, Response, status
 
+from imgret.gallery.search.milvus_index import vector_dropper
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION
 from imgret.gallery.tenancy import collections
 from imgret.service.access import Caller
@@ -106,6 +107,7 @@ async def delete_collection(collection: CollectionName, request: Request) -> Res
     async with request.app.state.collections.deleting(collection):
         await anyio.to_thread.run_sync(lambda: collections.delete(
             collection, session_factory=default.sessions, media=default.media,
-            data_dir=default.settings.data_dir))
+            data_dir=default.settings.data_dir,
+            drop_vectors=vector_dropper(default.settings)))
     await anyio.to_thread.run_sync(request.app.state.keyring.refresh)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -11,6 +11,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response, status
 from pydantic import ValidationError
 
+from imgret.gallery.search.milvus_index import vector_dropper
 from imgret.gallery.versions import intake, lifecycle
 from imgret.process import in_own_thread
 from imgret.service.deps import ResourcesDep, require_api_key
@@ -165,7 +166,8 @@ async def delete_model(version: VersionPath, resources: ResourcesDep) -> Respons
     def drop() -> None:
         with _SWITCH:  # not while this process switches
             lifecycle.delete_version(version, session_factory=resources.sessions,
-                                     data_dir=resources.settings.data_dir)
+                                     data_dir=resources.settings.data_dir,
+                                     drop_vectors=vector_dropper(resources.settings))
         resources.forget(version)
     await anyio.to_thread.run_sync(drop)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -14,6 +14,7 @@ from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
 from imgret.embedder import Embedder
 from imgret.service.schemas.versions import RegisterUpload
 from tests.api.conftest import add_gallery, png, search
+from tests.conftest import require
 
 
 def _checkpoint(folder: Path, seed: int) -> Path:
@@ -385,3 +386,43 @@ def test_a_collection_switches_its_version_and_leaves_the_others(make_client,
         assert [m["version"] for m in client.get("/models").json()["models"]] == [a]
         assert client.get(f"/models/{b}").status_code == 404
         assert client.get("/collections/shop").json()["active_version"] == b
+
+
+def test_deleting_a_version_or_a_collection_drops_its_milvus_collections(
+    make_client, other_checkpoint: Path, tmp_path: Path,
+) -> None:
+    """On the Milvus backend a version's vectors live in its own Milvus collection: deleting
+    the version, or the imgret collection, drops them there too (nothing deleted lingers)."""
+    from imgret.gallery.search.milvus_index import client_for, close_clients
+    from tests.integration.test_index_backends import _milvus_available
+
+    require(_milvus_available(), "pymilvus and milvus-lite (the `milvus` extra)")
+
+    uri = str(tmp_path / "milvus.db")
+
+    def ours() -> set[str]:
+        return {n for n in client_for(uri).list_collections() if n.startswith("imgret_")}
+
+    try:
+        with make_client(embed_duty=1.0, index_backend="milvus", milvus_uri=uri) as client:
+            add_gallery(client, classes=2, per_class=3)
+            a = client.get("/health").json()["model_version"]
+            b = _register(client, other_checkpoint)["version"]
+            _embed_and_wait(client, b)
+            assert len(ours()) == 2  # the served version's and b's
+            assert client.delete(f"/models/{b}").status_code == 204
+            assert len(ours()) == 1 and all(b.replace("-", "_") not in n for n in ours())
+
+            assert client.post("/collections", json={"name": "beta"}).status_code == 201
+            files = [("images", ("x.png", png(0, 9), "image/png"))]
+            added = client.post("/collections/beta/gallery", files=files, data={"labels": ["x"]})
+            assert added.status_code == 201, added.text
+            found = client.post("/collections/beta/search", data={"k": "1"},
+                                files={"image": ("q.png", png(0, 9), "image/png")})
+            assert found.status_code == 200, found.text
+            assert len(ours()) == 2  # beta's collection of the served version
+            assert client.delete("/collections/beta").status_code == 204
+            assert len(ours()) == 1, ours()
+            assert client.get("/health").json()["model_version"] == a  # still served
+    finally:
+        close_clients()
