@@ -45,20 +45,13 @@ IVF_LISTS = 1_024
 IVF_PROBE = 32
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A ``/proc/self/status`` figure in MB: ``VmRSS`` (now) or ``VmHWM`` (the peak; not
+    getrusage's ru_maxrss, which Linux keeps across exec, so a stage would inherit the peak
+    of the process that started it)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_mb() -> float:
-    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across exec, so a stage would
-    # inherit the peak of the process that started it.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -96,16 +89,16 @@ def run_stage(stage: str, out: Path) -> dict:
     # and the vectors.
     import faiss
     from index_bench import build
-    from pymilvus import DataType, MilvusClient
+    from pymilvus import MilvusClient
 
-    from imgret.gallery.search.milvus_index import _row
-    from imgret.gallery.storage.vector_store import ItemInfo
+    from imgret.gallery.search.milvus_index import collection_schema, upsert_pages
+    from imgret.gallery.storage.vector_store import ItemInfo, VectorPage
 
     base = np.load(out / "base.npy")
     queries = np.load(out / "queries.npy")
     exact = np.load(out / "exact.npy")
     ids = np.arange(len(base), dtype=np.int64)
-    loaded = _rss_mb()
+    loaded = _status_mb("VmRSS")
     if stage.startswith("faiss"):
         factory = "Flat" if stage == "faiss-flat" else f"IVF{IVF_LISTS},Flat"
         index, seconds = build(factory, base)
@@ -119,12 +112,6 @@ def run_stage(stage: str, out: Path) -> dict:
         name = "bench"
         if client.has_collection(name):
             client.drop_collection(name)
-        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
-        schema.add_field("id", DataType.INT64, is_primary=True)
-        schema.add_field("vec", DataType.FLOAT_VECTOR, dim=DIM)
-        schema.add_field("label", DataType.VARCHAR, max_length=65_535)
-        schema.add_field("camera", DataType.INT64)
-        schema.add_field("meta", DataType.JSON)
         params = client.prepare_index_params()
         if stage == "milvus-flat":
             params.add_index("vec", index_type="FLAT", metric_type="IP")
@@ -133,16 +120,17 @@ def run_stage(stage: str, out: Path) -> dict:
             params.add_index("vec", index_type="IVF_FLAT", metric_type="IP",
                              params={"nlist": IVF_LISTS})
             search_params = {"metric_type": "IP", "params": {"nprobe": IVF_PROBE}}
-        client.create_collection(name, schema=schema, index_params=params,
+        client.create_collection(name, schema=collection_schema(client, DIM), index_params=params,
                                  consistency_level="Strong")
         info = ItemInfo("x", 1, {"n": 0})
         start = time.perf_counter()
-        for at in range(0, len(base), 2_000):
-            client.upsert(name, [_row(int(i), v, info) for i, v in
-                                 zip(ids[at:at + 2_000], base[at:at + 2_000], strict=True)])
-            if at % 100_000 == 0:  # progress on stderr; stdout carries the result
-                print(f"  {stage}: {at:,} / {len(base):,} upserted", file=sys.stderr,
-                      flush=True)
+        for at in range(0, len(base), 100_000):  # imgret's upsert path, a page at a time
+            page = slice(at, at + 100_000)
+            upsert_pages(client, name, [VectorPage(ids[page], base[page],
+                                                   [info] * len(ids[page]))])
+            # progress on stderr; stdout carries the result
+            print(f"  {stage}: {min(at + 100_000, len(base)):,} / {len(base):,} upserted",
+                  file=sys.stderr, flush=True)
         client.flush(name)
         client.load_collection(name)
         seconds = time.perf_counter() - start
@@ -155,7 +143,7 @@ def run_stage(stage: str, out: Path) -> dict:
     single, batch = _rates(search, queries)
     return {"ingest_per_s": len(base) / seconds, "ingest_s": seconds, "qps_1": single,
             "qps_32": batch, "recall_at_10": recall_at_k(found, exact),
-            "memory_mb": _peak_mb() - loaded}
+            "memory_mb": _status_mb("VmHWM") - loaded}
 
 
 def main() -> None:

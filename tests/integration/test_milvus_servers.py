@@ -67,6 +67,19 @@ def milvus_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield uri
 
 
+def _env(tmp_path: Path, db_url: str, checkpoint: Path, milvus_uri: str) -> dict[str, str]:
+    """An ``imgret serve`` environment on the Milvus backend, following changes every 0.2 s."""
+    return {
+        "IMGRET_DATA_DIR": str(tmp_path / "data"),
+        "IMGRET_DATABASE_URL": db_url,
+        "IMGRET_MODEL": str(checkpoint),
+        "IMGRET_DEVICE": TEST_DEVICE,
+        "IMGRET_INDEX_BACKEND": "milvus",
+        "IMGRET_MILVUS_URI": milvus_uri,
+        "IMGRET_FOLLOW_INTERVAL_S": "0.2",
+    }
+
+
 def _png(label: int, index: int) -> bytes:
     return image_bytes(class_image(label, index))
 
@@ -81,15 +94,7 @@ def _search_ids(base: str, image: bytes, k: int = 50) -> list[int]:
 def test_two_servers_on_milvus_share_adds_and_never_return_a_delete(
     tmp_path: Path, db_url: str, tiny_checkpoint: Path, milvus_server: str,
 ) -> None:
-    env = {
-        "IMGRET_DATA_DIR": str(tmp_path / "data"),
-        "IMGRET_DATABASE_URL": db_url,
-        "IMGRET_MODEL": str(tiny_checkpoint),
-        "IMGRET_DEVICE": TEST_DEVICE,
-        "IMGRET_INDEX_BACKEND": "milvus",
-        "IMGRET_MILVUS_URI": milvus_server,
-        "IMGRET_FOLLOW_INTERVAL_S": "0.2",
-    }
+    env = _env(tmp_path, db_url, tiny_checkpoint, milvus_server)
     upgrade_to_head(db_url)
     with running_servers([(env, tmp_path / "a.log"), (env, tmp_path / "b.log")]) as servers:
         a, b = (server.url for server in servers)
@@ -137,15 +142,7 @@ def test_an_add_while_milvus_is_down_is_acknowledged_and_searchable_once_it_is_b
     upgrade_to_head(db_url)
     milvus = milvus_lite_server(tmp_path / "milvus", port)
     uri = milvus.__enter__()
-    env = {
-        "IMGRET_DATA_DIR": str(tmp_path / "data"),
-        "IMGRET_DATABASE_URL": db_url,
-        "IMGRET_MODEL": str(tiny_checkpoint),
-        "IMGRET_DEVICE": TEST_DEVICE,
-        "IMGRET_INDEX_BACKEND": "milvus",
-        "IMGRET_MILVUS_URI": uri,
-        "IMGRET_FOLLOW_INTERVAL_S": "0.2",
-    }
+    env = _env(tmp_path, db_url, tiny_checkpoint, uri)
     try:
         with running_servers([(env, tmp_path / "a.log")]) as (server,):
             base = server.url

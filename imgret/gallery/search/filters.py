@@ -159,6 +159,22 @@ class Catalog:
         return mask, int(np.count_nonzero(mask))
 
 
+class DeadIds:
+    """Every id ever removed from an index (ids are never reused): an add that arrives after
+    the delete (an upload racing it, a stale replay) must not bring one back."""
+
+    def __init__(self) -> None:
+        self._mask = np.zeros(1024, dtype=bool)
+
+    def remember(self, ids: set[int]) -> None:
+        if ids:
+            self._mask = grown(self._mask, max(ids) + 1)
+            self._mask[np.fromiter(ids, np.int64, len(ids))] = True
+
+    def __contains__(self, item_id: int) -> bool:
+        return item_id < len(self._mask) and bool(self._mask[item_id])
+
+
 def grown(mask: np.ndarray, capacity: int) -> np.ndarray:
     """``mask`` itself when it holds ``capacity`` ids, else a copy at least twice as long."""
     if capacity <= len(mask):

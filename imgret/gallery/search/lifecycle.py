@@ -68,15 +68,7 @@ def open_searcher(
         options: the Searcher's keyword arguments (``use_gpu``, ``rebuild_threshold``,
             ``nprobe``, ``ef_search``).
     """
-    with session_factory.begin() as session:
-        try:
-            version = version_store.get_model_version(session=session, version=model_version)
-        except GalleryError:
-            if model_version is None or dim is None:
-                raise
-            version = version_store.register_model_version(
-                session=session, version=model_version, dim=dim, config=config
-            )
+    version = version_to_open(session_factory, model_version, dim, config)
     check_factory(factory, version.dim)  # refuse a bad string before any work
     folder = index_dir(data_dir, version.version)
     common = dict(session_factory=session_factory, data_dir=data_dir,
@@ -94,6 +86,25 @@ def open_searcher(
         if save:
             searcher.save()
     return searcher
+
+
+def version_to_open(session_factory: sessionmaker[Session], model_version: str | None,
+                    dim: int | None, config: Mapping[str, Any] | None) -> ModelVersion:
+    """The version an index opens for: ``model_version`` (default the active one), registered
+    first when it is unknown and ``dim`` is given (a service starting on an empty database).
+
+    Raises:
+        GalleryError: no such (or no active) version, and no ``dim``.
+    """
+    with session_factory.begin() as session:
+        try:
+            return version_store.get_model_version(session=session, version=model_version)
+        except GalleryError:
+            if model_version is None or dim is None:
+                raise
+            return version_store.register_model_version(
+                session=session, version=model_version, dim=dim, config=config
+            )
 
 
 def _load(make: Callable[..., S], folder: Path, version: ModelVersion, factory: str,

@@ -23,7 +23,7 @@ from imgret.gallery.search.faiss_index import (
     serialize_index,
     set_search_defaults,
 )
-from imgret.gallery.search.filters import Catalog, SearchFilter, grown
+from imgret.gallery.search.filters import Catalog, DeadIds, SearchFilter
 from imgret.gallery.search.manifest import normalise_factory
 from imgret.gallery.search.ranking import Hit, complete, search_allowed, to_hits
 from imgret.gallery.search.threads import ExactFlat, faiss_threads, uses_blas_path
@@ -65,8 +65,8 @@ class LiveIndex:
                  nprobe: int | None, ef_search: int | None):
         self._use_gpu = use_gpu
         self._knobs = {"nprobe": nprobe, "ef_search": ef_search}
-        # Every id ever removed (ids are never reused): never added again, across swaps.
-        self._dead = np.zeros(1024, dtype=bool)
+        # Never added again, across swaps.
+        self._dead = DeadIds()
         self._install(index, factory, infos, change_seq, tombstones)
 
     def _install(self, index: faiss.Index, factory: str, infos: dict[int, ItemInfo],
@@ -95,7 +95,7 @@ class LiveIndex:
 
     def swap(self, built: BuiltIndex) -> None:
         """Make a rebuilt index current, without the ids removed while it read SQL."""
-        revived = [i for i in built.infos if self._is_dead(i)]
+        revived = [i for i in built.infos if i in self._dead]
         gone = set(revived)
         infos = {i: info for i, info in built.infos.items() if i not in gone}
         tombstones: list[int] = []
@@ -106,9 +106,6 @@ class LiveIndex:
         self._install(built.index, built.manifest.factory, infos, built.manifest.change_seq,
                       tombstones)
 
-    def _is_dead(self, item_id: int) -> bool:
-        return item_id < len(self._dead) and bool(self._dead[item_id])
-
     # ------------------------------------------------------------------ updates
 
     def add(self, ids: np.ndarray, vectors: np.ndarray, infos: Sequence[ItemInfo]) -> int:
@@ -117,7 +114,7 @@ class LiveIndex:
         for row, item_id in enumerate(ids.tolist()):
             if item_id in self.catalog or item_id in seen:
                 continue
-            if self._is_dead(item_id):
+            if item_id in self._dead:
                 continue  # deleted (ids are never reused): a late add must not revive it
             if item_id in self.tombstones:
                 # Still stored (no remove_ids): adding again would duplicate it. Ids are
@@ -149,9 +146,7 @@ class LiveIndex:
         Returns:
             How many live ids were removed.
         """
-        if wanted:
-            self._dead = grown(self._dead, max(wanted) + 1)
-            self._dead[np.fromiter(wanted, np.int64, len(wanted))] = True
+        self._dead.remember(wanted)
         present = sorted(i for i in wanted if i in self.catalog)
         if not present:
             return 0

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from imgret.errors import GalleryError, IndexUnavailable
-from imgret.gallery.search.filters import Catalog, SearchFilter, grown
+from imgret.gallery.search.filters import Catalog, DeadIds, SearchFilter
 from imgret.gallery.search.ranking import Hit
 from imgret.gallery.storage.vector_store import ItemInfo
 
@@ -172,7 +172,7 @@ class MilvusIndex:
         self.factory = FACTORY
         self.device = "milvus"
         self.tombstones: set[int] = set()  # Milvus deletes for real: none
-        self._dead = np.zeros(1024, dtype=bool)
+        self._dead = DeadIds()
 
     @property
     def stored(self) -> int:
@@ -202,7 +202,7 @@ class MilvusIndex:
         """
         keep, seen = [], set()
         for row, item_id in enumerate(ids.tolist()):
-            if item_id in self.catalog or item_id in seen or self._is_dead(item_id):
+            if item_id in self.catalog or item_id in seen or item_id in self._dead:
                 continue
             if item_id < 0:
                 raise ValueError(f"gallery ids are non-negative, got {item_id}")
@@ -226,9 +226,7 @@ class MilvusIndex:
         Returns:
             How many live ids were removed.
         """
-        if wanted:
-            self._dead = grown(self._dead, max(wanted) + 1)
-            self._dead[np.fromiter(wanted, np.int64, len(wanted))] = True
+        self._dead.remember(wanted)
         present = sorted(i for i in wanted if i in self.catalog)
         if not present:
             return 0
@@ -244,9 +242,6 @@ class MilvusIndex:
         except Exception as exc:
             # The hits check keeps them out of every answer; the next open deletes them.
             logger.warning("Milvus delete from %s failed (%s)", self.name, type(exc).__name__)
-
-    def _is_dead(self, item_id: int) -> bool:
-        return item_id < len(self._dead) and bool(self._dead[item_id])
 
     def rebuild_reason(self, threshold: float) -> str | None:
         return None  # Milvus compacts deleted rows itself
@@ -299,7 +294,7 @@ class MilvusIndex:
                 item_id = int(hit["id"])
                 if item_id in self.catalog:
                     hits.append(Hit(item_id, float(hit["distance"])))
-                elif self._is_dead(item_id):
+                elif item_id in self._dead:
                     stale.append(item_id)
             if stale:
                 self._delete(stale)
@@ -394,23 +389,28 @@ def ensure_collection(client: Any, name: str, dim: int) -> bool:
                                         f"not {dim}-d: rebuild it")
             client.load_collection(name)
             return False
-        from pymilvus import DataType
-
-        schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
-        schema.add_field("id", DataType.INT64, is_primary=True)
-        schema.add_field("vec", DataType.FLOAT_VECTOR, dim=dim)
-        schema.add_field("label", DataType.VARCHAR, max_length=65_535)
-        schema.add_field("camera", DataType.INT64)
-        schema.add_field("meta", DataType.JSON)
         index = client.prepare_index_params()
         index.add_index("vec", index_type="FLAT", metric_type="IP")
-        client.create_collection(name, schema=schema, index_params=index,
+        client.create_collection(name, schema=collection_schema(client, dim), index_params=index,
                                  consistency_level="Strong")
         return True
     except MilvusUnavailable:
         raise
     except Exception as exc:
         raise _unavailable(f"collection {name}", exc) from None
+
+
+def collection_schema(client: Any, dim: int) -> Any:
+    """The fields of an imgret Milvus collection: the id, the vector, and what filters read."""
+    from pymilvus import DataType
+
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("id", DataType.INT64, is_primary=True)
+    schema.add_field("vec", DataType.FLOAT_VECTOR, dim=dim)
+    schema.add_field("label", DataType.VARCHAR, max_length=65_535)
+    schema.add_field("camera", DataType.INT64)
+    schema.add_field("meta", DataType.JSON)
+    return schema
 
 
 def drop_collection(client: Any, name: str) -> None:
@@ -455,18 +455,12 @@ def open_milvus(session_factory: Any, *, uri: str, token: str | None, collection
     Returns:
         ``(index, model version)``.
     """
+    from imgret.gallery.search.lifecycle import version_to_open
     from imgret.gallery.storage import change_log, vector_store
     from imgret.gallery.versions import version_store
 
-    with session_factory.begin() as session:
-        try:
-            version = version_store.get_model_version(session=session, version=model_version)
-        except GalleryError:
-            if model_version is None or dim is None:
-                raise
-            version = version_store.register_model_version(
-                session=session, version=model_version, dim=dim, config=config)
-        version_name, version_dim = version.version, version.dim
+    version = version_to_open(session_factory, model_version, dim, config)
+    version_name, version_dim = version.version, version.dim
     client = client_for(uri, token)
     name = collection_name(collection, version_name)
     if rebuild:
