@@ -19,14 +19,6 @@ PG_ADMIN_URL = os.environ.get(
 )
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker more than the cores. The integration tests spend about a
-    quarter of their time waiting on servers and subprocesses they started (measured on the
-    2-core machine: 73% of both cores busy with one worker per core), which the extra worker
-    fills."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 @pytest.fixture(autouse=True)
 def _fresh_settings() -> Iterator[None]:
     """Each test reads the ``IMGRET_*`` environment it sets: ``get_settings`` is cached per
