@@ -35,8 +35,9 @@ demo: setup system-deps
 	$(BIN)/imgret demo
 
 # pytest exits 5 when it collects no test; make treats that as a failure, as CI must.
-# Pytest workers (xdist): one per core, each test file on one worker (its module fixtures, servers among them, are built once). The integration
-# tests mostly wait on servers and subprocesses: serially the suite takes about 18 minutes.
+# Pytest workers (xdist): one per core, each test file on one worker (its module fixtures,
+# servers among them, are built once). The integration tests mostly wait on servers and
+# subprocesses: serially the suite takes about 18 minutes.
 # Plain `pytest PATH` stays serial, for debugging.
 test: setup system-deps postgres
 	$(BIN)/ruff check .
