@@ -222,7 +222,8 @@ LOSSES: dict[str, LossSpec] = {
         defaults={"margin": 0.1, "alpha": 32.0},
         source="Kim et al. 2020: margin 0.1, alpha 32, proxies at 100x the trunk learning rate",
         reason="fast-converging proxy loss; one proxy per class instead of mined pairs",
-        space={"margin": Param(0.0, 0.5), "alpha": Param(4.0, 64.0, log=True)},
+        # alpha down to 1: tuned from scratch the winner sat at the old lower edge (4).
+        space={"margin": Param(0.0, 0.5), "alpha": Param(1.0, 64.0, log=True)},
     ),
     "proxy_nca": _class_loss(
         _pml(losses.ProxyNCALoss, with_classes=True), family="proxy", param_lr_mult=100.0,
@@ -251,14 +252,16 @@ LOSSES: dict[str, LossSpec] = {
         defaults={"margin": 0.35, "scale": 64.0},
         source="Wang et al. 2018 (CosFace): additive cosine margin 0.35, scale 64",
         reason="large-margin cosine classifier from face recognition",
-        space={"margin": Param(0.05, 0.5), "scale": Param(8.0, 64.0, log=True)},
+        # margins up to 0.8: the winner sat at the old upper edge (0.5).
+        space={"margin": Param(0.05, 0.8), "scale": Param(8.0, 64.0, log=True)},
     ),
     "arcface": _class_loss(
         _pml(losses.ArcFaceLoss, with_classes=True), family="classifier",
         defaults={"margin": math.degrees(0.5), "scale": 64.0},
         source="Deng et al. 2019 (ArcFace): additive angular margin 0.5 rad (28.6 deg), scale 64",
         reason="the standard face / re-ID classifier loss",
-        space={"margin": Param(5.0, 40.0), "scale": Param(8.0, 64.0, log=True)},  # degrees
+        # degrees; up to 60: the winner sat at the old upper edge (40).
+        space={"margin": Param(5.0, 60.0), "scale": Param(8.0, 64.0, log=True)},
     ),
     "ntxent": _tuple_loss(
         losses.NTXentLoss, defaults={"temperature": 0.07},
