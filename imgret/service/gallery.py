@@ -27,6 +27,7 @@ from imgret.gallery.ingest import AddedItems, NewItem, add_items
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.media.gc import purge_media
 from imgret.gallery.search import SearchFilter
+from imgret.gallery.search.identities import IdentityGroup
 from imgret.gallery.search.rerank import Rerank
 from imgret.gallery.storage import item_store, query_set_store, vector_store
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION, GalleryItem
@@ -194,7 +195,8 @@ def _read(media: MediaBackend, media_path: str, content_type: str, *,
 
 
 async def search_by_id(resources: Resources, item_id: int, k: int,
-                       filters: SearchFilter | None, rerank: Rerank | None) -> Answer:
+                       filters: SearchFilter | None, rerank: Rerank | None,
+                       group: IdentityGroup | None = None) -> Answer:
     """The ``k`` neighbours of a stored item, the item itself left out.
 
     Queued and batched like an uploaded image (the same queue, its limit and its 503s); the
@@ -208,7 +210,7 @@ async def search_by_id(resources: Resources, item_id: int, k: int,
     base = filters or SearchFilter()
     flt = dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, item_id}))
     query = ItemQuery(item_id, functools.partial(_stored_vector, resources, item_id), k, flt,
-                      rerank=rerank)
+                      rerank=rerank, group=group)
     return await resources.batcher.submit(query)
 
 

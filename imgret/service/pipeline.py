@@ -17,6 +17,7 @@ from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
 from imgret.gallery.evaluation.calibration import Calibration, Decision, decide, no_decision_reason
 from imgret.gallery.search import Hit, Searcher, SearchFilter
+from imgret.gallery.search.identities import Identity, IdentityGroup
 from imgret.gallery.search.rerank import Rerank, index_searches
 from imgret.gallery.search.threads import limit_pthreads_blas, yielding_to
 from imgret.images import (
@@ -64,6 +65,7 @@ class Answer:
 
     hits: list[Hit]
     serving: Serving
+    identities: list[Identity] | None = None
 
 
 def top_candidate(answer: Answer) -> tuple[str, float] | None:
@@ -97,12 +99,15 @@ class ImageQuery:
         k: neighbours wanted.
         filters: restrict the candidates (label, camera, metadata), or ``None``.
         rerank: re-rank the results (:mod:`imgret.gallery.search.rerank`), or ``None``.
+        group: group the ``k`` hits into identities (``k`` is then the group's fetch size),
+            or ``None``.
     """
 
     data: bytes
     k: int
     filters: SearchFilter | None = None
     rerank: Rerank | None = None
+    group: IdentityGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,7 @@ class ItemQuery:
         vector_of: the item's stored vector for a :class:`Serving`'s version, read on the
             batcher's decode thread (raises the HTTP error that answers the request: no such
             item, no vector of that version yet).
-        k, filters, rerank: as :class:`ImageQuery`'s.
+        k, filters, rerank, group: as :class:`ImageQuery`'s.
     """
 
     item_id: int
@@ -123,6 +128,7 @@ class ItemQuery:
     k: int
     filters: SearchFilter | None = None
     rerank: Rerank | None = None
+    group: IdentityGroup | None = None
 
 
 Query = ImageQuery | ItemQuery
@@ -335,7 +341,10 @@ class SearchPipeline(BatchStages[Query, PreparedBatch, Answer]):
                     hits = serving.searcher.search(np.stack([vectors[p] for p in plain]), k,
                                                    [q.filters for q in queries])
                 for position, query, row_hits in zip(plain, queries, hits, strict=True):
-                    batch.results[position] = Answer(row_hits[: query.k], serving)
+                    row_hits = row_hits[: query.k]
+                    identities = None if query.group is None else serving.searcher.identities(
+                        vectors[position], row_hits, query.group, query.filters)
+                    batch.results[position] = Answer(row_hits, serving, identities)
             for position in sorted(set(vectors) - set(plain)):
                 batch.results[position] = FollowUp(functools.partial(
                     rerank_answer, serving, vectors[position], batch.queries[position],

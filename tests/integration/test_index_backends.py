@@ -162,6 +162,37 @@ def test_vectors_and_neighbours_match_the_stored_embeddings(sessions, engine):
     np.testing.assert_allclose(scores[:, 0], 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("aggregation", ["template", "best", "mean_top3"])
+def test_identities_match_brute_force_over_the_stored_vectors(sessions, engine, aggregation):
+    from imgret.gallery.search.identities import IdentityGroup
+
+    seed(sessions, clustered_vectors(120))
+    delete(sessions, [5, 6])
+    searcher = engine(sessions)
+    infos = _infos(sessions)
+    ids, vectors = db_vectors(sessions)
+    labels = np.array([infos[int(i)][0] for i in ids])
+    group = IdentityGroup(3, 2, aggregation)
+    for query in clustered_vectors(5, seed=17):
+        hits = searcher.search(query, group.fetch_size(1000))[0]
+        got = searcher.identities(query, hits, group)
+        scores = vectors @ query
+        expected = {}
+        for label in set(labels):
+            mine = np.sort(scores[labels == label])[::-1]
+            if aggregation == "template":
+                template = vectors[labels == label].astype(np.float64).mean(axis=0)
+                expected[label] = float(query @ template / np.linalg.norm(template))
+            else:
+                expected[label] = float(mine[:1 if aggregation == "best" else 3].mean())
+        top = sorted(expected, key=lambda name: -expected[name])[:3]
+        assert [identity.label for identity in got] == top
+        for identity in got:
+            assert identity.score == pytest.approx(expected[identity.label], abs=1e-5)
+            assert len(identity.hits) == 2
+            assert {infos[h.id][0] for h in identity.hits} == {identity.label}
+
+
 def test_reranked_search_is_the_same_on_both_engines(sessions, tmp_path):
     """k-reciprocal re-ranking reads vectors and neighbour lists from the live index: the
     Milvus one must feed it what FAISS does."""

@@ -97,6 +97,10 @@ class Catalog:
         """The live ids, unordered ``(n,) int64``."""
         return np.fromiter(self.infos, np.int64, len(self.infos))
 
+    def ids_of(self, label: str) -> frozenset[int]:
+        """The live ids with ``label``."""
+        return frozenset(self._by_label.get(label, ()))
+
     def add(self, ids: np.ndarray, infos: Sequence[ItemInfo]) -> None:
         """Add new ids (``(n,) int64``, none of them live) with their infos."""
         self.live = grown(self.live, int(ids.max()) + 1)

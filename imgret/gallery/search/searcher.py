@@ -30,6 +30,13 @@ from imgret.errors import GalleryError
 from imgret.gallery.search.changes import ChangeLog
 from imgret.gallery.search.faiss_index import DEFAULT_FACTORY
 from imgret.gallery.search.filters import SearchFilter, group_queries
+from imgret.gallery.search.identities import (
+    TEMPLATE,
+    TEMPLATE_ITEMS_MAX,
+    Identity,
+    IdentityGroup,
+    group_hits,
+)
 from imgret.gallery.search.lifecycle import (
     BackgroundRebuild,
     build_or_fallback,
@@ -286,6 +293,41 @@ class Searcher:
                 for row, row_hits in zip(rows, hits, strict=True):
                     results[row] = row_hits
         return results
+
+    def identities(self, query: np.ndarray, hits: Sequence[Hit], group: IdentityGroup,
+                   flt: SearchFilter | None = None) -> list[Identity]:
+        """One query's ``hits`` (best first, from :meth:`search` with ``group``'s fetch size)
+        grouped into its top identities (:mod:`imgret.gallery.search.identities`).
+
+        For the ``template`` aggregation each proposed identity is scored against the mean
+        of its live items that ``flt`` allows (at most ``TEMPLATE_ITEMS_MAX``), read from this
+        index under the same lock, so a template never mixes in a deleted item.
+        """
+        query = self._queries(query)[0]
+        with self._lock.read():
+            catalog = self._live.catalog
+
+            def label_of(item_id: int) -> str | None:
+                info = catalog.infos.get(item_id)
+                return None if info is None else info.label
+
+            templates = None
+            if group.aggregation == TEMPLATE:
+                templates = {}
+                mask, _ = catalog.allowed(flt, has_tombstones=False)
+                for label in dict.fromkeys(filter(None, map(label_of, (h.id for h in hits)))):
+                    ids = np.fromiter(catalog.ids_of(label), np.int64)
+                    if mask is not None:
+                        ids = ids[(ids < len(mask)) & mask[np.clip(ids, 0, len(mask) - 1)]]
+                    if not len(ids):
+                        continue
+                    ids = np.sort(ids)[:TEMPLATE_ITEMS_MAX]
+                    template = self._live.vectors(ids).astype(np.float64).mean(axis=0)
+                    norm = float(np.linalg.norm(template))
+                    if norm > 0:
+                        templates[label] = float(query @ template / norm)
+            return group_hits(hits, label_of, k=group.k, per_identity=group.per_identity,
+                              aggregation=group.aggregation, templates=templates)
 
     def _queries(self, vectors: np.ndarray) -> np.ndarray:
         array = np.asarray(vectors, dtype=np.float32)

@@ -18,6 +18,7 @@ The path of a search, from this router to FAISS:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio.to_thread
@@ -25,18 +26,20 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from imgret.errors import ImageDecodeError
+from imgret.gallery.search import Hit
 from imgret.gallery.search.rerank import Rerank
 from imgret.images import DecodeLimits, check_request_pixels
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.limits import check_search_budget
-from imgret.service.pipeline import Answer, ImageQuery, decision
+from imgret.service.pipeline import Answer, ImageQuery, decision, top_candidate
 from imgret.service.request_rules import InvalidRequest, WholeNumber, request_validation_error
 from imgret.service.schemas.common import K_MAX
 from imgret.service.schemas.search import (
     BatchSearchForm,
     DecisionOut,
+    IdentityOut,
     ImageSearchForm,
     SearchBatchResponse,
     SearchForm,
@@ -105,17 +108,23 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     start = time.perf_counter()
     async with open_form(request, ImageSearchForm) as form:
         k, filters, rerank = _k(request, form), form.filters(), form.rerank_option()
-        check_search_budget(k, [rerank])
+        group = form.group(k)
+        fetch = k if group is None else group.fetch_size(K_MAX)
+        check_search_budget(fetch, [rerank])
         if form.id is not None:
-            answer = await gallery.search_by_id(resources, form.id, k, filters, rerank)
+            answer = await gallery.search_by_id(resources, form.id, fetch, filters, rerank,
+                                                group)
         else:
             assert form.image is not None  # the form holds exactly one of them
-            query = ImageQuery(await form.image.read(), k, filters, rerank=rerank)
+            query = ImageQuery(await form.image.read(), fetch, filters, rerank=rerank,
+                               group=group)
             answer = await resources.batcher.submit(query)
-    hits = _public_hits(answer, resources.collection)
+    identities = _public_identities(answer, resources.collection)
+    hits = (_public_hits(answer, resources.collection) if identities is None
+            else [hit for identity in identities for hit in identity.items])
     decided, note = _decision(answer, hits, rerank)
     return SearchResponse(
-        results=hits,
+        results=hits, identities=identities,
         took_ms=round((time.perf_counter() - start) * 1000, 3),
         model_version=answer.serving.version,
         decision=decided, decision_note=note,
@@ -143,7 +152,9 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     async with open_form(request, BatchSearchForm, max_files=max_files,
                          too_many_files=too_many) as form:
         k, filters, rerank = _k(request, form), form.filters(), form.rerank_option()
-        check_search_budget(k, [rerank] * len(form.images))
+        group = form.group(k)
+        fetch = k if group is None else group.fetch_size(K_MAX)
+        check_search_budget(fetch, [rerank] * len(form.images))
         blobs = [await upload.read() for upload in form.images]
     # Headers only, off the event loop: the whole request is priced before decoding starts.
     await anyio.to_thread.run_sync(
@@ -152,7 +163,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
             limits=DecodeLimits.from_settings(settings),
         )
     )
-    queries = [ImageQuery(data, k, filters, rerank=rerank) for data in blobs]
+    queries = [ImageQuery(data, fetch, filters, rerank=rerank, group=group) for data in blobs]
     results = await resources.batcher.submit_many(queries, return_exceptions=True)
     answers: list[Answer] = []
     for position, result in enumerate(results):
@@ -170,12 +181,16 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
             503, "the served model version changed during this request; send it again",
             headers={"Retry-After": "1"},
         )
-    results = [_public_hits(answer, resources.collection) for answer in answers]
+    grouped = [_public_identities(answer, resources.collection) for answer in answers]
+    results = [_public_hits(answer, resources.collection) if identities is None
+               else [hit for identity in identities for hit in identity.items]
+               for answer, identities in zip(answers, grouped, strict=True)]
     decided = [_decision(answer, hits, rerank) for answer, hits in zip(answers, results,
                                                                        strict=True)]
     notes = {note for _, note in decided if note is not None}
     return SearchBatchResponse(
         results=results,
+        identities=None if group is None else [identities or [] for identities in grouped],
         took_ms=round((time.perf_counter() - start) * 1000, 3),
         model_version=versions.pop() if versions else resources.serving.version,
         # One version answered every query (checked above): all have a decision, or none.
@@ -187,19 +202,40 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
 def _decision(answer: Answer, hits: list[SearchHit],
               rerank: Rerank | None) -> tuple[DecisionOut | None, str | None]:
     """The decision on the top of the hits the response lists, under the calibration of the
-    version that produced them (:func:`imgret.service.pipeline.decision`)."""
-    made, note = decision(answer, (hits[0].label, hits[0].score) if hits else None, rerank)
+    version that produced them (:func:`imgret.service.pipeline.decision`).
+
+    A grouped search decides on its best *item*, as ``/identify`` does: the score a
+    calibration measures (docs/identities.md says why the identity score is not used yet).
+    """
+    if answer.identities is not None:
+        top = top_candidate(answer)
+    else:
+        top = (hits[0].label, hits[0].score) if hits else None
+    made, note = decision(answer, top, rerank)
     if made is None:
         return None, note
     return DecisionOut(label=made.label, score=made.score, threshold=made.threshold,
                        known=made.known), None
 
 
-def _public_hits(answer: Answer, collection: str) -> list[SearchHit]:
-    """Hits with their label, camera and metadata from the answering index's own map (no
-    SQL)."""
+def _public_identities(answer: Answer, collection: str) -> list[IdentityOut] | None:
+    """A grouped answer's identities, each with its public items (``None``: not grouped)."""
+    if answer.identities is None:
+        return None
+    out = []
+    for identity in answer.identities:
+        items = _public_hits(answer, collection, identity.hits)
+        if items:  # every item deleted while the request was in flight: nobody to show
+            out.append(IdentityOut(label=identity.label, score=identity.score, items=items))
+    return out
+
+
+def _public_hits(answer: Answer, collection: str,
+                 hits: Sequence[Hit] | None = None) -> list[SearchHit]:
+    """Hits (default: the answer's) with their label, camera and metadata from the answering
+    index's own map (no SQL)."""
     public = []
-    for hit in answer.hits:
+    for hit in answer.hits if hits is None else hits:
         info = answer.serving.searcher.info(hit.id)
         if info is None:
             continue  # deleted while this request was in flight

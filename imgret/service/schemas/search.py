@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import UploadFile
 from pydantic import (
@@ -13,6 +13,11 @@ from pydantic import (
 )
 
 from imgret.gallery.search import SearchFilter
+from imgret.gallery.search.identities import (
+    DEFAULT_AGGREGATION,
+    IdentityGroup,
+    check_aggregation,
+)
 from imgret.service.limits import SEARCH_CANDIDATES_MAX
 from imgret.service.request_rules import (
     LABEL_MAX,
@@ -35,6 +40,17 @@ class SearchHit(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class IdentityOut(BaseModel):
+    """One identity of a grouped search (``group_by=label``): a label, its score under the
+    search's aggregation, and its best items, best first."""
+
+    label: str
+    score: float = Field(description="the identity's score (aggregation: see "
+                                     "docs/identities.md); higher is better")
+    items: list[SearchHit] = Field(description="its best items among those searched, best "
+                                               "first (at most per_identity)")
+
+
 class DecisionOut(BaseModel):
     """Who the query is under the answering version's calibration: the top result's label
     when its score reaches the threshold (``known``), else nobody (``label`` null)."""
@@ -54,7 +70,10 @@ _DECISION_NOTE = Field(None, description="why there is no decision (the version 
 class SearchResponse(BaseModel):
     """The neighbours of one query, best first, and the decision on the top one."""
 
-    results: list[SearchHit]
+    results: list[SearchHit] = Field(description="the items, best first; with group_by: the "
+                                                 "identities' items, in identity order")
+    identities: list[IdentityOut] | None = Field(
+        None, description="group_by=label only: the top k identities, best first")
     took_ms: float
     model_version: str
     decision: DecisionOut | None = Field(None, description="null: see decision_note")
@@ -66,6 +85,8 @@ class SearchBatchResponse(BaseModel):
     per query."""
 
     results: list[list[SearchHit]]
+    identities: list[list[IdentityOut]] | None = Field(
+        None, description="group_by=label only: per query, its top k identities")
     took_ms: float
     model_version: str
     decisions: list[DecisionOut] | None = Field(
@@ -84,6 +105,9 @@ class IdentifyResponse(BaseModel):
     margin: float | None = Field(description="score - threshold: how far above (or, "
                                              "negative, below) the threshold")
     model_version: str
+
+
+PER_IDENTITY_MAX = 20
 
 
 class SearchRerankRequest(RerankRequest):
@@ -109,6 +133,38 @@ class SearchForm(SearchRerankRequest):
     metadata: JsonObject | None = Field(None, description='JSON object; only items whose '
                                                           'metadata has these values, e.g. '
                                                           '{"color": "red"}')
+
+    group_by: Literal["label"] | None = Field(
+        None, description="label: answer with the top k identities (labels) instead of k "
+                          "items, each with its score and best items")
+    per_identity: WholeNumber | None = Field(
+        None, ge=1, le=PER_IDENTITY_MAX,
+        description="group_by only: items listed per identity (default 3)")
+    aggregation: str | None = Field(
+        None, max_length=16,
+        description="group_by only: how an identity's score is made from its items: "
+                    f"template, best or mean_top<n> (default {DEFAULT_AGGREGATION})")
+
+    @model_validator(mode="after")
+    def _grouping(self) -> SearchForm:
+        if self.group_by is None:
+            given = [name for name in ("per_identity", "aggregation")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} needs group_by=label")
+            return self
+        if self.aggregation is not None:
+            check_aggregation(self.aggregation)
+        if self.rerank is not None:
+            raise ValueError("group_by cannot be combined with rerank")
+        return self
+
+    def group(self, k: int) -> IdentityGroup | None:
+        """The grouping these fields ask for, for ``k`` identities (``None``: items)."""
+        if self.group_by is None:
+            return None
+        return IdentityGroup(k, self.per_identity or 3,
+                             self.aggregation or DEFAULT_AGGREGATION)
 
     def filters(self) -> SearchFilter | None:
         """The filter these fields name (``None``: every item)."""
