@@ -39,6 +39,7 @@ from imgret.service.routers import (
     gallery,
     health,
     identify,
+    identities,
     keys,
     metrics,
     models,
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 COLLECTION_PREFIX = "/collections/{collection}"
 # The routes every collection has (the default one's at the root).
-COLLECTION_ROUTERS = (search, identify, gallery, evaluate, models, query_sets)
+COLLECTION_ROUTERS = (search, identify, gallery, identities, evaluate, models, query_sets)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -85,8 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = service_metrics
     app.state.keyring = KeyRing(bootstrap_key(settings))
     install_error_handlers(app)
-    for module in (health, search, identify, gallery, evaluate, models, query_sets, metrics,
-                   ui, admin, collections, keys):
+    for module in (health, search, identify, gallery, identities, evaluate, models, query_sets,
+                   metrics, ui, admin, collections, keys):
         app.include_router(module.router)
     # Another collection's routes are the default one's under /collections/{collection}.
     for module in COLLECTION_ROUTERS:

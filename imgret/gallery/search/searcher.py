@@ -439,8 +439,16 @@ class Searcher:
 
     # ------------------------------------------------------------------ persistence
 
+    @property
+    def can_save(self) -> bool:
+        """Whether :meth:`save` has a data directory to write to."""
+        return self._data_dir is not None
+
     def save(self) -> Path:
         """Write the index and its manifest to ``<data_dir>/indexes/<model_version>/``.
+
+        The deletes any process committed before the save are applied first, so a saved
+        file never holds a vector SQL had already deleted.
 
         Only an in-memory copy is made under the (shared) lock; hashing and the disk write
         happen after it is released, so a writer waiting for the lock waits for a memcpy, not
@@ -449,6 +457,7 @@ class Searcher:
         if self._data_dir is None:
             raise GalleryError("this Searcher has no data_dir to save to")
         folder = index_dir(self._data_dir, self.model_version)
+        self.sync_deletes()
         with self._save_lock:
             with self._lock.read():
                 snapshot = self._live.snapshot()

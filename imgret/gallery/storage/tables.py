@@ -265,6 +265,45 @@ class GalleryChange(CollectionScoped, Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class LabelChange(CollectionScoped, Base):
+    """One change of who the gallery's items are (the identities audit log): a merge, a move
+    of items to another label, the undo of one of them, or an erase.
+
+    ``moves``: ``[[old_id, new_id, old_label], ...]`` (a relabelled item gets a new id: see
+    :func:`imgret.gallery.storage.identity_store.relabel_items`). ``actor``: which key made it
+    (``key 7``, ``IMGRET_API_KEY``, ``local``). An erase clears the erased label from
+    every entry (``labels_erased``), as it clears the items.
+    """
+
+    __tablename__ = "label_changes"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    action: Mapped[str] = mapped_column(String(8))
+    from_label: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    to_label: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    moves: Mapped[list[Any]] = mapped_column(JsonType, default=list)
+    actor: Mapped[str] = mapped_column(String(128))
+    undo_of: Mapped[int | None] = mapped_column(IdType, nullable=True)
+    undone_by: Mapped[int | None] = mapped_column(IdType, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ServingPosition(CollectionScoped, Base):
+    """How far one serving process has applied a collection's change log: each process's
+    follower writes its row after every catch-up, so an erase can tell when every process
+    that serves the collection has dropped the erased items (``seen_at``: its last word; a
+    process that stops writing is gone)."""
+
+    __tablename__ = "serving_positions"
+
+    process: Mapped[str] = mapped_column(String(128), primary_key=True)
+    collection_id: Mapped[int] = mapped_column(
+        ForeignKey("collections.id", ondelete="CASCADE"), primary_key=True, index=True)
+    change_seq: Mapped[int] = mapped_column(IdType)
+    seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class QuerySet(CollectionScoped, Base):
     """A named, labelled set of query images (for ``/evaluate`` and ``imgret evaluate``);
     names are unique within a collection."""

@@ -44,11 +44,14 @@ class FollowerState:
         last_ok_at: ``time.time()`` of the last successful catch-up.
         failures: consecutive failed polls.
         last_error: the last failure, as a short message.
+        position: the change-log position last written to ``serving_positions``, and when
+            (``time.monotonic()``), or ``None``.
     """
 
     last_ok_at: float = field(default_factory=time.time)
     failures: int = 0
     last_error: str | None = None
+    position: tuple[int, float] | None = None
 
     def lag_seconds(self, now: float | None = None) -> float:
         """Seconds since the index last caught up with the database."""

@@ -11,11 +11,17 @@ from collections.abc import Callable
 
 import anyio.to_thread
 
+from imgret.gallery.storage import positions
 from imgret.gallery.storage.notify import listen_for_changes
 from imgret.gallery.storage.tables import DEFAULT_COLLECTION_ID
 from imgret.service.resources.bundle import Resources
 
 logger = logging.getLogger(__name__)
+
+# A process that serves a collection writes its position at least this often; one not heard
+# from for POSITIONS_LIVE_S is gone (imgret.service.identities.erase waits for the others).
+POSITION_REFRESH_S = 30.0
+POSITIONS_LIVE_S = 3 * POSITION_REFRESH_S
 
 
 async def follow_changes(resources: Resources, interval_s: float | None = None) -> None:
@@ -66,6 +72,7 @@ async def follow_changes(resources: Resources, interval_s: float | None = None) 
     finally:
         if listener is not None:
             await anyio.to_thread.run_sync(listener.stop)
+        await anyio.to_thread.run_sync(forget_position, resources)
 
 
 def catch_up_with(resources: Resources) -> Callable[[], int]:
@@ -80,9 +87,35 @@ def catch_up_with(resources: Resources) -> Callable[[], int]:
         except Exception:
             resources.searcher.refresh_from_changes()
             raise
-        return resources.searcher.refresh_from_changes()
+        applied = resources.searcher.refresh_from_changes()
+        record_position(resources)
+        return applied
 
     return catch_up
+
+
+def record_position(resources: Resources, *, force: bool = False) -> None:
+    """Tell the database how far this process's served index has applied the change log
+    (:mod:`imgret.gallery.storage.positions`): when it moved, and every
+    ``POSITION_REFRESH_S`` while it does not, so an erase knows which processes serve the
+    collection and when each has dropped what it erased."""
+    seq = resources.searcher.change_seq
+    last = resources.follower.position
+    if (not force and last is not None and last[0] == seq
+            and time.monotonic() - last[1] < POSITION_REFRESH_S):
+        return
+    with resources.sessions.begin() as session:
+        positions.record_position(seq, session=session)
+    resources.follower.position = (seq, time.monotonic())
+
+
+def forget_position(resources: Resources) -> None:
+    """This process no longer serves the collection (shutdown); best effort."""
+    try:
+        with resources.sessions.begin() as session:
+            positions.forget_process(session=session)
+    except Exception:  # noqa: BLE001 - a stale row expires by itself
+        logger.debug("could not remove this process's serving position", exc_info=True)
 
 
 async def catch_up_once(resources: Resources) -> None:
