@@ -12,8 +12,9 @@ function (``python tools/role_table.py``; a test walks it).
   (``GET``, ``POST /search``, ``/search/batch``, ``/identify``, ``/evaluate``) need ``read``
   (``/evaluate`` always with a key: it costs a search per query);
   ``GET /models`` too; other ``/models`` requests need ``admin``; any other write needs
-  ``write`` (an unknown write route is a write: fail closed). ``GET /metrics`` is a read of
-  ``default``.
+  ``write`` (an unknown write route is a write: fail closed). The unknowns pool
+  (``/identities/unknowns...``) needs ``write`` even to read it: its images are of people
+  the gallery does not hold. ``GET /metrics`` is a read of ``default``.
 - Everything else (``/keys``, ``/admin``, creating, changing and deleting collections) needs
   a global admin key: a stored key marked admin, or ``IMGRET_API_KEY``.
 
@@ -106,6 +107,10 @@ def need(method: str, path: str) -> Need | None:
 def _in_collection(method: str, rest: str, collection: str) -> Need:
     if rest.startswith("/models"):
         return Need("read" if method in SAFE_METHODS else "admin", collection)
+    if rest.startswith("/identities/unknowns"):
+        # People the gallery does not hold, kept without their knowledge: never public, and
+        # only for those who may change the gallery.
+        return Need("write", collection)
     if method in SAFE_METHODS or rest in _READ_POSTS:
         return Need("read", collection, anonymous=rest != "/evaluate")
     return Need("write", collection)

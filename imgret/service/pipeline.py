@@ -66,6 +66,7 @@ class Answer:
     hits: list[Hit]
     serving: Serving
     identities: list[Identity] | None = None
+    vector: np.ndarray | None = None  # the query's embedding (plain searches)
 
 
 def top_candidate(answer: Answer) -> tuple[str, float] | None:
@@ -344,7 +345,8 @@ class SearchPipeline(BatchStages[Query, PreparedBatch, Answer]):
                     row_hits = row_hits[: query.k]
                     identities = None if query.group is None else serving.searcher.identities(
                         vectors[position], row_hits, query.group, query.filters)
-                    batch.results[position] = Answer(row_hits, serving, identities)
+                    batch.results[position] = Answer(row_hits, serving, identities,
+                                                     vectors[position])
             for position in sorted(set(vectors) - set(plain)):
                 batch.results[position] = FollowUp(functools.partial(
                     rerank_answer, serving, vectors[position], batch.queries[position],

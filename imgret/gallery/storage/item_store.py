@@ -30,6 +30,7 @@ from imgret.gallery.storage.tables import (
     QueryEmbedding,
     QueryItem,
     QuerySet,
+    UnknownFace,
     utcnow,
 )
 from imgret.gallery.storage.vector_store import encode_vector
@@ -366,7 +367,8 @@ def clear_deleted_items(*, connection: Connection | Session) -> int:
 
 
 def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
-    """The content hashes that no live gallery item and no query item refers to any more, in
+    """The content hashes that no live gallery item, query item or kept unknown refers to any
+    more, in
     any collection (the media store is shared: the same photo in two collections is one file).
 
     Their files may be removed from the media store, provided the caller holds the gallery
@@ -385,18 +387,24 @@ def unreferenced_media(sha256s: Iterable[str], *, session: Session) -> set[str]:
             select(QueryItem.sha256).where(QueryItem.sha256.in_(chunk))
             .execution_options(**{ALL_COLLECTIONS: True})
         ))
+        used.update(session.scalars(
+            select(UnknownFace.sha256).where(UnknownFace.sha256.in_(chunk))
+            .execution_options(**{ALL_COLLECTIONS: True})
+        ))
     return set(wanted) - used
 
 
 def referenced_media(*, session: Session) -> set[str]:
-    """Every content hash a live gallery item or a query item of any collection refers to
-    (the media sweep)."""
+    """Every content hash a live gallery item, a query item or a kept unknown of any
+    collection refers to (the media sweep)."""
     used = set(session.scalars(
         select(GalleryItem.sha256).where(GalleryItem.deleted_at.is_(None))
         .execution_options(**{ALL_COLLECTIONS: True})
     ))
     used.update(session.scalars(
         select(QueryItem.sha256).execution_options(**{ALL_COLLECTIONS: True})))
+    used.update(session.scalars(
+        select(UnknownFace.sha256).execution_options(**{ALL_COLLECTIONS: True})))
     return used
 
 

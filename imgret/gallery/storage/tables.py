@@ -107,6 +107,8 @@ class Collection(Base):
     name: Mapped[str] = mapped_column(String(64), unique=True)
     public: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Keep the images /identify calls unknown for this many days (0: not at all).
+    unknowns_days: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class CollectionScoped:
@@ -302,6 +304,45 @@ class ServingPosition(CollectionScoped, Base):
         ForeignKey("collections.id", ondelete="CASCADE"), primary_key=True, index=True)
     change_seq: Mapped[int] = mapped_column(IdType)
     seen_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UnknownCluster(CollectionScoped, Base):
+    """A candidate identity among the kept unknowns: the members that joined it under one
+    model version, with the sum of their vectors (its template is the sum, normalised; its
+    cohesion, the members' mean cosine with that template, is ``|sum| / size``)."""
+
+    __tablename__ = "unknown_clusters"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), index=True)
+    vector_sum: Mapped[bytes] = mapped_column(VectorType)
+    size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class UnknownFace(CollectionScoped, Base):
+    """An image ``/identify`` called unknown, kept (the collection opted in) with its vector
+    under the version that decided, and the cluster it joined."""
+
+    __tablename__ = "unknowns"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    media_path: Mapped[str] = mapped_column(String(255))
+    content_type: Mapped[str] = mapped_column(String(64))
+    model_version_id: Mapped[int] = mapped_column(
+        ForeignKey("model_versions.id", ondelete="CASCADE"), index=True)
+    dim: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(VectorType)
+    score: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cluster_id: Mapped[int | None] = mapped_column(
+        ForeignKey("unknown_clusters.id", ondelete="SET NULL"), nullable=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
+                                                 index=True)
 
 
 class QuerySet(CollectionScoped, Base):

@@ -86,10 +86,12 @@ class CollectionInfo:
     created_at: datetime
     items: int
     active_version: str | None
+    unknowns_days: int = 0
 
     def to_dict(self) -> dict:
         return {"name": self.name, "public": self.public, "created_at": self.created_at,
-                "items": self.items, "active_version": self.active_version}
+                "items": self.items, "active_version": self.active_version,
+                "unknowns_days": self.unknowns_days}
 
 
 def check_name(name: str) -> str:
@@ -146,7 +148,8 @@ def describe(*, session_factory: sessionmaker[Session],
             .where(ModelVersion.is_active).execution_options(**_EVERY)
         ).all())
         return [CollectionInfo(r.id, r.name, bool(r.public), r.created_at,
-                               int(counts.get(r.id, 0)), active.get(r.id)) for r in rows]
+                               int(counts.get(r.id, 0)), active.get(r.id),
+                               int(r.unknowns_days or 0)) for r in rows]
 
 
 def create(name: str, *, session_factory: sessionmaker[Session], version: str | None = None,
@@ -178,15 +181,21 @@ def create(name: str, *, session_factory: sessionmaker[Session], version: str | 
     return describe(session_factory=session_factory, name=name)[0]
 
 
-def set_public(name: str, public: bool, *,
-               session_factory: sessionmaker[Session]) -> CollectionInfo:
-    """Make a collection's reads public (no key) or private (a key with ``read``).
+def update(name: str, *, session_factory: sessionmaker[Session], public: bool | None = None,
+           unknowns_days: int | None = None) -> CollectionInfo:
+    """Change what is given: whether reads are public (no key) or private (a key with
+    ``read``), and how many days ``/identify``'s unknowns are kept (0: none; lowering it
+    expires the older ones at the next unknown kept).
 
     Raises:
         CollectionNotFound: no such collection.
     """
     with session_factory.begin() as session:
-        get(name, session=session).public = public
+        row = get(name, session=session)
+        if public is not None:
+            row.public = public
+        if unknowns_days is not None:
+            row.unknowns_days = int(unknowns_days)
     return describe(session_factory=session_factory, name=name)[0]
 
 

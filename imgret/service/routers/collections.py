@@ -86,10 +86,12 @@ def read_collection(collection: CollectionName, request: Request) -> CollectionI
 @router.patch("/{collection}", responses=_NOT_FOUND, dependencies=[Depends(require_api_key)])
 def update_collection(collection: CollectionName, body: CollectionUpdate,
                       request: Request) -> CollectionInfo:
-    """Make a collection's reads public or private (a key with the read role needed). Every
-    process follows within its follower interval."""
+    """Make a collection's reads public or private (a key with the read role needed), and
+    set how many days ``/identify``'s unknowns are kept (0: none). Every process follows
+    within its follower interval."""
     default = request.app.state.resources
-    info = collections.set_public(collection, body.public, session_factory=default.sessions)
+    info = collections.update(collection, session_factory=default.sessions,
+                              public=body.public, unknowns_days=body.unknowns_days)
     request.app.state.keyring.refresh()
     return _public(info, request)
 

@@ -7,9 +7,11 @@ the decision uses the calibration carried with the version that embedded and ran
 
 from __future__ import annotations
 
+import anyio.to_thread
 from fastapi import APIRouter, Request
 
 from imgret.gallery.evaluation.calibration import NotCalibrated
+from imgret.service import unknowns
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.pipeline import ImageQuery, decision, top_candidate
@@ -37,15 +39,24 @@ async def identify(request: Request, resources: ResourcesDep) -> IdentifyRespons
     """The identity in ``image``: the best gallery match's label when its score reaches the
     served version's calibrated threshold (``POST /models/{v}/calibrate``), else
     ``"unknown"`` (``known`` false). ``margin`` is ``score - threshold``; score and threshold
-    always come from the same version (``model_version``).
+    always come from the same version (``model_version``). Where the collection keeps
+    unknowns (``unknowns_days``, ``PATCH /collections/{name}``), an unknown image is kept and
+    clustered: ``unknown_id`` and ``cluster_id`` name it (docs/identities.md).
     """
     async with open_form(request, IdentifyForm) as form:
-        answer = await resources.batcher.submit(ImageQuery(await form.image.read(), 1))
+        data = await form.image.read()
+        answer = await resources.batcher.submit(ImageQuery(data, 1))
     made, note = decision(answer, top_candidate(answer), None)
     if made is None:
         raise NotCalibrated(note or "no decision")
+    kept = None
+    if not made.known and answer.vector is not None:
+        kept = await anyio.to_thread.run_sync(unknowns.keep, resources, data, answer.vector,
+                                              answer.serving, made.score)
     return IdentifyResponse(
         label=made.label if made.known and made.label is not None else UNKNOWN,
         known=made.known, score=made.score, threshold=made.threshold, margin=made.margin,
         model_version=answer.serving.version,
+        unknown_id=None if kept is None else kept.id,
+        cluster_id=None if kept is None else kept.cluster_id,
     )

@@ -10,13 +10,20 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import Response
 
-from imgret.gallery.storage.tables import LabelChange
-from imgret.service import identities
+from imgret.gallery.storage.tables import DEFAULT_COLLECTION, LabelChange
+from imgret.service import identities, unknowns
 from imgret.service.deps import ResourcesDep, SessionDep, require_api_key
+from imgret.service.gallery import IMAGE_HEADERS
 from imgret.service.identities import aware
 from imgret.service.request_rules import LABEL_MAX, SafeText
 from imgret.service.schemas.identities import (
+    ClusterList,
+    ClusterOut,
+    Dismissed,
+    Enrolled,
+    EnrollRequest,
     ErasedCounts,
     EraseReceipt,
     EraseRequest,
@@ -28,6 +35,7 @@ from imgret.service.schemas.identities import (
     MoveOut,
     MoveRequest,
     ProcessConfirmation,
+    UnknownOut,
 )
 
 router = APIRouter(prefix="/identities", tags=["identities"])
@@ -128,6 +136,63 @@ async def erase_identity(body: EraseRequest, request: Request,
         confirmed=[ProcessConfirmation(process=p, confirmed_at=at)
                    for p, at in erased.confirmed],
         unconfirmed=erased.unconfirmed)
+
+
+@router.get("/unknowns", responses={401: {"description": "a key with write is needed"}})
+def list_unknown_clusters(
+    session: SessionDep,
+    resources: ResourcesDep,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    min_size: Annotated[int, Query(ge=1, le=10_000)] = 1,
+) -> ClusterList:
+    """The clusters of kept unknowns (candidate identities), largest first, each with its
+    cohesion and newest members. Needs ``write``: these are people the gallery does not
+    hold."""
+    rows, count = unknowns.clusters(session=session, offset=offset, limit=limit,
+                                    min_size=min_size)
+    prefix = _prefix(resources.collection)
+    return ClusterList(
+        data=[ClusterOut(id=c.id, model_version=c.model_version, size=c.size,
+                         cohesion=c.cohesion,
+                         members=[UnknownOut(id=i, uri=f"{prefix}/identities/unknowns/{i}/image")
+                                  for i in c.member_ids],
+                         created_at=aware(c.created_at), updated_at=aware(c.updated_at))
+              for c in rows],
+        count=count, offset=offset, limit=limit)
+
+
+@router.get("/unknowns/{unknown_id}/image", response_class=Response,
+            responses={200: {"content": {"image/*": {}}}, 404: {"description": "no such unknown"}})
+def read_unknown_image(unknown_id: ChangeId, resources: ResourcesDep) -> Response:
+    """A kept unknown's image."""
+    image = unknowns.image(resources, unknown_id)
+    return Response(image.data, media_type=image.content_type, headers=IMAGE_HEADERS)
+
+
+@router.post("/unknowns/clusters/{cluster_id}/enroll", dependencies=[Depends(require_api_key)],
+             responses={**_WRITE, 404: {"description": "no such cluster"}})
+async def enroll_cluster(cluster_id: ChangeId, body: EnrollRequest, request: Request,
+                         resources: ResourcesDep) -> Enrolled:
+    """Enroll a cluster under a name: its images become gallery items with ``label`` (an
+    image the gallery already holds keeps its own label), and leave the pool. Recorded in
+    the audit log as ``enroll``."""
+    done = await anyio.to_thread.run_sync(unknowns.enroll, resources, cluster_id, body.label,
+                                          identities.actor_of(request))
+    return Enrolled(change=_out(done.change), item_ids=done.item_ids)
+
+
+@router.post("/unknowns/clusters/{cluster_id}/dismiss",
+             dependencies=[Depends(require_api_key)],
+             responses={**_WRITE, 404: {"description": "no such cluster"}})
+async def dismiss_cluster(cluster_id: ChangeId, resources: ResourcesDep) -> Dismissed:
+    """Remove a cluster and its images from the pool."""
+    removed = await anyio.to_thread.run_sync(unknowns.dismiss, resources, cluster_id)
+    return Dismissed(removed=removed)
+
+
+def _prefix(collection: str) -> str:
+    return "" if collection == DEFAULT_COLLECTION else f"/collections/{collection}"
 
 
 def _out(entry: LabelChange) -> LabelChangeOut:

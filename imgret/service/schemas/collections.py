@@ -8,10 +8,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    model_validator,
 )
 
 from imgret.settings import COLLECTION_NAME_PATTERN
 
+UNKNOWNS_DAYS_MAX = 3650
 COLLECTION_NAME_RULE = ("1-64 characters: lower-case letters, digits, '-' and '_', starting "
                         "with a letter or digit")
 
@@ -46,6 +48,7 @@ class CollectionInfo(BaseModel):
     public: bool
     created_at: datetime
     items: int = Field(description="live gallery items")
+    unknowns_days: int = Field(0, description="days /identify's unknowns are kept (0: none)")
     active_version: str | None = Field(description="the model version it serves")
     index: CollectionMemory | None = Field(
         None, description="its index in the answering process; null: not open there (the next "
@@ -61,5 +64,15 @@ class CollectionUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    public: bool = Field(strict=True,
-                         description="reads need no key (true) or a key with the read role")
+    public: bool | None = Field(
+        None, strict=True, description="reads need no key (true) or a key with the read role")
+    unknowns_days: int | None = Field(
+        None, strict=True, ge=0, le=UNKNOWNS_DAYS_MAX,
+        description="keep the images /identify calls unknown for this many days, clustered "
+                    "into candidate identities (0: keep none, the default)")
+
+    @model_validator(mode="after")
+    def _something(self) -> CollectionUpdate:
+        if self.public is None and self.unknowns_days is None:
+            raise ValueError("send public, unknowns_days or both")
+        return self

@@ -124,3 +124,47 @@ class EraseReceipt(BaseModel):
                     "holds the items, with when")
     unconfirmed: list[str] = Field(description="serving processes that had not confirmed "
                                                "when the wait ran out")
+
+
+class UnknownOut(BaseModel):
+    id: int
+    uri: str = Field(description="where to fetch its image")
+
+
+class ClusterOut(BaseModel):
+    """A candidate identity among the kept unknowns."""
+
+    id: int
+    model_version: str = Field(description="the version whose vectors and threshold it was "
+                                           "clustered under")
+    size: int
+    cohesion: float = Field(description="the members' mean cosine with the cluster's "
+                                        "template (1: all alike)")
+    members: list[UnknownOut] = Field(description="its newest members (at most 12)")
+    created_at: datetime
+    updated_at: datetime
+
+
+class ClusterList(BaseModel):
+    data: list[ClusterOut]
+    count: int
+    offset: int
+    limit: int
+
+
+class EnrollRequest(BaseModel):
+    """``POST /identities/unknowns/clusters/{id}/enroll``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Label = Field(max_length=LABEL_MAX, description="the name they are enrolled under")
+
+
+class Enrolled(BaseModel):
+    change: LabelChangeOut
+    item_ids: list[int] = Field(description="the new gallery items")
+
+
+class Dismissed(BaseModel):
+    removed: int = Field(description="unknowns removed with their images")
+

@@ -105,6 +105,9 @@ class IdentifyResponse(BaseModel):
     margin: float | None = Field(description="score - threshold: how far above (or, "
                                              "negative, below) the threshold")
     model_version: str
+    unknown_id: int | None = Field(None, description="unknown and the collection keeps "
+                                                     "unknowns: the kept image's id")
+    cluster_id: int | None = Field(None, description="the unknowns cluster it joined")
 
 
 PER_IDENTITY_MAX = 20
