@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -495,3 +496,100 @@ def _png_bytes(c: int) -> bytes:
     buffer = io.BytesIO()
     class_image(c, 500, size=SIZE).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def test_identities_view_merges_names_a_cluster_undoes_and_erases(
+    browser, tmp_path: Path, tiny_checkpoint: Path
+) -> None:
+    """The Identities view with a key: the gallery grouped by label, a merge from the form, a
+    cluster of unknowns named (its images fetched with the key), the merge undone from the
+    audit log, and an erase with its receipt."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from imgret.gallery.storage.db import make_engine, make_sessionmaker
+    from imgret.gallery.versions import version_store
+    from imgret.settings import Settings
+
+    key = "identities-view-key"
+    headers = {"X-API-Key": key}
+    env = {"IMGRET_DATA_DIR": str(tmp_path / "data"), "IMGRET_MODEL": str(tiny_checkpoint),
+           "IMGRET_DEVICE": TEST_DEVICE, "IMGRET_API_KEY": key}
+    with running_server(env, log_path=tmp_path / "server.log") as server, \
+            httpx.Client(base_url=server.url, timeout=60, headers=headers) as http:
+        pairs = [("alice", 0), ("alice", 1), ("bob", 2), ("bob", 3)]
+        added = http.post("/gallery", data={"labels": [label for label, _ in pairs]},
+                          files=[("images", (f"{i}.png", _png_bytes(i), "image/png"))
+                                 for _, i in pairs])
+        assert added.status_code == 201, added.text
+        # A calibration every score is below: /identify calls everyone unknown.
+        version = http.get("/health").json()["model_version"]
+        engine = make_engine(Settings(data_dir=tmp_path / "data").db_url)
+        with make_sessionmaker(engine).begin() as session:
+            version_store.add_calibration(
+                version_store.get_version(version, session=session), session=session,
+                query_set="cal", query_set_sha256="0" * 64, target_fpir=0.01, threshold=1.5,
+                threshold_low=None, threshold_high=None, fpir=0.0, fnir=0.0, rerank=None,
+                details={})
+        engine.dispose()
+        assert http.patch("/collections/default", json={"unknowns_days": 7}).status_code == 200
+
+        def identify(c: int) -> dict:
+            return http.post("/identify", files={"image": ("q.png", _png_bytes(c), "image/png")}
+                             ).json()
+
+        # Until the follower serves the calibration (at once: the next poll), nothing decides.
+        deadline = time.monotonic() + 120  # turns a hang into a failure; never reached
+        while identify(7).get("unknown_id") is None:
+            assert time.monotonic() < deadline, "the calibration was never served"
+            time.sleep(0.05)
+        identify(8)
+
+        browser.get(server.url + "/#identities")
+        key_input = browser.find_element(By.ID, "api-key")
+        key_input.send_keys(key)
+        # Entering the key shows the open view again, now with what the key may see.
+        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", key_input)
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#identity-grid .identity")) == 2)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#clusters .cluster")) >= 2)
+        wait.until(lambda d: d.execute_script(
+            "return [...document.querySelectorAll('#clusters img')]"
+            ".every(i => i.complete && i.naturalWidth > 0 && i.src.startsWith('blob:'))"))
+
+        # Merge bob into alice from the form.
+        Select(browser.find_element(By.ID, "merge-source")).select_by_value("bob")
+        browser.find_element(By.ID, "merge-target").send_keys("alice")
+        browser.find_element(By.ID, "merge-button").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                             "#audit-table tr[data-action=merge]"))
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#identity-grid .identity")) == 1)
+
+        # Name the first cluster.
+        cluster = browser.find_element(By.CSS_SELECTOR, "#clusters .cluster")
+        cluster.find_element(By.CSS_SELECTOR, "input").send_keys("carol")
+        cluster.find_element(By.XPATH, ".//button[text()='Enroll']").click()
+        wait.until(lambda d: "carol" in [e.text for e in d.find_elements(
+            By.CSS_SELECTOR, "#identity-grid .label")])
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                             "#audit-table tr[data-action=enroll]"))
+        _screenshot(browser, tmp_path, "screenshot_identities.png")
+
+        # Undo the merge from the audit log: bob is back.
+        merge_row = browser.find_element(By.CSS_SELECTOR, "#audit-table tr[data-action=merge]")
+        merge_row.find_element(By.XPATH, ".//button[text()='Undo']").click()
+        wait.until(lambda d: sorted(e.text for e in d.find_elements(
+            By.CSS_SELECTOR, "#identity-grid .label")) == ["alice", "bob", "carol"])
+
+        # Erase carol, confirming the dialog: the receipt shows what went.
+        Select(browser.find_element(By.ID, "erase-label")).select_by_value("carol")
+        browser.find_element(By.ID, "erase-button").click()
+        wait.until(ec.alert_is_present())
+        browser.switch_to.alert.accept()
+        wait.until(ec.text_to_be_present_in_element((By.ID, "receipt"), "Erased: carol"))
+        receipt = browser.find_element(By.ID, "receipt").text
+        assert "gallery items\n1" in receipt or "gallery items 1" in receipt
+        wait.until(lambda d: sorted(e.text for e in d.find_elements(
+            By.CSS_SELECTOR, "#identity-grid .label")) == ["alice", "bob"])
+        assert http.get("/identities").json()["count"] == 2

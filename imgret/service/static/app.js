@@ -159,7 +159,11 @@ const imgret = (() => {
     // The open view reads its data again from the chosen collection.
     if (current && views[current] && views[current].show) views[current].show();
   });
-  keyInput.addEventListener("change", loadCollections);
+  keyInput.addEventListener("change", () => {
+    loadCollections();
+    // What the open view shows may depend on the key (a private collection, the unknowns).
+    if (current && views[current] && views[current].show) views[current].show();
+  });
 
   // Router: one view visible at a time; a view may register show()/hide() hooks.
   const views = {};
