@@ -296,7 +296,10 @@ def test_a_live_job_with_slow_chunks_is_never_claimed_twice(sessions, tmp_path: 
     second claimer, trying all along, never takes a live job over. A heartbeat tied to
     chunks (the failure this guards against) never beats in a pause: the test then fails
     on its bound instead of hanging."""
-    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 6.0)  # beats every 2 s
+    # Beats every 5 s. The bound is the one clock here, and by design: a job whose heartbeat
+    # is older than it may be taken over. At 6 s a loaded 2-core machine once held a beat
+    # back past it; 15 s leaves 10 s of scheduling lag, and the pauses still wait on beats.
+    monkeypatch.setattr(version_store, "HEARTBEAT_STALE_S", 15.0)
     data_dir = tmp_path / "data"
     media = MediaStore.in_data_dir(data_dir)
     a = intake.register_checkpoint(runs[0], session_factory=sessions,
