@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from starlette.requests import Request
 
 from imgret.errors import GalleryError
 from imgret.gallery.media.gc import purge_media
+from imgret.gallery.search.manifest import collection_root, index_dir
 from imgret.gallery.storage import change_log, identity_store, positions
 from imgret.gallery.storage.identity_store import ERASE, ERASED, MERGE, MOVE, UNDO, Move
 from imgret.gallery.storage.item_store import lock_gallery_writes
@@ -171,7 +173,9 @@ def erase(resources: Resources, label: str, actor: str) -> Erased:
 
     Order: one transaction removes the rows (:func:`identity_store.erase_label`) and logs an
     ``erase`` entry; this process's index drops the ids and is saved (a saved index file
-    holds no erased vector); the image bytes no other row uses are removed; then the
+    holds no erased vector), and the saved indexes of the collection's other versions are
+    removed (caches, rebuilt from SQL when opened); the image bytes no other row uses are
+    removed; then the
     positions of the serving processes (:mod:`imgret.gallery.storage.positions`) are read
     until each has passed the erase's deletes, or ``ERASE_CONFIRM_S`` (at least five
     follower intervals) runs out: a process that has not confirmed by then is named in
@@ -195,11 +199,29 @@ def erase(resources: Resources, label: str, actor: str) -> Erased:
     searcher.remove(rows.item_ids)
     if searcher.can_save:
         searcher.save()
+    if rows.item_ids:
+        _drop_other_saved_indexes(resources, searcher.model_version)
     removed = purge_media([*rows.item_hashes, *rows.query_hashes],
                           session_factory=resources.sessions, media=resources.media)
     resources.metrics.gallery_writes.labels("delete").inc(len(rows.item_ids))
     confirmed, unconfirmed = _confirmations(resources, erase_seq)
     return Erased(label, entry, rows, removed, committed_at, confirmed, unconfirmed)
+
+
+def _drop_other_saved_indexes(resources: Resources, served: str) -> None:
+    """Remove the saved index files of the collection's other model versions: they may hold
+    erased vectors, and are caches (a version opened later rebuilds its index from SQL,
+    where the vectors are gone). The served version's file was just saved without them."""
+    root = collection_root(resources.settings.data_dir, resources.collection_id) / "indexes"
+    keep = index_dir(collection_root(resources.settings.data_dir, resources.collection_id),
+                     served).name
+    if not root.is_dir():
+        return
+    for folder in root.iterdir():
+        if folder.is_dir() and folder.name != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("erase: removed the saved index %s (rebuilt from SQL when opened)",
+                        folder.name)
 
 
 def _confirmations(resources: Resources, erase_seq: int

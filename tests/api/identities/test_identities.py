@@ -186,6 +186,11 @@ def test_erase_removes_everything_of_a_label_and_answers_with_a_receipt(
                            json={"source": split, "target": label}).status_code == 200
         live = [i for i in _every_hit(client) if i != kept]
         assert len(live) == 2
+        # Another version's saved index (a cache that may hold the vectors): removed.
+        indexes = client.app.state.settings.data_dir / "indexes"
+        other = indexes / "another-version"
+        other.mkdir(parents=True)
+        (other / "index.faiss").write_bytes(b"stale vectors")
 
         receipt = client.post("/identities/erase", json={"label": label}, headers=KEYED)
 
@@ -201,6 +206,9 @@ def test_erase_removes_everything_of_a_label_and_answers_with_a_receipt(
         assert len(body["confirmed"]) >= 1
         assert all(c["confirmed_at"] >= body["committed_at"][:19] for c in body["confirmed"])
         assert set(_every_hit(client)) == {kept}
+        assert not other.exists()
+        served = client.app.state.resources.searcher.model_version
+        assert [p.name for p in indexes.iterdir()] == [served]
         for item_id in live + gone:
             assert client.get(f"/gallery/{item_id}/image").status_code == 404
         assert _labels(client) == {"kept": 1}
