@@ -17,7 +17,7 @@ from imgret.embedder import Embedder
 from imgret.errors import ImageDecodeError
 from imgret.gallery.evaluation.calibration import Calibration, Decision, decide, no_decision_reason
 from imgret.gallery.search import Hit, Searcher, SearchFilter
-from imgret.gallery.search.identities import Identity, IdentityGroup
+from imgret.gallery.search.identities import FETCH_MIN, TEMPLATE, Identity, IdentityGroup
 from imgret.gallery.search.rerank import Rerank, index_searches
 from imgret.gallery.search.threads import limit_pthreads_blas, yielding_to
 from imgret.images import (
@@ -67,6 +67,8 @@ class Answer:
     serving: Serving
     identities: list[Identity] | None = None
     vector: np.ndarray | None = None  # the query's embedding (plain searches)
+    # The best FETCH_MIN items or more (plain searches): whose labels a decision proposes.
+    candidates: list[Hit] | None = None
 
 
 def top_candidate(answer: Answer) -> tuple[str, float] | None:
@@ -77,6 +79,19 @@ def top_candidate(answer: Answer) -> tuple[str, float] | None:
         if info is not None:
             return info.label, hit.score
     return None
+
+
+def decision_top(answer: Answer, flt: SearchFilter | None = None) -> tuple[str, float] | None:
+    """``(label, score)`` a decision on ``answer`` is made on, on the score its version's
+    calibration measured: the top identity by template over the answer's items (``template``,
+    docs/identities.md), or its best item (``best``: older calibrations, re-ranked answers).
+    Reads the index (templates): call it off the event loop."""
+    calibration = answer.serving.calibration
+    if calibration is None or calibration.score != TEMPLATE or answer.vector is None:
+        return top_candidate(answer)
+    found = answer.serving.searcher.identities(
+        answer.vector, answer.candidates or answer.hits, IdentityGroup(1, 1, TEMPLATE), flt)
+    return (found[0].label, found[0].score) if found else None
 
 
 def decision(answer: Answer, top: tuple[str, float] | None,
@@ -337,16 +352,18 @@ class SearchPipeline(BatchStages[Query, PreparedBatch, Answer]):
             plain = [p for p in sorted(vectors) if batch.queries[p].rerank is None]
             if plain:
                 queries = [batch.queries[p] for p in plain]
-                k = max(query.k for query in queries)
+                # At least FETCH_MIN: a decision proposes the identities among them (the
+                # cost of a flat search hardly depends on k; the hits are cut below).
+                k = max(FETCH_MIN, *(query.k for query in queries))
                 with self.metrics.timed(self.metrics.search_seconds):
                     hits = serving.searcher.search(np.stack([vectors[p] for p in plain]), k,
                                                    [q.filters for q in queries])
-                for position, query, row_hits in zip(plain, queries, hits, strict=True):
-                    row_hits = row_hits[: query.k]
+                for position, query, row in zip(plain, queries, hits, strict=True):
+                    row_hits = row[: query.k]
                     identities = None if query.group is None else serving.searcher.identities(
                         vectors[position], row_hits, query.group, query.filters)
                     batch.results[position] = Answer(row_hits, serving, identities,
-                                                     vectors[position])
+                                                     vectors[position], row)
             for position in sorted(set(vectors) - set(plain)):
                 batch.results[position] = FollowUp(functools.partial(
                     rerank_answer, serving, vectors[position], batch.queries[position],

@@ -49,6 +49,7 @@ from imgret.gallery.evaluation.retrieval import (
     evaluate_query_set,
 )
 from imgret.gallery.media.files import MediaBackend
+from imgret.gallery.search.identities import BEST
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_summary
 from imgret.gallery.storage import query_set_store
 from imgret.gallery.storage.tables import ModelCalibration, QueryItem
@@ -105,6 +106,13 @@ class Calibration:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def score(self) -> str:
+        """The score the threshold applies to: ``template`` (each identity's template, the
+        one decisions are made on since it was measured better) or ``best`` (the best item:
+        calibrations made before, and re-ranked ones)."""
+        return str(self.details.get("score", BEST))
 
     def rerank_option(self) -> Rerank | None:
         """The re-ranking the scores came from, as search options (``None``: plain)."""
@@ -231,6 +239,7 @@ def calibrate(
                               "calibrate again")
     threshold_ci = point["threshold"]["ci95"] or [None, None]
     details = {
+        "score": section.get("score", BEST),
         "mated": section["mated"], "non_mated": section["non_mated"],
         "depth": section["depth"], "resamples": section["resamples"],
         **{key: point[key] for key in ("fnir", "fpir_measured", "rank1_identification")},

@@ -147,10 +147,14 @@ def wanted(request: OpenSetRequest, found: OpenSetSearches) -> bool:
 def section(found: OpenSetSearches, query_labels: Sequence[str],
             hit_labels: Sequence[Sequence[str]], hit_scores: Sequence[Sequence[float]], *,
             request: OpenSetRequest, depth: int, gallery_size: int, bootstrap: int,
-            seed: int, query_ids: Sequence[int] | None = None) -> dict[str, Any]:
+            seed: int, query_ids: Sequence[int] | None = None,
+            decided: tuple[Sequence[Sequence[str]], Sequence[Sequence[float]]] | None = None,
+            ) -> dict[str, Any]:
     """``report["open_set"]``: :func:`imgret.metrics.openset.open_set_report` at
     ``request.fpirs``, TAR@FAR from the returned candidates' scores, and the hardest
-    queries (:func:`hardest`; ``query_ids``: the stored ids of the queries, if any)."""
+    queries (:func:`hardest`; ``query_ids``: the stored ids of the queries, if any).
+    ``decided``: the candidate lists ``found`` was made from, when not the items (each
+    query's identities and their scores)."""
     report = open_set_report(found, fpirs=request.fpirs, resamples=bootstrap, seed=seed)
     for point in report["operating_points"]:
         point.setdefault("note", None)
@@ -178,7 +182,8 @@ def section(found: OpenSetSearches, query_labels: Sequence[str],
         pairs=pairs,
         unknown_labels=sorted(set(request.unknown_labels)),
         verification=verification,
-        hardest=hardest(found, query_labels, hit_labels, hit_scores, query_ids),
+        hardest=hardest(found, query_labels, *(decided or (hit_labels, hit_scores)),
+                        query_ids),
         note=("mated: the query's label has gallery items; non-mated: it has none. A mate "
               f"below rank {depth} counts as not returned. TAR@FAR scores the query-candidate "
               f"pairs returned ({pairs})"

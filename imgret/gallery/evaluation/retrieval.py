@@ -22,7 +22,12 @@ Protocol details the architecture leaves open:
   queries are both mated (their label has gallery items) and non-mated (it has none), or
   when asked, FPIR / FNIR at target FPIRs with their thresholds, rank-1 identification, the
   DET curve and TAR@FAR, from the same rankings. Non-mated queries have R = 0, so the
-  closed-set metrics skip them as before.
+  closed-set metrics skip them as before. FPIR, FNIR, rank-1 identification and the DET
+  curve are decided on the **identity score** (``report["open_set"]["score"]``): each
+  ranked label scored by its template over the items the query may see
+  (:mod:`imgret.gallery.search.identities`; measured better than the best item in
+  docs/identities.md), as ``/identify`` decides; a re-ranked evaluation decides on the
+  re-ranked item scores (``best``). TAR@FAR scores query-item pairs.
 - Re-ranking (``rerank``, :mod:`imgret.gallery.search.rerank`): the rankings come from the
   Searcher's re-ranked search, everything else is unchanged. Under the re-ID rule the same-camera
   matches are outside the query's gallery, so they take no part in its neighbourhood graph (stricter
@@ -58,6 +63,7 @@ from imgret.errors import GalleryError, ImgretError
 from imgret.gallery.evaluation import open_set as open_set_evaluation
 from imgret.gallery.media.files import MediaBackend
 from imgret.gallery.search import Hit, Searcher, SearchFilter
+from imgret.gallery.search.identities import BEST, DECISION_SCORE, TEMPLATE, IdentityGroup
 from imgret.gallery.search.rerank import Rerank, rerank_options, rerank_summary
 from imgret.gallery.storage import item_store, query_set_store
 from imgret.gallery.storage.tables import QueryItem
@@ -309,8 +315,14 @@ def evaluate(
                             rerank=option, session_factory=session_factory,
                             unknown_labels=request.unknown_labels)
     scores = [[hit.score for hit in row] for row in rankings.hits]
-    found = open_set_evaluation.searches(queries.labels, rankings.labels, scores,
-                                         rankings.num_relevant)
+    decided_on = BEST if option is not None else DECISION_SCORE
+    decided = None
+    if decided_on == TEMPLATE:
+        decided = identity_candidates(searcher, queries, rankings)
+        found = open_set_evaluation.searches(queries.labels, *decided, rankings.num_relevant)
+    else:
+        found = open_set_evaluation.searches(queries.labels, rankings.labels, scores,
+                                             rankings.num_relevant)
     try:
         with_open_set = open_set_evaluation.wanted(request, found)
     except ValueError as exc:
@@ -340,8 +352,25 @@ def evaluate(
         report["open_set"] = open_set_evaluation.section(
             found, queries.labels, rankings.labels, scores, request=request,
             depth=rankings.depth, gallery_size=rankings.gallery_size, bootstrap=bootstrap,
-            seed=seed, query_ids=queries.ids)
+            seed=seed, query_ids=queries.ids, decided=decided)
+        report["open_set"]["score"] = decided_on
     return Evaluation(report, per_query, found)
+
+
+def identity_candidates(searcher: Searcher, queries: QueryBatch, rankings: Rankings
+                        ) -> tuple[list[list[str]], list[list[float]]]:
+    """Per query, the labels among its ranked items scored by their templates (over the
+    items its filter lets it see), best first: what an open-set decision is made on."""
+    cache: dict[str, np.ndarray | None] = {}
+    labels: list[list[str]] = []
+    scores: list[list[float]] = []
+    filters = rankings.filters or [None] * len(rankings.hits)
+    for vector, row, flt in zip(queries.vectors, rankings.hits, filters, strict=True):
+        group = IdentityGroup(max(1, len(row)), 1, TEMPLATE)
+        found = searcher.identities(vector, row, group, flt, templates=cache)
+        labels.append([identity.label for identity in found])
+        scores.append([identity.score for identity in found])
+    return labels, scores
 
 
 @dataclass(frozen=True)
@@ -363,6 +392,7 @@ class Rankings:
     depth: int
     gallery_size: int
     protocol: str
+    filters: list[SearchFilter | None] | None = None
 
 
 def rank_queries(
@@ -450,7 +480,8 @@ def rank_queries(
     protocol += f"; ranked through the served index ({searcher.factory}), depth {depth}"
     if rerank is not None:
         protocol += f"; {rerank_summary(rerank)}"
-    return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol)
+    return Rankings(hits, relevance, num_relevant, hit_labels, ks, depth, gallery_size, protocol,
+                    filters)
 
 
 def _nothing_to_rank(version: str, session_factory: sessionmaker[Session] | None) -> str:

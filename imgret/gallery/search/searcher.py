@@ -295,13 +295,16 @@ class Searcher:
         return results
 
     def identities(self, query: np.ndarray, hits: Sequence[Hit], group: IdentityGroup,
-                   flt: SearchFilter | None = None) -> list[Identity]:
+                   flt: SearchFilter | None = None, *,
+                   templates: dict[str, np.ndarray | None] | None = None) -> list[Identity]:
         """One query's ``hits`` (best first, from :meth:`search` with ``group``'s fetch size)
         grouped into its top identities (:mod:`imgret.gallery.search.identities`).
 
         For the ``template`` aggregation each proposed identity is scored against the mean
         of its live items that ``flt`` allows (at most ``TEMPLATE_ITEMS_MAX``), read from this
         index under the same lock, so a template never mixes in a deleted item.
+        ``templates``: a cache of unit templates by label, for a caller that groups many
+        queries (an evaluation); used and filled only where ``flt`` leaves a label whole.
         """
         query = self._queries(query)[0]
         with self._lock.read():
@@ -311,23 +314,37 @@ class Searcher:
                 info = catalog.infos.get(item_id)
                 return None if info is None else info.label
 
-            templates = None
+            scores = None
             if group.aggregation == TEMPLATE:
-                templates = {}
+                scores = {}
                 mask, _ = catalog.allowed(flt, has_tombstones=False)
                 for label in dict.fromkeys(filter(None, map(label_of, (h.id for h in hits)))):
-                    ids = np.fromiter(catalog.ids_of(label), np.int64)
-                    if mask is not None:
-                        ids = ids[(ids < len(mask)) & mask[np.clip(ids, 0, len(mask) - 1)]]
-                    if not len(ids):
-                        continue
-                    ids = np.sort(ids)[:TEMPLATE_ITEMS_MAX]
-                    template = self._live.vectors(ids).astype(np.float64).mean(axis=0)
-                    norm = float(np.linalg.norm(template))
-                    if norm > 0:
-                        templates[label] = float(query @ template / norm)
+                    template = self._template(catalog, label, mask, templates)
+                    if template is not None:
+                        scores[label] = float(query @ template)
             return group_hits(hits, label_of, k=group.k, per_identity=group.per_identity,
-                              aggregation=group.aggregation, templates=templates)
+                              aggregation=group.aggregation, templates=scores)
+
+    def _template(self, catalog, label: str, mask: np.ndarray | None,
+                  cache: dict[str, np.ndarray | None] | None) -> np.ndarray | None:
+        """The unit mean of ``label``'s live items that ``mask`` allows (``None``: none, or
+        they cancel out); the caller holds the read lock."""
+        every = np.fromiter(catalog.ids_of(label), np.int64)
+        ids = every
+        if mask is not None:
+            ids = every[(every < len(mask)) & mask[np.clip(every, 0, len(mask) - 1)]]
+        whole = len(ids) == len(every)
+        if whole and cache is not None and label in cache:
+            return cache[label]
+        template = None
+        if len(ids):
+            mean = self._live.vectors(np.sort(ids)[:TEMPLATE_ITEMS_MAX]).astype(
+                np.float64).mean(axis=0)
+            norm = float(np.linalg.norm(mean))
+            template = mean / norm if norm > 0 else None
+        if whole and cache is not None:
+            cache[label] = template
+        return template
 
     def _queries(self, vectors: np.ndarray) -> np.ndarray:
         array = np.asarray(vectors, dtype=np.float32)

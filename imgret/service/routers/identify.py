@@ -14,7 +14,7 @@ from imgret.gallery.evaluation.calibration import NotCalibrated
 from imgret.service import unknowns
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
-from imgret.service.pipeline import ImageQuery, decision, top_candidate
+from imgret.service.pipeline import ImageQuery, decision, decision_top
 from imgret.service.schemas.search import IdentifyForm, IdentifyResponse
 
 router = APIRouter(prefix="/identify", tags=["search"])
@@ -36,17 +36,22 @@ UNKNOWN = "unknown"
     openapi_extra=form_body(IdentifyForm),
 )
 async def identify(request: Request, resources: ResourcesDep) -> IdentifyResponse:
-    """The identity in ``image``: the best gallery match's label when its score reaches the
-    served version's calibrated threshold (``POST /models/{v}/calibrate``), else
-    ``"unknown"`` (``known`` false). ``margin`` is ``score - threshold``; score and threshold
+    """The identity in ``image``: the best matching identity's label when its score reaches
+    the served version's calibrated threshold (``POST /models/{v}/calibrate``), else
+    ``"unknown"`` (``known`` false). The score is the identity's template score (the query
+    against the mean of its items; docs/identities.md), or the best item's for a version
+    calibrated before identity scores. ``margin`` is ``score - threshold``; score and threshold
     always come from the same version (``model_version``). Where the collection keeps
     unknowns (``unknowns_days``, ``PATCH /collections/{name}``), an unknown image is kept and
     clustered: ``unknown_id`` and ``cluster_id`` name it (docs/identities.md).
     """
     async with open_form(request, IdentifyForm) as form:
         data = await form.image.read()
+        # Every plain search keeps FETCH_MIN candidates: the decision proposes identities
+        # among them (docs/identities.md).
         answer = await resources.batcher.submit(ImageQuery(data, 1))
-    made, note = decision(answer, top_candidate(answer), None)
+    top = await anyio.to_thread.run_sync(decision_top, answer)
+    made, note = decision(answer, top, None)
     if made is None:
         raise NotCalibrated(note or "no decision")
     kept = None

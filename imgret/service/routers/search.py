@@ -17,6 +17,7 @@ The path of a search, from this router to FAISS:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,14 +27,14 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field, ValidationError
 
 from imgret.errors import ImageDecodeError
-from imgret.gallery.search import Hit
+from imgret.gallery.search import Hit, SearchFilter
 from imgret.gallery.search.rerank import Rerank
 from imgret.images import DecodeLimits, check_request_pixels
 from imgret.service import gallery
 from imgret.service.deps import ResourcesDep
 from imgret.service.forms import form_body, open_form
 from imgret.service.limits import check_search_budget
-from imgret.service.pipeline import Answer, ImageQuery, decision, top_candidate
+from imgret.service.pipeline import Answer, ImageQuery, decision, decision_top
 from imgret.service.request_rules import InvalidRequest, WholeNumber, request_validation_error
 from imgret.service.schemas.common import K_MAX
 from imgret.service.schemas.search import (
@@ -92,9 +93,11 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     422 before it is queued. ``score`` is the cosine similarity of unit embeddings: higher is
     better. ``model_version`` names the version whose model embedded the query and whose
     index ranked it (always the same one). ``decision`` says who the query is under that
-    version's calibrated threshold: the top result's label when its score reaches it
-    (``known``), else nobody; null with ``decision_note`` when the version has no
-    calibration or was calibrated for another re-ranking.
+    version's calibrated threshold: the top identity's label when its score (the identity's
+    template score over the best 100 items' labels, or the best item's for a version
+    calibrated before identity scores) reaches it (``known``), else nobody; null with
+    ``decision_note`` when the version has no calibration or was calibrated for another
+    re-ranking.
     \f
     The path (not in the API description; the module docstring has each step): the form
     (:mod:`imgret.service.forms`) -> an :class:`~imgret.service.pipeline.ImageQuery` (or, by ``id``,
@@ -122,7 +125,8 @@ async def search_images(request: Request, resources: ResourcesDep) -> SearchResp
     identities = _public_identities(answer, resources.collection)
     hits = (_public_hits(answer, resources.collection) if identities is None
             else [hit for identity in identities for hit in identity.items])
-    decided, note = _decision(answer, hits, rerank)
+    own = None if form.id is None else frozenset({form.id})
+    decided, note = await _decision(answer, rerank, _without(filters, own))
     return SearchResponse(
         results=hits, identities=identities,
         took_ms=round((time.perf_counter() - start) * 1000, 3),
@@ -185,8 +189,7 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     results = [_public_hits(answer, resources.collection) if identities is None
                else [hit for identity in identities for hit in identity.items]
                for answer, identities in zip(answers, grouped, strict=True)]
-    decided = [_decision(answer, hits, rerank) for answer, hits in zip(answers, results,
-                                                                       strict=True)]
+    decided = [await _decision(answer, rerank, filters) for answer in answers]
     notes = {note for _, note in decided if note is not None}
     return SearchBatchResponse(
         results=results,
@@ -199,23 +202,26 @@ async def search_images_batch(request: Request, resources: ResourcesDep) -> Sear
     )
 
 
-def _decision(answer: Answer, hits: list[SearchHit],
-              rerank: Rerank | None) -> tuple[DecisionOut | None, str | None]:
-    """The decision on the top of the hits the response lists, under the calibration of the
-    version that produced them (:func:`imgret.service.pipeline.decision`).
-
-    A grouped search decides on its best *item*, as ``/identify`` does: the score a
-    calibration measures (docs/identities.md says why the identity score is not used yet).
-    """
-    if answer.identities is not None:
-        top = top_candidate(answer)
-    else:
-        top = (hits[0].label, hits[0].score) if hits else None
+async def _decision(answer: Answer, rerank: Rerank | None,
+                    flt: SearchFilter | None) -> tuple[DecisionOut | None, str | None]:
+    """The decision on the answer, under the calibration of the version that produced it
+    (:func:`imgret.service.pipeline.decision`), on the score that calibration measured: the
+    top identity's template score over the answer's items, or its best item's
+    (:func:`imgret.service.pipeline.decision_top`; read off the event loop)."""
+    top = await anyio.to_thread.run_sync(decision_top, answer, flt)
     made, note = decision(answer, top, rerank)
     if made is None:
         return None, note
     return DecisionOut(label=made.label, score=made.score, threshold=made.threshold,
                        known=made.known), None
+
+
+def _without(flt: SearchFilter | None, ids: frozenset[int] | None) -> SearchFilter | None:
+    """``flt`` that also leaves ``ids`` out (a search by id leaves the item itself out)."""
+    if not ids:
+        return flt
+    base = flt or SearchFilter()
+    return dataclasses.replace(base, exclude_ids=frozenset({*base.exclude_ids, *ids}))
 
 
 def _public_identities(answer: Answer, collection: str) -> list[IdentityOut] | None:

@@ -362,6 +362,10 @@ class OpenSetReport(BaseModel):
     hardest: HardestQueries | None = Field(
         None, description="the queries a threshold decides first (docs/evaluation.md)")
     note: str
+    score: str = Field("best", description="what FPIR, FNIR and the thresholds are on: "
+                                           "template (each identity's template score, as "
+                                           "/identify decides) or best (the best item; "
+                                           "re-ranked evaluations)")
 
 
 class EvaluationReport(BaseModel):

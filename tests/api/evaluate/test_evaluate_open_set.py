@@ -1,5 +1,6 @@
 """/evaluate's open-set section: FPIR, FNIR and the threshold recomputed by hand from /search's
-answers (the same index), TAR@FAR pair counts, and every refusal of its options."""
+answers (the same index, identities scored by template as decisions are), TAR@FAR pair
+counts, and every refusal of its options."""
 
 from __future__ import annotations
 
@@ -25,16 +26,23 @@ def _post(client, images, labels, **data):
     return client.post("/evaluate", files=files, data={"labels": labels, **data})
 
 
+def _identities(client, image) -> list[dict]:
+    """Every identity of the gallery for one query, scored as decisions score them (the
+    template; docs/identities.md), best first: /search grouped by label."""
+    return search(client, image, k=GALLERY_CLASSES, group_by="label").json()["identities"]
+
+
 def _by_hand(client, images, labels, depth: int, fpir: float) -> dict:
-    """The operating point from /search's hits with plain comparisons: the threshold lies
-    just above the non-mated top score that the target allows to alarm next."""
+    """The operating point from /search's identities with plain comparisons: the threshold
+    lies just above the non-mated top score that the target allows to alarm next."""
     gallery = {str(c) for c in range(GALLERY_CLASSES)}
     tops, mates, firsts, mated = [], [], [], []
     for image, label in zip(images, labels, strict=True):
-        hits = search(client, image, k=depth).json()["results"]
-        tops.append(hits[0]["score"])
-        firsts.append(hits[0]["label"] == label)
-        mates.append(max((h["score"] for h in hits if h["label"] == label), default=-math.inf))
+        found = _identities(client, image)
+        tops.append(found[0]["score"])
+        firsts.append(found[0]["label"] == label)
+        mates.append(max((i["score"] for i in found if i["label"] == label),
+                         default=-math.inf))
         mated.append(label in gallery)
     non = sorted((t for t, m in zip(tops, mated, strict=True) if not m), reverse=True)
     edge = non[math.floor(fpir * len(non))]  # the highest top score that must not alarm
@@ -94,12 +102,13 @@ def test_hardest_queries_are_the_first_alarms_and_misses(client) -> None:
     # Each list holds every query of its kind here (12 <= 20), scored as /search scores it.
     assert len(hardest["non_mated"]) == section["non_mated"]
     assert len(hardest["mated"]) == section["mated"]
+    assert section["score"] == "template"
     for row in hardest["non_mated"] + hardest["mated"]:
-        hits = search(client, images[row["index"]], k=section["depth"]).json()["results"]
+        found = _identities(client, images[row["index"]])
         assert row["label"] == labels[row["index"]] and row["query_id"] is None
-        assert row["top_score"] == pytest.approx(hits[0]["score"], abs=1e-5)
-        assert row["top_label"] == hits[0]["label"]
-        mate = max((h["score"] for h in hits if h["label"] == row["label"]), default=None)
+        assert row["top_score"] == pytest.approx(found[0]["score"], abs=1e-5)
+        assert row["top_label"] == found[0]["label"]
+        mate = max((i["score"] for i in found if i["label"] == row["label"]), default=None)
         assert row["mate_score"] == (None if mate is None else pytest.approx(mate, abs=1e-5))
     non_tops = [row["top_score"] for row in hardest["non_mated"]]
     mates = [row["mate_score"] for row in hardest["mated"]]

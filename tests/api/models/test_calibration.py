@@ -77,10 +77,13 @@ def test_calibrate_keeps_the_threshold_with_the_version_and_serves_it(client, tm
     assert f"{calibration['threshold']:.6g}" in shown["decisions"]
 
     # Served at once: the top result decides, at this threshold.
+    assert calibration["details"]["score"] == "template"
     threshold = calibration["threshold"]
     for image in (_png(1, 300), _png(6, 300), _png(2, 5)):
         answer = search(client, image, k="3").json()
-        top = answer["results"][0]
+        # Decided on the top identity's template score (docs/identities.md), as grouped
+        # search scores it.
+        top = search(client, image, k="1", group_by="label").json()["identities"][0]
         assert answer["decision"] == {
             "label": top["label"] if top["score"] >= threshold else None,
             "score": top["score"], "threshold": threshold, "known": top["score"] >= threshold}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from imgret.checkpoint import EmbeddingNet, ModelSpec, save_checkpoint
+from imgret.gallery.search.identities import FETCH_MIN, TEMPLATE, IdentityGroup
 from imgret.images import DecodeLimits, embed_encoded
 from tests.support.images import class_image, image_bytes
 from tests.support.open_set import gallery_with_unknowns_and_second_version
@@ -32,14 +33,18 @@ def other_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def _expected_top(resources, version: str) -> list[tuple[str, float]]:
-    """Each candidate query's best (label, score) in ``version``'s own index, embedded by its
-    model."""
+def _expected_top(resources, version: str) -> list[tuple[float, str, float]]:
+    """Each candidate query's best item score, and the top identity's (label, template
+    score) the decision is made on, in ``version``'s own index, embedded by its model."""
     vectors = embed_encoded(CANDIDATES, embedder=resources.embedder_for(version),
                             limits=DecodeLimits())
-    rows = resources.searcher_for(version).search(vectors, 1)
-    return [(resources.searcher_for(version).info(row[0].id).label, row[0].score)
-            for row in rows]
+    searcher = resources.searcher_for(version)
+    rows = searcher.search(vectors, FETCH_MIN)
+    out = []
+    for vector, row in zip(vectors, rows, strict=True):
+        (top,) = searcher.identities(vector, row, IdentityGroup(1, 1, TEMPLATE))
+        out.append((row[0].score, top.label, top.score))
+    return out
 
 
 def test_no_answer_mixes_two_versions_scores_and_thresholds(make_client, tmp_path: Path,
@@ -58,7 +63,8 @@ def test_no_answer_mixes_two_versions_scores_and_thresholds(make_client, tmp_pat
         assert thresholds[a] != thresholds[b]
         tops = {v: _expected_top(resources, v) for v in (a, b)}
         # The queries whose score tells the versions apart.
-        keep = [i for i, ((_, sa), (_, sb)) in enumerate(zip(tops[a], tops[b], strict=True))
+        keep = [i for i, ((sa, _, _), (sb, _, _)) in enumerate(zip(tops[a], tops[b],
+                                                                     strict=True))
                 if abs(sa - sb) > 10 * SCORE_TOL]
         assert len(keep) >= 6, tops
         queries = [CANDIDATES[i] for i in keep]
@@ -115,12 +121,13 @@ def test_no_answer_mixes_two_versions_scores_and_thresholds(make_client, tmp_pat
     assert seen == {a, b}, seen
     mixed = []
     for query, version, score, decision in answers:
-        label, want = expected[version][query]
+        want, label, identity = expected[version][query]
         threshold = thresholds[version]
         if (abs(score - want) > SCORE_TOL or decision is None
-                or decision["threshold"] != threshold or decision["score"] != score
-                or decision["known"] != (score >= threshold)
-                or decision["label"] != (label if score >= threshold else None)):
+                or decision["threshold"] != threshold
+                or abs(decision["score"] - identity) > SCORE_TOL
+                or decision["known"] != (decision["score"] >= threshold)
+                or decision["label"] != (label if decision["known"] else None)):
             mixed.append((query, version, score, want, decision))
     assert not mixed, f"{len(mixed)} of {len(answers)} answers mix versions: {mixed[:5]}"
     print(f"\n{len(answers)} decisions across {SWITCHES} switches, none mixed")
