@@ -53,6 +53,7 @@ from imgret.gallery.storage.tables import (
     ModelVersion,
     QueryItem,
     QuerySet,
+    UnknownFace,
     utcnow,
 )
 from imgret.gallery.versions import version_store
@@ -261,6 +262,9 @@ def delete(name: str, *, session_factory: sessionmaker[Session], media: MediaBac
             select(QueryItem.sha256).join(QuerySet, QuerySet.id == QueryItem.query_set_id)
             .where(QuerySet.collection_id == collection_id).execution_options(**_EVERY)
         ))
+        shas.update(session.scalars(  # the kept unknowns' images go with it too
+            select(UnknownFace.sha256).where(UnknownFace.collection_id == collection_id)
+            .execution_options(**_EVERY)))
         if session.get_bind().dialect.name == "sqlite":
             session.execute(text("PRAGMA secure_delete = ON"))
         session.delete(row)

@@ -124,3 +124,32 @@ def test_bad_retention_settings_are_422(local_client, body) -> None:
     response = local_client.patch("/collections/default", json=body)
     assert response.status_code == 422, response.text
     assert local_client.get("/collections").json()["collections"][0]["unknowns_days"] == 0
+
+
+def test_deleting_a_collection_removes_its_kept_unknowns_images(client) -> None:
+    from imgret.gallery.media.files import sha256_hex
+    from imgret.gallery.storage.tables import Collection, ModelVersion, utcnow
+
+    assert client.post("/collections", json={"name": "shop"}).status_code == 201
+    resources = client.app.state.resources
+    image = png(6, 6)
+    sha = sha256_hex(image)
+    with resources.sessions.begin() as session:
+        (path,) = resources.media.put_many([(image, sha)], session=session)
+    with resources.engine.begin() as connection:  # a row of the shop's pool, as keep writes it
+        shop = connection.execute(select(Collection.id).where(Collection.name == "shop")
+                                  ).scalar_one()
+        version = connection.execute(select(ModelVersion.id).where(
+            ModelVersion.collection_id == shop)).scalar_one()
+        connection.execute(UnknownFace.__table__.insert().values(
+            collection_id=shop, sha256=sha, media_path=path, content_type="image/png",
+            model_version_id=version, dim=16, vector=b"\0" * 64, score=None, cluster_id=None,
+            created_at=utcnow()))
+    assert sha in set(resources.media.stored_keys())
+
+    assert client.delete("/collections/shop").status_code == 204
+
+    assert sha not in set(resources.media.stored_keys())
+    with resources.engine.connect() as connection:  # the rows went with the collection
+        assert connection.execute(select(func.count()).select_from(UnknownFace.__table__)
+                                  ).scalar_one() == 0
