@@ -38,7 +38,7 @@ import httpx
 import pytest
 import schemathesis
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -127,10 +127,28 @@ def _register_second_version(base: str) -> str:
     return response.json()["version"]
 
 
+def _drawable(strategy):
+    """``strategy`` without the cases schemathesis cannot build: its negative mode validates
+    a mutated multipart body with the file still in it, and its validator raises "Unsupported
+    type: 'Binary'" for the file (a generator limit, not a server answer): that draw is
+    dropped and another one made."""
+
+    @st.composite
+    def cases(draw):
+        try:
+            return draw(strategy)
+        except ValueError as exc:
+            if "Unsupported type: 'Binary'" not in str(exc):
+                raise
+            reject()
+
+    return cases()
+
+
 def _strategy(operation, mode: GenerationMode, versions: list[str]):
     """The operation's cases; a ``{version}`` path parameter is a registered version half of
     the time (generated strings are 404s)."""
-    strategy = operation.as_strategy(generation_mode=mode)
+    strategy = _drawable(operation.as_strategy(generation_mode=mode))
     if "{version}" not in operation.path:
         return strategy
 
