@@ -42,6 +42,7 @@ from benchmarks.openset_bench import (  # noqa: E402
     FACES,
     SMALL_CNN_SECONDS,
     build_folders,
+    clustered_ci,
     train_model,
 )
 from imgret.datasets import list_records  # noqa: E402
@@ -56,7 +57,7 @@ from imgret.metrics.openset import (  # noqa: E402
 AGGREGATIONS = ("best", "mean_top2", "mean_top3", "template")
 RANKS = (1, 5)
 FPIR = 0.01
-RESAMPLES = 1000
+RESAMPLES = 1000  # as openset_bench.clustered_ci's
 
 
 def embed(embedder: Embedder, paths: list[Path], batch: int = 256) -> np.ndarray:
@@ -70,17 +71,6 @@ def embed(embedder: Embedder, paths: list[Path], batch: int = 256) -> np.ndarray
 def camera_of(path: Path) -> int:
     """The face of an ImageFolder glyph image (``NN.png``: image n shows face n % 8)."""
     return int(path.stem) % FACES
-
-
-def boot_interval(values: np.ndarray, groups: np.ndarray, seed: int = 0) -> list[float]:
-    """95% percentile interval of ``values.mean()``, resampling whole groups."""
-    names, code = np.unique(groups, return_inverse=True)
-    sums = np.bincount(code, values.astype(float), len(names))
-    counts = np.bincount(code, minlength=len(names)).astype(float)
-    draws = np.random.default_rng(seed).integers(0, len(names), (RESAMPLES, len(names)))
-    means = sums[draws].sum(axis=1) / counts[draws].sum(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return [float(low), float(high)]
 
 
 def identity_ranks(labels: np.ndarray, scores: np.ndarray, truth: np.ndarray) -> np.ndarray:
@@ -163,7 +153,7 @@ def main() -> None:
     rows["per-item search"] = {f"rank{r}": float((per_item >= 1).__and__(per_item <= r).mean())
                                for r in RANKS}
     for r in RANKS:
-        rows["per-item search"][f"rank{r}_ci95"] = boot_interval(
+        rows["per-item search"][f"rank{r}_ci95"] = clustered_ci(
             (per_item >= 1) & (per_item <= r), groups)
     for name in AGGREGATIONS:
         labels, id_scores = score_matrix_identities(scores, g_lab, name, vectors=g_vec,
@@ -177,14 +167,14 @@ def main() -> None:
         for r in RANKS:
             hit = (ranks >= 1) & (ranks <= r)
             row[f"rank{r}"] = float(hit.mean())
-            row[f"rank{r}_ci95"] = boot_interval(hit, groups)
+            row[f"rank{r}_ci95"] = clustered_ci(hit, groups)
         per_query[name] = (ranks, report, searches(labels, id_scores, q_lab, mated))
         rows[name] = row
     best_ranks = per_query["best"][0]
     for name in AGGREGATIONS[1:]:
         diff = (per_query[name][0] == 1).astype(float) - (best_ranks == 1).astype(float)
         rows[name]["rank1_minus_best"] = float(diff.mean())
-        rows[name]["rank1_minus_best_ci95"] = boot_interval(diff, groups)
+        rows[name]["rank1_minus_best_ci95"] = clustered_ci(diff, groups)
         paired = paired_fnir_difference(per_query["best"][2], per_query[name][2], FPIR,
                                         resamples=RESAMPLES)
         rows[name]["fnir_minus_best"] = paired["difference"]
