@@ -11,11 +11,13 @@ ARG EXTRAS=postgres
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
     && /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]"
-# The gpu profile swaps faiss-cpu for faiss-gpu (both ship the module `faiss`). 1.15.1 is the
-# version run on an H200 (docs/gpu_bench.md); faiss-gpu-cu12 1.14.1 has no Hopper (sm_90) code.
+# The gpu profile swaps faiss-cpu for faiss-gpu (both ship the module `faiss`) and onnxruntime
+# for onnxruntime-gpu (both ship `onnxruntime`; the GPU wheel has the CUDA and TensorRT
+# providers). 1.15.1 is the faiss version run on an H200 (docs/gpu_bench.md); faiss-gpu-cu12
+# 1.14.1 has no Hopper (sm_90) code.
 ARG GPU=0
-RUN if [ "$GPU" = "1" ]; then /opt/venv/bin/pip uninstall -y faiss-cpu \
-    && /opt/venv/bin/pip install --no-cache-dir "faiss-gpu>=1.15.1"; fi
+RUN if [ "$GPU" = "1" ]; then /opt/venv/bin/pip uninstall -y faiss-cpu onnxruntime \
+    && /opt/venv/bin/pip install --no-cache-dir "faiss-gpu>=1.15.1" onnxruntime-gpu; fi
 
 FROM python:${PYTHON}-slim AS runtime
 RUN useradd --create-home --uid 10001 imgret && mkdir -p /data && chown imgret /data

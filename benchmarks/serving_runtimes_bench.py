@@ -91,7 +91,8 @@ def main() -> None:
     service = _service(args.work, models, args)
     stages.step("floors")
     floors = _floors(args.work, models, args)
-    _print(args, torch_side, ingests, service, floors, time.perf_counter() - started)
+    _print(args, torch_side, ingests, service, floors, time.perf_counter() - started,
+           _default_choice(run_dir))
 
 
 class Stages:
@@ -245,14 +246,29 @@ def _floors(work: Path, models: dict[str, tuple[Any, str]],
     return {name: row["images_per_s"] for name, row in speed.items()}
 
 
+def _default_choice(run_dir: str | Path) -> dict[str, Any]:
+    """What a server with IMGRET_RUNTIME unset runs the float version with, and its check."""
+    from imgret.embedder import Embedder
+    from imgret.settings import Settings
+
+    asked = Settings.model_fields["runtime"].default
+    return Embedder.from_checkpoint(run_dir, device="cpu", runtime=asked).runtime_choice.to_dict()
+
+
 def _print(args: argparse.Namespace, torch_side: dict[str, Any], ingests: dict[str, Any],
-           service: dict[str, Any], floors: dict[str, float], seconds: float) -> None:
+           service: dict[str, Any], floors: dict[str, float], seconds: float,
+           default: dict[str, Any]) -> None:
     made, comparison = torch_side["quantized"], torch_side["comparison"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\nresnet18, 128-d, 64 px, trained on Fashion-MNIST ({args.epochs} epochs, "
           f"{args.train_images} images); gallery {ingests['torch']['images']} train-split "
           f"images, {args.queries} test-split queries; {os.cpu_count()} cores, 1-min load "
           f"{load:.2f} at the end; run took {seconds:.0f} s.")
+    diff = ("" if default["max_abs_diff"] is None else
+            f", max abs difference from torch {default['max_abs_diff']:.1e} on the version's "
+            f"sample (bound {default['bound']:g})")
+    print(f"Default runtime (IMGRET_RUNTIME={default['asked']}): {default['runtime']} "
+          f"({default['reason']}{diff}); marked * below.")
     print(f"int8 version {made['version']} of {made['parent']}: calibrated on "
           f"{made['calibration_images']} stored gallery images; cosine with the float "
           f"vectors mean {made['cosine_mean']:.5f}, min {made['cosine_min']:.5f}.\n")
@@ -264,7 +280,8 @@ def _print(args: argparse.Namespace, torch_side: dict[str, Any], ingests: dict[s
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in RUNTIMES:
         ingest, serve, floor = ingests[name]["images_per_s"], service[name], floors[name]
-        print(f"| {name} | {ingest:.1f} | {ingest / base_in:.2f} | {serve['rps']:.1f} | "
+        shown = f"{name} *" if name == default["runtime"] else name
+        print(f"| {shown} | {ingest:.1f} | {ingest / base_in:.2f} | {serve['rps']:.1f} | "
               f"{serve['rps'] / base_rps:.2f} | {serve['p50_ms']:.0f} | {serve['p99_ms']:.0f} | "
               f"{serve['errors']} | {floor:.1f} | {floor / base_floor:.2f} | "
               f"{serve['rps'] / floor:.2f} |")

@@ -7,8 +7,11 @@ import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,8 +34,75 @@ from imgret.transforms import eval_transform
 
 logger = logging.getLogger(__name__)
 
-# What runs the network (IMGRET_RUNTIME).
-RUNTIMES = ("torch", "onnxruntime")
+# What runs the network (IMGRET_RUNTIME): ``auto`` = ONNX Runtime where it gives torch's
+# vectors on the version's sample (:data:`EQUALITY_BOUND`), else torch.
+RUNTIMES = ("auto", "torch", "onnxruntime")
+# The equality check of ``auto``: the largest difference, in any coordinate of any unit-norm
+# vector, between ONNX Runtime and torch on the version's sample. Measured differences are
+# 1e-7 to 3e-7 (float32 rounding in another order of operations, docs/onnx.md); a graph 1e-4
+# away from its network is not the same model, and cosine scores would move in the fourth
+# decimal, where thresholds are calibrated.
+EQUALITY_BOUND = 1e-4
+# The sample: this many seeded noise images through the version's own preprocessing, run
+# as one batch and the first alone (the batch axis is dynamic in the graph).
+EQUALITY_SAMPLE = 8
+# Graphs exported and checked in this process, by model version (a content digest of the
+# weights, so one version is one graph), at most this many bytes of graphs: a service that
+# loads a version again (the version cache dropped it; a test's next app) pays neither the
+# export (about a second for resnet18) nor the check again.
+GRAPH_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RuntimeChoice:
+    """What runs a version's network in this process, and why (``GET /models/{v}``, the
+    start-up log).
+
+    Attributes:
+        asked: ``IMGRET_RUNTIME`` (``auto``, ``torch``, ``onnxruntime``).
+        runtime: what runs it: ``torch`` or ``onnxruntime``.
+        reason: one sentence.
+        max_abs_diff: ONNX Runtime against torch on the sample, when compared.
+        bound: the bound it was held to (:data:`EQUALITY_BOUND`), when compared.
+    """
+
+    asked: str
+    runtime: str
+    reason: str
+    max_abs_diff: float | None = None
+    bound: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _GraphCache:
+    """Exported graphs with their measured difference from torch, least recently used
+    first, bounded in bytes."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[str, str], tuple[bytes, float | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> tuple[bytes, float | None] | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+            return item
+
+    def put(self, key: tuple[str, str], graph: bytes, diff: float | None) -> None:
+        if len(graph) > self.max_bytes:
+            return
+        with self._lock:
+            self._items[key] = (graph, diff)
+            self._items.move_to_end(key)
+            while sum(len(g) for g, _ in self._items.values()) > self.max_bytes:
+                self._items.popitem(last=False)
+
+
+_GRAPHS = _GraphCache(GRAPH_CACHE_BYTES)
 
 
 # Every live Embedder of this process, for :func:`_free_locks_after_fork`.
@@ -66,14 +136,20 @@ class Embedder:
     ``torch.inference_mode``. The model's train/eval mode is restored after each call, so a
     training loop can validate through ``Embedder.from_model`` without side effects.
 
-    ``runtime`` (``IMGRET_RUNTIME``) picks what runs the network: ``torch`` (eager PyTorch)
-    or ``onnxruntime`` (the same network exported to ONNX in memory at load,
+    ``runtime`` (``IMGRET_RUNTIME``) picks what runs the network: ``torch`` (eager PyTorch),
+    ``onnxruntime`` (the same network exported to ONNX in memory at load,
     :mod:`imgret.onnx_runtime`; on a CUDA device with ONNX Runtime's CUDA or TensorRT
-    provider). Inputs, preprocessing and outputs are the same, and the vectors agree within
-    1e-4, so a version's served vectors do not depend on it. ONNX Runtime falls back to
-    torch, with a warning, where it cannot run: not installed (the ``onnx`` extra), a CUDA
-    device without a GPU provider (the CPU wheel; torch's bf16 path runs there), or a graph
-    it cannot export or load. :attr:`runtime` says which one runs.
+    provider) or ``auto``: ONNX Runtime where its vectors are within :data:`EQUALITY_BOUND`
+    of torch's on the version's sample, torch otherwise (the service's and the CLI's
+    default; ONNX Runtime ran the network 1.3-1.9x faster than torch here, docs/onnx.md).
+    Inputs, preprocessing and outputs are the same, and the vectors agree within 1e-4, so a
+    version's served vectors do not depend on it. ONNX Runtime falls back to torch where it
+    cannot run (with a warning when asked for by name): not installed (the ``onnx`` extra),
+    a CUDA device without a GPU provider (the CPU wheel; torch's bf16 path runs there), or a
+    graph it cannot export or load. :attr:`runtime` says which one runs and
+    :attr:`runtime_choice` why. The constructor's own default is ``torch``: training
+    validates a network whose weights change every step, where an export would cost more
+    than it saves.
 
     A quantised version (``quantized``, :mod:`imgret.quantize`) runs its own graph with ONNX
     Runtime whatever ``runtime`` says: its vectors are that graph's, so torch cannot stand in
@@ -104,12 +180,16 @@ class Embedder:
         # would queue on the device anyway. Taken per chunk of ``batch_size``, so a large
         # upload interleaves with the search batches instead of holding them up.
         self._forward_lock = threading.Lock()
+        self._onnx: OnnxRuntimeModel | None = None
         if quantized is not None:
-            self._onnx: OnnxRuntimeModel | None = self._quantized_runtime(quantized)
-        elif runtime == "onnxruntime":
-            self._onnx = self._onnx_runtime()
+            self._onnx = self._quantized_runtime(quantized)
+            self.runtime_choice = RuntimeChoice(
+                runtime, "onnxruntime", f"a {quantized.scheme} version runs its own graph "
+                "with ONNX Runtime")
+        elif runtime == "torch":
+            self.runtime_choice = RuntimeChoice(runtime, "torch", "IMGRET_RUNTIME=torch")
         else:
-            self._onnx = None
+            self._onnx, self.runtime_choice = self._onnx_runtime(runtime)
         self.runtime = "onnxruntime" if self._onnx is not None else "torch"
         _EMBEDDERS.add(self)
 
@@ -120,28 +200,65 @@ class Embedder:
         if not onnx_runtime.available():
             raise CheckpointError(
                 f"{self.model_version} is a {quantized.scheme} version: it runs with "
-                "onnxruntime only, which is not installed (pip install 'imgret[onnx]')")
+                "onnxruntime only, which is not installed (pip install onnxruntime)")
         return OnnxRuntimeModel(quantized.graph, self._providers())
 
-    def _onnx_runtime(self) -> OnnxRuntimeModel | None:
-        """The ONNX Runtime model, or None (logged) where torch has to run instead."""
+    def _onnx_runtime(self, asked: str) -> tuple[OnnxRuntimeModel | None, RuntimeChoice]:
+        """ONNX Runtime's model and the choice, or None and why torch runs instead.
+
+        ``onnxruntime`` (asked by name) takes the graph unless it cannot run, and warns when
+        it cannot; ``auto`` also holds the graph to :data:`EQUALITY_BOUND` against torch on
+        the version's sample, and falls back without a warning (nothing was asked for)."""
+        def torch_instead(reason: str) -> tuple[None, RuntimeChoice]:
+            log = logger.warning if asked == "onnxruntime" else logger.info
+            log("%s runs with torch: %s", self.model_version, reason)
+            return None, RuntimeChoice(asked, "torch", reason)
+
         if not onnx_runtime.available():
-            logger.warning("IMGRET_RUNTIME=onnxruntime but onnxruntime is not installed "
-                           "(pip install 'imgret[onnx]'); running %s with torch",
-                           self.model_version)
-            return None
+            return torch_instead("onnxruntime is not installed")
         providers = self._providers()
         if self.device != "cpu" and providers == [onnx_runtime.CPU_PROVIDER]:
-            logger.warning("IMGRET_RUNTIME=onnxruntime: the installed onnxruntime has no "
-                           "provider for %s; %s runs with torch there", self.device,
-                           self.model_version)
-            return None
+            return torch_instead(f"the installed onnxruntime has no provider for "
+                                 f"{self.device}")
+        key = (self.model_version, self.device)
+        cached = _GRAPHS.get(key)
         try:
-            return OnnxRuntimeModel(onnx_bytes(self.model, self.spec), providers)
+            graph = cached[0] if cached else onnx_bytes(self.model, self.spec)
+            model = OnnxRuntimeModel(graph, providers)
+            diff = cached[1] if cached and cached[1] is not None else None
+            if asked == "auto" and diff is None:
+                diff = self._difference(model)
         except Exception as exc:  # export or session errors of many types
-            logger.warning("%s cannot run with onnxruntime (%s: %s); running it with torch",
-                           self.model_version, type(exc).__name__, exc)
-            return None
+            logger.info("%s: the ONNX graph failed (%s)", self.model_version,
+                        type(exc).__name__, exc_info=True)
+            return torch_instead(f"its ONNX graph cannot be exported or run "
+                                 f"({type(exc).__name__})")
+        _GRAPHS.put(key, graph, diff)
+        if asked == "onnxruntime":
+            return model, RuntimeChoice(asked, "onnxruntime", "IMGRET_RUNTIME=onnxruntime",
+                                        diff)
+        assert diff is not None
+        if not diff <= EQUALITY_BOUND:  # also NaN
+            return torch_instead(f"ONNX Runtime's vectors differ from torch's by {diff:.1e} "
+                                 f"on the version's sample, over the bound {EQUALITY_BOUND:g}")
+        return model, RuntimeChoice(
+            asked, "onnxruntime", "ONNX Runtime gives torch's vectors on the version's sample "
+            "and runs faster", diff, EQUALITY_BOUND)
+
+    def _difference(self, model: OnnxRuntimeModel) -> float:
+        """The largest coordinate difference between ONNX Runtime's and torch's vectors on
+        the version's sample (:data:`EQUALITY_SAMPLE` seeded noise images through the
+        version's preprocessing; as one batch, and the first image alone)."""
+        rng = np.random.default_rng(0)
+        size = self.spec.image_size
+        images = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+                  for _ in range(EQUALITY_SAMPLE)]
+        batch = self.preprocess(images)
+        with self._inference():
+            by_torch = self.model(batch.to(self.device)).float().cpu().numpy()
+        diffs = [np.abs(model.run(batch.numpy()) - by_torch).max(),
+                 np.abs(model.run(batch[:1].numpy()) - by_torch[:1]).max()]
+        return float(max(diffs))
 
     @classmethod
     def from_checkpoint(cls, source: str | Path | Checkpoint, *, device: str = "auto",

@@ -8,7 +8,7 @@ ONNX Runtime on every machine where it registered. In turn:
 
 1. **Structure** (reading the protobuf only):
 
-   - it parses as an ONNX ``ModelProto`` (``onnx``, the ``onnx`` extra), with at most
+   - it parses as an ONNX ``ModelProto`` (``onnx``), with at most
      :data:`MAX_NODES` nodes (the largest export, vit_b_16, has ~2,100);
    - no tensor keeps its data outside the file: an *external data* reference is a path that
      ONNX Runtime would open on this machine, so it is refused wherever it appears
@@ -138,7 +138,7 @@ def graph_problem(graph: bytes, *, image_size: int, dim: int) -> str | None:
     try:
         import onnx
     except ImportError:
-        return "it carries an ONNX graph, and the onnx extra is not installed"
+        return "it carries an ONNX graph, and onnx is not installed"
     try:
         model = onnx.load_model_from_string(bytes(graph))
     except Exception:  # protobuf's DecodeError and others; their text may quote the file

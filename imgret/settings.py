@@ -46,12 +46,13 @@ class Settings(BaseSettings):
         description="the collection CLI commands work in (default: default; backups: all)",
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # What runs the network on the CPU (imgret.embedder.Embedder): eager PyTorch, or ONNX
-    # Runtime on the same weights exported at load (the `onnx` extra; torch, with a warning,
-    # where it is missing). The vectors agree within 1e-4 (docs/onnx.md).
-    runtime: Literal["torch", "onnxruntime"] = Field(
-        "torch", description="torch or onnxruntime: what runs a float model (an int8 "
-                             "version always runs with onnxruntime)"
+    # What runs a float version's network (imgret.embedder.Embedder): "auto" = ONNX Runtime
+    # where its vectors are within 1e-4 of torch's on the version's sample,
+    # checked at load, else torch; "torch" or "onnxruntime" force one (docs/onnx.md).
+    runtime: Literal["auto", "torch", "onnxruntime"] = Field(
+        "auto", description="auto, torch or onnxruntime: what runs a float model (auto: "
+                            "onnxruntime where it gives torch's vectors; an int8 version "
+                            "always runs with onnxruntime)"
     )
     api_key: SecretStr | None = Field(None, description="required in X-API-Key for writes")
     max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0)

@@ -1,6 +1,7 @@
 """Torch runs on the model thread alone once serving: start-up, gallery uploads and
 evaluations run their torch work on threads that end, and leave no OpenMP workers behind
-(imgret.process.in_own_thread says why that matters)."""
+(imgret.process.in_own_thread says why that matters). Served by torch: ONNX Runtime's session
+keeps its own intra-op pool for as long as the version is loaded, by design."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_torch_work_off_the_model_thread_leaves_no_threads_behind(
         in_own_thread(retrieval_metrics, np.eye(4, dtype=np.float32), np.arange(4) % 2,
                       np.eye(4, dtype=np.float32), np.arange(4) % 2, k=1, bootstrap=10)
         before = steady_native_threads()
-        with make_local_client() as client:
+        with make_local_client(runtime="torch") as client:
             assert native_threads_settle_at(before), "start-up"
             add_gallery(client, classes=2, per_class=2)
             assert native_threads_settle_at(before), "POST /gallery"

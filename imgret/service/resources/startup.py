@@ -115,8 +115,12 @@ def load_resources(settings: Settings, metrics: ServiceMetrics) -> Resources:
     if active != configured:
         logger.info("IMGRET_MODEL %s is registered; serving the active version %s",
                     configured, active)
-    logger.info("model %s loaded on %s (%s)", embedder.model_version, embedder.device,
-                embedder.runtime)
+    choice = embedder.runtime_choice
+    checked = (f"; ONNX Runtime within {choice.max_abs_diff:.1e} of torch on its sample"
+               if choice.max_abs_diff is not None else "")
+    logger.info("model %s loaded on %s, run by %s (IMGRET_RUNTIME=%s: %s%s)",
+                embedder.model_version, embedder.device, choice.runtime, choice.asked,
+                choice.reason, checked)
     media = open_media_store(settings, sessions)
     # Finish what a crash interrupted: bytes of deleted items, files of uploads that never
     # committed, temporary files.

@@ -49,9 +49,16 @@ _SWITCH = threading.Lock()
 
 
 def _describe(resources: Resources, version: str) -> dict[str, Any]:
-    return lifecycle.describe_one(version, session_factory=resources.sessions,
-                                  data_dir=resources.settings.data_dir,
-                                  index_sizes=resources.index_sizes())
+    return _with_runtime(resources, lifecycle.describe_one(
+        version, session_factory=resources.sessions, data_dir=resources.settings.data_dir,
+        index_sizes=resources.index_sizes()))
+
+
+def _with_runtime(resources: Resources, info: dict[str, Any]) -> dict[str, Any]:
+    """``info`` with how this process runs the version's network, if it has it loaded (a
+    read never loads a model)."""
+    embedder = resources.embedders.get(info["version"])
+    return {**info, "runtime": embedder.runtime_choice.to_dict() if embedder else None}
 
 
 @router.get("")
@@ -60,9 +67,9 @@ def list_models(resources: ResourcesDep) -> ModelList:
     recent switches."""
     return ModelList(
         active=lifecycle.active_version(session_factory=resources.sessions),
-        models=lifecycle.describe(session_factory=resources.sessions,
-                                  data_dir=resources.settings.data_dir,
-                                  index_sizes=resources.index_sizes()),
+        models=[_with_runtime(resources, info) for info in lifecycle.describe(
+            session_factory=resources.sessions, data_dir=resources.settings.data_dir,
+            index_sizes=resources.index_sizes())],
         history=lifecycle.history(session_factory=resources.sessions),
     )
 

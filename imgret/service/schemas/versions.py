@@ -72,6 +72,19 @@ class CalibrateRequest(RerankRequest):
     target_fpir: float = Field(gt=0.0, lt=1.0, description="in (0, 1), e.g. 0.01")
 
 
+class RuntimeInfo(BaseModel):
+    """What runs the version's network in the process that answered, and why
+    (``IMGRET_RUNTIME``; docs/onnx.md)."""
+
+    asked: str = Field(description="IMGRET_RUNTIME: auto, torch or onnxruntime")
+    runtime: Literal["torch", "onnxruntime"]
+    reason: str
+    max_abs_diff: float | None = Field(
+        None, description="ONNX Runtime's largest difference from torch on the version's "
+                          "sample, where measured")
+    bound: float | None = Field(None, description="the bound auto held it to")
+
+
 class ModelInfo(BaseModel):
     """One model version: what it is, how much of the gallery it covers, whether it serves."""
 
@@ -89,6 +102,9 @@ class ModelInfo(BaseModel):
     last_evaluation: dict[str, Any] | None = None
     calibration: CalibrationInfo | None = None
     decisions: str = Field("", description="the decisions it serves, or none and why")
+    runtime: RuntimeInfo | None = Field(
+        None, description="how the answering process runs its network; null where that "
+                          "process has not loaded it")
 
 
 class ModelList(BaseModel):

@@ -54,6 +54,26 @@ def _embed_and_wait(client, version: str) -> dict:
     return info
 
 
+def test_the_default_runtime_and_its_check_are_shown_by_the_model(
+        make_client, other_checkpoint: Path) -> None:
+    """IMGRET_RUNTIME unset: the served version runs with ONNX Runtime after the equality
+    check, and GET /models/{v} says so with the measured difference; a version this process
+    has not loaded shows no runtime (a read loads nothing)."""
+    with make_client() as client:
+        a = client.get("/health").json()["model_version"]
+        runtime = client.get(f"/models/{a}").json()["runtime"]
+        assert runtime["asked"] == "auto" and runtime["runtime"] == "onnxruntime"
+        assert 0 <= runtime["max_abs_diff"] <= runtime["bound"] == 1e-4
+        b = _register(client, other_checkpoint)["version"]
+        assert client.get(f"/models/{b}").json()["runtime"] is None
+        listed = {m["version"]: m["runtime"] for m in client.get("/models").json()["models"]}
+        assert listed == {a: runtime, b: None}
+    with make_client(runtime="torch") as client:
+        assert client.get(f"/models/{a}").json()["runtime"] == {
+            "asked": "torch", "runtime": "torch", "reason": "IMGRET_RUNTIME=torch",
+            "max_abs_diff": None, "bound": None}
+
+
 def test_register_embed_activate_and_roll_back(make_client, other_checkpoint: Path) -> None:
     with make_client(embed_duty=1.0) as client:
         ids = add_gallery(client, classes=3, per_class=4)

@@ -31,7 +31,7 @@ def _neighbours(client, queries: list[bytes]) -> list[list[tuple[int, float]]]:
 
 def test_search_with_onnxruntime_returns_the_torch_neighbours(make_client) -> None:
     queries = [png(label, 10 + i) for label in range(3) for i in range(2)]
-    with make_client() as client:
+    with make_client(runtime="torch") as client:
         add_gallery(client, classes=3, per_class=4)
         assert client.app.state.resources.embedder.runtime == "torch"
         expected = _neighbours(client, queries)

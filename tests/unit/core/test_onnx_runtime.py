@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from imgret import embedder as embedder_module
 from imgret.checkpoint import EmbeddingNet, ModelSpec, model_version_of
 from imgret.embedder import Embedder
 from imgret.onnx_export import export_onnx, onnx_bytes, preprocessing_contract
@@ -215,3 +216,54 @@ def test_concurrent_exports_in_one_process_each_get_their_graph() -> None:
         thread.join(60)
     assert not errors, errors
     assert [got[i] for i in range(len(models))] == expected
+
+
+def test_auto_runs_onnxruntime_where_it_gives_torchs_vectors(images) -> None:
+    model = _model()
+    embedder = Embedder(model, SPEC, device="cpu", runtime="auto")
+    choice = embedder.runtime_choice
+    assert embedder.runtime == choice.runtime == "onnxruntime"
+    assert choice.asked == "auto" and choice.bound == embedder_module.EQUALITY_BOUND
+    assert choice.max_abs_diff is not None and 0 <= choice.max_abs_diff <= choice.bound
+    by_torch = Embedder(model, SPEC, device="cpu", runtime="torch")
+    assert by_torch.runtime_choice.runtime == "torch" and by_torch.runtime_choice.asked == "torch"
+    np.testing.assert_allclose(embedder.embed(images), by_torch.embed(images), atol=TOLERANCE)
+
+
+def test_auto_keeps_torch_when_the_graph_gives_other_vectors(images, monkeypatch) -> None:
+    """A graph that is not the network (here: the same architecture with other weights) fails
+    the check on the version's sample, and torch runs."""
+    model, other = _model(seed=0), _model(seed=1)
+    monkeypatch.setattr(embedder_module, "onnx_bytes", lambda m, s: onnx_bytes(other, s))
+    embedder = Embedder(model, SPEC, device="cpu", runtime="auto",
+                        model_version="other-weights-graph")
+    choice = embedder.runtime_choice
+    assert embedder.runtime == choice.runtime == "torch"
+    assert "over the bound" in choice.reason
+    expected = Embedder(model, SPEC, device="cpu", runtime="torch").embed(images)
+    np.testing.assert_array_equal(embedder.embed(images), expected)
+
+
+def test_auto_without_onnxruntime_is_torch_without_a_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with caplog.at_level(logging.WARNING, logger="imgret.embedder"):
+        embedder = Embedder(_model(), SPEC, device="cpu", runtime="auto")
+    assert embedder.runtime_choice.runtime == "torch"
+    assert embedder.runtime_choice.reason == "onnxruntime is not installed"
+    assert not caplog.records  # nothing was asked for by name
+
+
+def test_a_version_is_exported_and_checked_once_per_process(monkeypatch) -> None:
+    model = _model(seed=3)
+    calls = []
+
+    def counted(m, s):
+        calls.append(1)
+        return onnx_bytes(m, s)
+
+    monkeypatch.setattr(embedder_module, "onnx_bytes", counted)
+    first = Embedder(model, SPEC, device="cpu", runtime="auto")
+    again = Embedder(model, SPEC, device="cpu", runtime="auto")
+    assert len(calls) == 1
+    assert again.runtime == "onnxruntime"
+    assert again.runtime_choice.max_abs_diff == first.runtime_choice.max_abs_diff
