@@ -127,6 +127,9 @@ def main() -> None:
                         help="comma-separated media backends to ingest with (default: both)")
     parser.add_argument("--backbone", choices=sorted(SPECS), default="small_cnn",
                         help="the untrained model: the demo's (default) or resnet18 at 64 px")
+    parser.add_argument("--runtime", choices=("auto", "torch", "onnxruntime"), default="auto",
+                        help="IMGRET_RUNTIME of the ingest and of the floors (default: the "
+                        "product's default)")
     args = check_arguments(parser)
     spec = SPECS[args.backbone]
     backends = [b.strip() for b in args.media_backend.split(",") if b.strip()]
@@ -146,7 +149,8 @@ def main() -> None:
         write_image_folder(folder, images.gallery)
         note = images.note
         checkpoint = demo_checkpoint(work / "run", spec)
-        embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size)
+        embedder = Embedder.from_checkpoint(checkpoint, device="cpu", batch_size=args.batch_size,
+                                            runtime=args.runtime)
         paths = sorted(p for p in folder.rglob("*.png"))
         _floor(paths, embedder)  # warm-up: first calls allocate, Pillow loads its plugins
 
@@ -186,7 +190,8 @@ def main() -> None:
         f"Ingest of {args.images} PNG files ({note}) with an UNTRAINED network "
         f"({spec['backbone']}, {spec['dim']}-d, {spec['image_size']} px, greyscale); batch "
         f"{args.batch_size}, "
-        f"chunk {args.chunk_size}; CPU, {os.cpu_count()} cores, torch threads "
+        f"chunk {args.chunk_size}; runtime {embedder.runtime} (IMGRET_RUNTIME={args.runtime}); "
+        f"CPU, {os.cpu_count()} cores, torch threads "
         f"{torch.get_num_threads()}; medians of {args.repeat} interleaved runs; "
         f"{date.today().isoformat()}.",
         "",
@@ -361,7 +366,8 @@ def ingest_fresh(folder: Path, data_dir: Path, checkpoint: Path, postgres: str |
     data_dir.mkdir(parents=True)
     try:
         settings = Settings(data_dir=data_dir, model=checkpoint, database_url=db_url,
-                            device="cpu", media_backend=media_backend)
+                            device="cpu", media_backend=media_backend,
+                            runtime=getattr(args, "runtime", "auto"))
         report = commands.ingest(settings, folder, batch_size=args.batch_size,
                              chunk_size=args.chunk_size, progress=args.progress, ray=ray)
     finally:

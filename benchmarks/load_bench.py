@@ -104,8 +104,9 @@ def main() -> None:
     parser.add_argument("--p99-ms", type=float, default=250.0, help="the p99 latency target")
     parser.add_argument("--gallery", type=int, default=300, help="gallery images (<= 5000)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn workers")
-    parser.add_argument("--runtime", choices=("torch", "onnxruntime"), default="torch",
-                        help="IMGRET_RUNTIME of the server and of the in-process floor")
+    parser.add_argument("--runtime", choices=("auto", "torch", "onnxruntime"), default="auto",
+                        help="IMGRET_RUNTIME of the server and of the in-process floor "
+                        "(default: the product's default)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat every level and its floor (at most 10); the table gives "
                              "each round and the median ratio")
