@@ -222,7 +222,17 @@ def test_models_view_embeds_compares_activates_and_rolls_back(
         assert "active" in row_text(a, 0) and "active" not in row_text(b, 0)
         assert row_text(a, 3) == f"{live} / {live} (100%)"
         assert row_text(b, 3) == f"0 / {live} (0%)"
-        assert row_text(b, 1) == "tiny_cnn · 16-d"
+        assert row_text(b, 1).startswith("tiny_cnn · 16-d")
+
+        def runtime_text(version: str) -> str:
+            return browser.execute_script(
+                "const r = document.querySelector(`#models-table tr[data-version='${arguments[0]}']"
+                " .runtime`); return r ? r.textContent : null", version)
+
+        # The served version's runtime and its measured check; the other is not loaded yet.
+        served = runtime_text(a)
+        assert served.startswith("run by onnxruntime (") and served.endswith(" from torch)")
+        assert runtime_text(b) == "not loaded by this server"
 
         # A write without the key is refused with the API's message; with it, it runs.
         embed_b = f"#models-table tr[data-version='{b}'] .actions button:first-child"

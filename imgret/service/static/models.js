@@ -1,5 +1,5 @@
 // Models view: the registered versions (GET /models) with coverage, index and re-embedding
-// state, and the decision threshold each serves (its calibration); Embed / Activate (optionally gated on a paired comparison) / Roll back; Compare two
+// state, the runtime this server runs it with, and the decision threshold each serves (its calibration); Embed / Activate (optionally gated on a paired comparison) / Roll back; Compare two
 // versions on a query set. Polls GET /models every 2 s while a re-embedding runs.
 "use strict";
 
@@ -88,6 +88,17 @@
     return cell;
   }
 
+  /** The model and how this server runs its network (GET /models' runtime), or that it has
+   * not loaded it. */
+  function modelCell(m) {
+    const r = m.runtime;
+    const diff = r && r.max_abs_diff != null ? ` (${r.max_abs_diff.toExponential(1)} from torch)` : "";
+    const runtime = r ? `run by ${r.runtime}${diff}` : "not loaded by this server";
+    const title = r ? `${r.reason} (IMGRET_RUNTIME=${r.asked})` : "the runtime is chosen when a server loads the version";
+    return el("td", {}, el("div", { text: `${m.config.backbone ?? "?"} · ${m.dim}-d` }),
+      el("div", { cls: "muted small runtime", text: runtime, attrs: { title } }));
+  }
+
   function renderTable(listing) {
     tbody.replaceChildren();
     if (listing.models.length === 0) {
@@ -113,7 +124,7 @@
 
       const row = el("tr", { cls: m.active ? "active-row" : "" },
         versionCell,
-        el("td", { text: `${m.config.backbone ?? "?"} · ${m.dim}-d` }),
+        modelCell(m),
         el("td", { text: created(m.created_at) }),
         coverageCell(m.coverage),
         el("td", { text: index }),
