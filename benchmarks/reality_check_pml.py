@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from pytorch_metric_learning import losses, miners, samplers, trainers
 from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 from scipy import stats
 
-from imgret.checkpoint import EmbeddingNet
+from imgret.checkpoint import EmbeddingNet, ModelSpec
 from imgret.training.config import TrainConfig
 from imgret.training.data import make_split, open_source
 from imgret.training.data.datasets import TrainDataset
@@ -113,27 +114,70 @@ def map_at_r(calculator: AccuracyCalculator, vectors: np.ndarray,
     return {k: float(v) for k, v in result.items()}
 
 
-def train_fold(config: TrainConfig, calculator: AccuracyCalculator
-               ) -> tuple[EmbeddingNet, dict, TrainDataset]:
-    """One fold model, trained by PML's ``MetricLossOnly`` and stopped on validation MAP@R;
-    also the run's test split, as a data set of the same transform."""
+def fold_splits(config: TrainConfig
+                ) -> tuple[ModelSpec, TrainDataset, TrainDataset, TrainDataset]:
+    """The run's model spec and its training, validation and test splits (imgret's
+    ``make_split``), each a data set of the eval transform."""
     source = open_source(config.data)
     split = make_split(source, config)
     spec = model_spec_for(config, source)
     transform = eval_transform(spec)
-    train_set = TrainDataset(source, split.indices["train"], transform)
-    val_set = TrainDataset(source, split.indices["val"], transform)
-    test = TrainDataset(source, split.indices["test"], transform)
+    train, val, test = (TrainDataset(source, split.indices[name], transform)
+                        for name in ("train", "val", "test"))
+    return spec, train, val, test
+
+
+def cosine_decay(total: int) -> Callable[[int], float]:
+    """The loop's schedule without warm-up: cosine from 1 to 0 over ``total`` steps."""
+    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+class EarlyStopping:
+    """PML's ``end_of_epoch_hook``: validation MAP@R after every epoch, the best weights kept,
+    training stopped after ``patience`` epochs without a gain. Epoch 0 is the untrained
+    network, so a run that never beats it did not learn."""
+
+    def __init__(self, model: EmbeddingNet, val_set: TrainDataset,
+                 calculator: AccuracyCalculator, patience: int):
+        self.model, self.val_set, self.calculator = model, val_set, calculator
+        self.patience, self.since, self.best_epoch = patience, 0, 0
+        self.curve: list[float] = []
+        self.epoch0 = self.best = self.validate()
+        self.weights = copy.deepcopy(model.state_dict())
+
+    def validate(self) -> float:
+        return map_at_r(self.calculator, embed(self.model, self.val_set),
+                        self.val_set.targets)["mean_average_precision_at_r"]
+
+    def __call__(self, trainer: Any) -> bool:
+        score = self.validate()
+        self.curve.append(score)
+        if score > self.best:
+            self.best, self.best_epoch, self.since = score, trainer.epoch, 0
+            self.weights = copy.deepcopy(self.model.state_dict())
+        else:
+            self.since += 1
+        return self.since < self.patience  # False stops PML's trainer
+
+    def restore(self) -> dict[str, Any]:
+        """Load the best weights; what the fold's record keeps of its training."""
+        self.model.load_state_dict(self.weights)
+        return {"best_epoch": self.best_epoch, "val_map_at_r": self.best,
+                "val_epoch0": self.epoch0, "val_curve": self.curve,
+                "learned": self.best_epoch > 0}
+
+
+def train_fold(config: TrainConfig, calculator: AccuracyCalculator
+               ) -> tuple[EmbeddingNet, dict, TrainDataset]:
+    """One fold model, trained by PML's ``MetricLossOnly`` and stopped on validation MAP@R;
+    also the run's test split, as a data set of the same transform."""
+    spec, train_set, val_set, test = fold_splits(config)
     torch.manual_seed(config.seed)
     model = EmbeddingNet(spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.network_lr,
                                   weight_decay=config.weight_decay)
     steps_per_epoch = len(train_set) // config.batch_size
-    total = steps_per_epoch * config.epochs
-
-    def cosine(step: int) -> float:
-        return 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-
+    cosine = cosine_decay(steps_per_epoch * config.epochs)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
     loss, miner = pml_loss(config, len(train_set.class_names))
     optimizers = {"trunk_optimizer": optimizer}
@@ -151,23 +195,7 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
                                          batch_size=config.batch_size,
                                          length_before_new_iter=len(train_set))
                if recipe_for(config).sampler == M_PER_CLASS else None)
-    val_labels = val_set.targets
-    state = {"best": -1.0, "best_epoch": 0, "weights": None, "since": 0, "curve": []}
-
-    def end_of_epoch(trainer: Any) -> bool:
-        score = map_at_r(calculator, embed(model, val_set),
-                         val_labels)["mean_average_precision_at_r"]
-        state["curve"].append(score)
-        if score > state["best"]:
-            state.update(best=score, best_epoch=trainer.epoch, since=0,
-                         weights=copy.deepcopy(model.state_dict()))
-        else:
-            state["since"] += 1
-        return state["since"] < config.patience  # False stops PML's trainer
-
-    epoch0 = map_at_r(calculator, embed(model, val_set), val_labels)
-    state.update(best=epoch0["mean_average_precision_at_r"], weights=copy.deepcopy(
-        model.state_dict()))
+    stopping = EarlyStopping(model, val_set, calculator, config.patience)
     trainer = trainers.MetricLossOnly(
         models={"trunk": model}, optimizers=optimizers,
         batch_size=config.batch_size, loss_funcs={"metric_loss": loss},
@@ -175,11 +203,9 @@ def train_fold(config: TrainConfig, calculator: AccuracyCalculator
         dataset=train_set, sampler=sampler, dataloader_num_workers=0,
         iterations_per_epoch=steps_per_epoch,
         lr_schedulers=schedules,
-        end_of_epoch_hook=end_of_epoch)
+        end_of_epoch_hook=stopping)
     trainer.train(num_epochs=config.epochs)
-    model.load_state_dict(state["weights"])
-    return model, {"best_epoch": state["best_epoch"], "val_map_at_r": state["best"],
-                   "val_curve": state["curve"], "learned": state["best_epoch"] > 0}, test
+    return model, stopping.restore(), test
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
