@@ -92,9 +92,11 @@
    * not loaded it. */
   function modelCell(m) {
     const r = m.runtime;
-    const diff = r && r.max_abs_diff != null ? ` (${r.max_abs_diff.toExponential(1)} from torch)` : "";
-    const runtime = r ? `run by ${r.runtime}${diff}` : "not loaded by this server";
-    const title = r ? `${r.reason} (IMGRET_RUNTIME=${r.asked})` : "the runtime is chosen when a server loads the version";
+    const diff = r && r.max_abs_diff != null ? ` · Δ ${r.max_abs_diff.toExponential(1)}` : "";
+    const runtime = r ? `${r.runtime}${diff}` : "not loaded here";
+    const title = r
+      ? `${r.reason} (IMGRET_RUNTIME=${r.asked})${diff ? `; largest difference from torch on the version's sample: ${r.max_abs_diff.toExponential(1)} (bound ${r.bound})` : ""}`
+      : "this server has not loaded the version: its runtime is chosen when it does";
     return el("td", {}, el("div", { text: `${m.config.backbone ?? "?"} · ${m.dim}-d` }),
       el("div", { cls: "muted small runtime", text: runtime, attrs: { title } }));
   }
