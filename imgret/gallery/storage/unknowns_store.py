@@ -32,7 +32,7 @@ from imgret.gallery.storage.tables import (
     UnknownFace,
     utcnow,
 )
-from imgret.gallery.storage.vector_store import encode_vector
+from imgret.gallery.storage.vector_store import decode_vectors, encode_vector
 
 
 def decode_vector(blob: bytes) -> np.ndarray:
@@ -85,8 +85,7 @@ def keep_unknown(*, session: Session, sha256: str, media_path: str, content_type
     best_id, best = None, None
     if clusters:
         # One buffer for every template: a decode per row was most of a join's time.
-        sums = np.frombuffer(b"".join(blob for _, blob in clusters), dtype="<f4").reshape(
-            len(clusters), -1)
+        sums = decode_vectors([blob for _, blob in clusters], vector.size)
         norms = np.linalg.norm(sums, axis=1)
         cosines = (sums @ vector) / np.where(norms > 0, norms, 1.0)
         top = int(np.argmax(cosines))
