@@ -144,7 +144,7 @@ class Embedder:
     default; ONNX Runtime ran the network 1.3-1.9x faster than torch here, docs/onnx.md).
     Inputs, preprocessing and outputs are the same, and the vectors agree within 1e-4, so a
     version's served vectors do not depend on it. ONNX Runtime falls back to torch where it
-    cannot run (with a warning when asked for by name): not installed (the ``onnx`` extra),
+    cannot run (with a warning when asked for by name): not installed,
     a CUDA device without a GPU provider (the CPU wheel; torch's bf16 path runs there), or a
     graph it cannot export or load. :attr:`runtime` says which one runs and
     :attr:`runtime_choice` why. The constructor's own default is ``torch``: training
@@ -225,7 +225,7 @@ class Embedder:
         try:
             graph = cached[0] if cached else onnx_bytes(self.model, self.spec)
             model = OnnxRuntimeModel(graph, providers)
-            diff = cached[1] if cached and cached[1] is not None else None
+            diff = cached[1] if cached else None
             if asked == "auto" and diff is None:
                 diff = self._difference(model)
         except Exception as exc:  # export or session errors of many types
