@@ -12,6 +12,7 @@ import os
 import sys
 
 import typer
+from pydantic import ValidationError
 
 from imgret.cli import (
     backup,
@@ -106,6 +107,19 @@ def main() -> None:
     except FileNotFoundError as exc:
         typer.secho(f"error: {exc.filename}: file not found", fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except ValidationError as exc:
+        if exc.title != "Settings":  # only the environment's settings are the user's input
+            raise
+        typer.secho(f"error: {settings_problem(exc)}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+def settings_problem(exc: ValidationError) -> str:
+    """One line for invalid ``IMGRET_*`` settings: each variable and what it should be (the
+    value itself is not repeated)."""
+    return "; ".join(
+        f"IMGRET_{'_'.join(str(part) for part in error['loc']).upper()}: {error['msg']}"
+        for error in exc.errors())
 
 
 if __name__ == "__main__":
